@@ -1,0 +1,51 @@
+# One job per target. Everything runs inside .venv, created on demand.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: install proto proto-check lint typecheck test bench demo run image clean
+
+install: $(STAMP)
+
+$(STAMP): requirements-dev.txt client/pyproject.toml server/pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements-dev.txt
+	$(PY) -m pip install -q -e client -e server
+	touch $(STAMP)
+
+# Generated code only comes from here; the output is committed.
+proto: $(STAMP)
+	$(PY) -m grpc_tools.protoc -Iproto \
+	  --python_out=client/src --grpc_python_out=client/src --pyi_out=client/src \
+	  proto/kvdefrag/v1/*.proto
+
+# Fails when the committed stubs differ from what `make proto` produces.
+proto-check: proto
+	git diff --exit-code -- client/src/kvdefrag/v1
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+typecheck: $(STAMP)
+	$(VENV)/bin/mypy server/src/kvdefrag/server client/src/kvdefrag/client client/src/kvdefrag/common
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+bench: $(STAMP)
+	$(PY) bench/run.py
+
+demo: $(STAMP)
+	$(PY) -m kvdefrag.client.demo
+
+run: $(STAMP)
+	$(PY) -m kvdefrag.server --metrics-port 9464 --address 127.0.0.1:50051 --insecure
+
+image:
+	docker build -f deploy/Dockerfile -t kvdefrag:dev .
+
+clean:
+	rm -rf $(VENV) build out .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -1,0 +1,38 @@
+"""Errors a caller of kvdefrag can see, on either side of the wire.
+
+The server maps each class to one gRPC status code (one table, in the servicer); the
+client maps the status back, so ``except InvalidArgument`` works the same in process and
+over gRPC.
+"""
+
+
+class DefragError(Exception):
+    """Base class of every error kvdefrag reports to its caller."""
+
+
+class InvalidArgument(DefragError):
+    """The request is malformed: the message names the field and the value."""
+
+
+class OutOfOrder(DefragError):
+    """A step arrived with a sequence number other than the expected one."""
+
+
+class SessionConflict(DefragError):
+    """Another writer holds the session, or the caller's session is not the active one."""
+
+
+class EpochMismatch(DefragError):
+    """The server's state is newer than the caller's view (it restarted or was reset)."""
+
+
+class EngineUnhealthy(DefragError):
+    """A KV move failed; the engine refuses steps until it is reset."""
+
+
+class MessageTooLarge(DefragError):
+    """A message exceeds the configured maximum size."""
+
+
+class NotFound(DefragError):
+    """The named object (for example a request id) does not exist."""

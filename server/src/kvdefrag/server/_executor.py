@@ -1,0 +1,235 @@
+"""Swap executor: the only code that reads or writes the worker's KV tensors.
+
+The worker's caches are bound exactly as vllm-gaudi lays them out: one ``(key, value)``
+pair per layer, each tensor's first dimension ``num_blocks * block_size`` flat token
+slots, ``value`` None for MLA models. A block is ``block_size`` consecutive rows::
+
+    key[l]:  | blk 0 (null) | blk 1 | blk 2 | ... | blk n-1 |
+               ^ block_size rows each; a move copies whole blocks
+
+Backends are chosen once, from the tensors' device, through ``_BACKENDS``; only the HPU
+backend (``_executor_hpu``) imports ``habana_frameworks``, and only when it is chosen.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib
+from collections.abc import Iterator, Sequence
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from kvdefrag.common import InvalidArgument
+from kvdefrag.server._planner import Move
+
+KvCaches = Sequence[tuple[torch.Tensor, torch.Tensor | None]]
+
+# NOTE: gather/scatter goes through a small staging buffer that stays in cache, so the
+# extra pass costs little and no buffer is allocated per call (the seed's index_select
+# allocates one per call and reaches ~0.1x of memcpy bandwidth).
+_STAGING_BYTES = 1 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class MoveReport:
+    """What one executed batch did.
+
+    Attributes:
+        num_moves: Real moves executed.
+        num_padded: Pad pairs added to reach a static batch size (static-shape backends).
+        num_bytes: Bytes written to the KV tensors by real moves.
+    """
+
+    num_moves: int
+    num_padded: int
+    num_bytes: int
+
+
+class SwapExecutor(Protocol):
+    """Moves whole blocks inside the bound KV tensors."""
+
+    num_blocks: int
+
+    def execute(self, moves: Sequence[Move]) -> MoveReport:
+        """Copies (or swaps) every move's block; raises on failure."""
+        ...
+
+
+def bind_kv_caches(kv_caches: KvCaches, block_size: int) -> tuple[list[torch.Tensor], int]:
+    """Checks the worker's caches and returns their tensors and the pool's num_blocks.
+
+    Raises:
+        InvalidArgument: The caches are empty, not (key, value) pairs, or disagree on
+            device or on the number of token slots, or that is not a multiple of
+            ``block_size``.
+    """
+    if block_size < 1:
+        raise InvalidArgument(f"block_size must be >= 1, got {block_size}")
+    tensors: list[torch.Tensor] = []
+    for layer, pair in enumerate(kv_caches):
+        if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+            raise InvalidArgument(f"kv_caches[{layer}] must be a (key, value) pair")
+        for name, tensor in zip(("key", "value"), pair):
+            if tensor is None and name == "value":
+                continue
+            if not isinstance(tensor, torch.Tensor) or tensor.dim() < 1:
+                raise InvalidArgument(f"kv_caches[{layer}].{name} must be a tensor")
+            tensors.append(tensor)
+    if not tensors:
+        raise InvalidArgument("kv_caches is empty: bind at least one layer")
+    num_slots = tensors[0].shape[0]
+    device = tensors[0].device
+    for tensor in tensors:
+        if tensor.shape[0] != num_slots:
+            raise InvalidArgument(
+                f"every KV tensor must have {num_slots} token slots, got {tensor.shape[0]}"
+            )
+        if tensor.device != device:
+            raise InvalidArgument(f"KV tensors on {device} and {tensor.device}: use one device")
+    if num_slots % block_size:
+        raise InvalidArgument(
+            f"token slots ({num_slots}) are not a multiple of block_size ({block_size})"
+        )
+    num_blocks = num_slots // block_size
+    if num_blocks < 2:
+        raise InvalidArgument(f"the pool needs at least 2 blocks, got {num_blocks}")
+    return tensors, num_blocks
+
+
+def block_views(tensors: list[torch.Tensor], num_blocks: int) -> list[torch.Tensor]:
+    """Views each tensor as ``[num_blocks, elements_per_block]`` (no copy).
+
+    Raises:
+        InvalidArgument: A tensor is not contiguous, so a block is not one row.
+    """
+    views = []
+    for tensor in tensors:
+        if not tensor.is_contiguous():
+            raise InvalidArgument("KV tensors must be contiguous to move whole blocks")
+        views.append(tensor.view(num_blocks, -1))
+    return views
+
+
+def pad_to_bucket(
+    src_ids: list[int], dst_ids: list[int], buckets: Sequence[int]
+) -> tuple[list[int], list[int], int]:
+    """Pads a batch to the smallest bucket that holds it with the null pair (0 -> 0).
+
+    Copying the null block onto itself is harmless: it never holds data anyone reads.
+    Never negative indices (only HPU tolerates those).
+    """
+    size = next((bucket for bucket in buckets if bucket >= len(src_ids)), len(src_ids))
+    num_padded = size - len(src_ids)
+    pad = [0] * num_padded
+    return src_ids + pad, dst_ids + pad, num_padded
+
+
+class TorchSwapExecutor:
+    """Moves blocks with torch gather/scatter through a reused staging buffer.
+
+    Works on CPU tensors and, given the worker's stream, on CUDA tensors. One-way moves
+    never write their source slots, so a failure mid-batch leaves every live block intact
+    at its old slot.
+    """
+
+    def __init__(self, kv_caches: KvCaches, block_size: int, stream: Any = None) -> None:
+        tensors, self.num_blocks = bind_kv_caches(kv_caches, block_size)
+        self._views = block_views(tensors, self.num_blocks)
+        self._device = tensors[0].device
+        self._stream = stream
+        self._staging: dict[tuple[torch.dtype, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        for view in self._views:
+            key = (view.dtype, view.shape[1])
+            if key not in self._staging:
+                rows = max(1, _STAGING_BYTES // (view.shape[1] * view.element_size()))
+                rows = min(rows, self.num_blocks)
+                self._staging[key] = (
+                    torch.empty((rows, view.shape[1]), dtype=view.dtype, device=self._device),
+                    torch.empty((rows, view.shape[1]), dtype=view.dtype, device=self._device),
+                )
+        self.bytes_per_block = sum(v.shape[1] * v.element_size() for v in self._views)
+
+    def execute(self, moves: Sequence[Move]) -> MoveReport:
+        one_way = [move for move in moves if not move.is_two_way]
+        two_way = [move for move in moves if move.is_two_way]
+        with self._on_stream():
+            if one_way:
+                self._run(one_way, two_way=False)
+            if two_way:
+                self._run(two_way, two_way=True)
+        num_bytes = self.bytes_per_block * (len(one_way) + 2 * len(two_way))
+        return MoveReport(num_moves=len(moves), num_padded=0, num_bytes=num_bytes)
+
+    @contextlib.contextmanager
+    def _on_stream(self) -> Iterator[None]:
+        if self._stream is None:
+            yield
+        else:
+            with torch.cuda.stream(self._stream):
+                yield
+
+    def _index(self, ids: list[int]) -> torch.Tensor:
+        index = torch.from_numpy(np.asarray(ids, dtype=np.int64))
+        if self._device.type == "cpu":
+            return index
+        return index.pin_memory().to(self._device, non_blocking=True)
+
+    def _run(self, moves: Sequence[Move], two_way: bool) -> None:
+        src = self._index([move.src_physical_id for move in moves])
+        dst = self._index([move.dst_physical_id for move in moves])
+        for view in self._views:
+            staged_src, staged_dst = self._staging[(view.dtype, view.shape[1])]
+            step = staged_src.shape[0]
+            for start in range(0, len(moves), step):
+                src_ids, dst_ids = src[start : start + step], dst[start : start + step]
+                from_src = staged_src[: len(src_ids)]
+                torch.index_select(view, 0, src_ids, out=from_src)
+                if two_way:
+                    from_dst = staged_dst[: len(dst_ids)]
+                    torch.index_select(view, 0, dst_ids, out=from_dst)
+                    # Destination first: until the source is overwritten, the live
+                    # block is readable at its old slot.
+                    view.index_copy_(0, dst_ids, from_src)
+                    view.index_copy_(0, src_ids, from_dst)
+                else:
+                    view.index_copy_(0, dst_ids, from_src)
+
+
+def _cuda_executor(kv_caches: KvCaches, block_size: int, **options: Any) -> SwapExecutor:
+    stream = options.get("stream") or torch.cuda.current_stream(kv_caches[0][0].device)
+    return TorchSwapExecutor(kv_caches, block_size, stream=stream)
+
+
+def _cpu_executor(kv_caches: KvCaches, block_size: int, **options: Any) -> SwapExecutor:
+    return TorchSwapExecutor(kv_caches, block_size)
+
+
+def _hpu_executor(kv_caches: KvCaches, block_size: int, **options: Any) -> SwapExecutor:
+    module = importlib.import_module("kvdefrag.server._executor_hpu")
+    executor: SwapExecutor = module.HpuSwapExecutor(kv_caches, block_size, **options)
+    return executor
+
+
+_BACKENDS = {"cpu": _cpu_executor, "cuda": _cuda_executor, "hpu": _hpu_executor}
+
+
+def make_executor(kv_caches: KvCaches, block_size: int, **options: Any) -> SwapExecutor:
+    """Builds the executor for the caches' device (cpu, cuda or hpu).
+
+    Args:
+        kv_caches: The worker's per-layer ``(key, value)`` tensors.
+        block_size: Token slots per block.
+        **options: Backend options: ``stream`` (CUDA/HPU: the forward pass's stream),
+            ``pad_buckets`` (HPU: static batch sizes).
+    """
+    tensors, _ = bind_kv_caches(kv_caches, block_size)
+    device_type = tensors[0].device.type
+    backend = _BACKENDS.get(device_type)
+    if backend is None:
+        raise InvalidArgument(
+            f"no swap executor for device {device_type!r}; supported: {sorted(_BACKENDS)}"
+        )
+    return backend(kv_caches, block_size, **options)

@@ -1,0 +1,226 @@
+"""Block tracker: reference counts, requests and the logical->physical permutation.
+
+Pure Python + numpy; no torch, no grpc. The engine is its only owner.
+
+Two id spaces meet here::
+
+    logical id  (what the scheduler allocated)  --fwd-->  physical id (slot in the KV tensors)
+    physical id                                 --bwd-->  logical id
+
+Reference counts and the "cached" flag belong to *logical* ids (prefix caching shares and
+caches the scheduler's blocks); the packing question -- which slots are live, which are
+holes -- is asked in *physical* space. Three lazy heaps answer it in O(log n) per change,
+so no step ever scans or sorts the pool.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Iterable
+
+import numpy as np
+import numpy.typing as npt
+
+from kvdefrag.common import pair_digest
+
+NULL_BLOCK_ID = 0
+
+
+class _SlotHeap:
+    """A lazy heap of physical slots whose entries are re-checked when read.
+
+    Invariant: every slot that satisfies the owner's predicate has an entry (its flag is
+    set), and a flagged slot has exactly one entry. Entries whose slot no longer satisfies
+    the predicate are dropped when they reach the top, so each change costs O(log n)
+    amortised.
+    """
+
+    def __init__(self, num_blocks: int, slots: Iterable[int], descending: bool) -> None:
+        self._sign = -1 if descending else 1
+        self._flags = bytearray(num_blocks)
+        self._heap: list[int] = []
+        for slot in slots:
+            self._flags[slot] = 1
+            self._heap.append(self._sign * slot)
+        heapq.heapify(self._heap)
+
+    def push(self, slot: int) -> None:
+        if not self._flags[slot]:
+            self._flags[slot] = 1
+            heapq.heappush(self._heap, self._sign * slot)
+
+    def top(self, is_valid: Callable[[int], bool]) -> int | None:
+        """Returns the best valid slot, dropping stale entries above it; None if empty."""
+        heap = self._heap
+        while heap:
+            slot = self._sign * heap[0]
+            if is_valid(slot):
+                return slot
+            heapq.heappop(heap)
+            self._flags[slot] = 0
+        return None
+
+    def take(self, count: int, is_valid: Callable[[int], bool]) -> list[int]:
+        """Removes and returns up to ``count`` best valid slots, best first."""
+        taken: list[int] = []
+        while len(taken) < count:
+            slot = self.top(is_valid)
+            if slot is None:
+                break
+            heapq.heappop(self._heap)
+            self._flags[slot] = 0
+            taken.append(slot)
+        return taken
+
+
+class BlockTracker:
+    """Live blocks, requests and the logical->physical permutation of one KV pool.
+
+    Invariants:
+        * ``fwd`` is a permutation of ``[0, num_blocks)`` and ``bwd`` its inverse.
+        * Block 0 (the null block) is never referenced, never moved: ``fwd[0] == 0``.
+        * ``refs[l]`` is the number of references to logical ``l`` held by requests;
+          ``num_live`` counts logical ids with ``refs > 0``.
+        * ``digest`` is the XOR of ``pair_digest(l, fwd[l])`` over live ``l``.
+        * ``cached[l]`` (meaningful while ``refs[l] == 0``) says the free block's content
+          must be kept (prefix caching).
+    """
+
+    def __init__(self, num_blocks: int, prefix_caching: bool) -> None:
+        assert num_blocks >= 2, f"a pool needs the null block and one more, got {num_blocks}"
+        self.num_blocks = num_blocks
+        self.prefix_caching = prefix_caching
+        self.fwd: npt.NDArray[np.int64] = np.arange(num_blocks, dtype=np.int64)
+        self.bwd: npt.NDArray[np.int64] = np.arange(num_blocks, dtype=np.int64)
+        self.refs: npt.NDArray[np.int32] = np.zeros(num_blocks, dtype=np.int32)
+        self.cached: npt.NDArray[np.bool_] = np.zeros(num_blocks, dtype=np.bool_)
+        self.requests: dict[str, list[int]] = {}
+        self.num_live = 0
+        self.digest = 0
+        slots = range(1, num_blocks)
+        self._live = _SlotHeap(num_blocks, (), descending=True)
+        self._free = _SlotHeap(num_blocks, slots, descending=False)
+        self._expendable = _SlotHeap(num_blocks, slots, descending=False)
+
+    # --- predicates on physical slots -------------------------------------------------
+    def is_live_slot(self, physical_id: int) -> bool:
+        return bool(self.refs[self.bwd[physical_id]] > 0)
+
+    def is_free_slot(self, physical_id: int) -> bool:
+        return physical_id != NULL_BLOCK_ID and not self.refs[self.bwd[physical_id]]
+
+    def is_expendable_slot(self, physical_id: int) -> bool:
+        logical_id = self.bwd[physical_id]
+        return (
+            physical_id != NULL_BLOCK_ID
+            and not self.refs[logical_id]
+            and not self.cached[logical_id]
+        )
+
+    def holds_data(self, physical_id: int) -> bool:
+        """True when the slot's content must survive a move (live, or cached while free)."""
+        return not self.is_expendable_slot(physical_id)
+
+    # --- queries ----------------------------------------------------------------------
+    @property
+    def max_live(self) -> int:
+        """Highest live physical id, 0 when nothing is live."""
+        return self._live.top(self.is_live_slot) or 0
+
+    def lowest_free(self) -> int | None:
+        return self._free.top(self.is_free_slot)
+
+    def lowest_expendable(self) -> int | None:
+        return self._expendable.top(self.is_expendable_slot)
+
+    def take_highest_live(self, count: int) -> list[int]:
+        return self._live.take(count, self.is_live_slot)
+
+    def take_lowest_free(self, count: int) -> list[int]:
+        return self._free.take(count, self.is_free_slot)
+
+    def restore_slots(self, physical_ids: Iterable[int]) -> None:
+        """Re-indexes slots taken by ``take_*`` (their state has not changed)."""
+        for physical_id in physical_ids:
+            self._index_slot(physical_id)
+
+    # --- mutations --------------------------------------------------------------------
+    def acquire(self, logical_id: int) -> bool:
+        """Adds one reference; returns True when the block became live."""
+        refs = int(self.refs[logical_id])
+        self.refs[logical_id] = refs + 1
+        if refs:
+            return False
+        physical_id = int(self.fwd[logical_id])
+        self.num_live += 1
+        self.digest ^= pair_digest(logical_id, physical_id)
+        self._live.push(physical_id)
+        return True
+
+    def release(self, logical_id: int) -> None:
+        """Drops one reference; a block that becomes free is cached under prefix caching."""
+        refs = int(self.refs[logical_id])
+        assert refs > 0, f"release of logical block {logical_id} with no references"
+        self.refs[logical_id] = refs - 1
+        if refs > 1:
+            return
+        physical_id = int(self.fwd[logical_id])
+        self.num_live -= 1
+        self.digest ^= pair_digest(logical_id, physical_id)
+        self.cached[logical_id] = self.prefix_caching
+        self._index_slot(physical_id)
+
+    def evict(self, logical_id: int) -> None:
+        """Marks a free block's content as no longer needed (a no-op for live blocks)."""
+        if not self.refs[logical_id] and self.cached[logical_id]:
+            self.cached[logical_id] = False
+            self._index_slot(int(self.fwd[logical_id]))
+
+    def swap_slots(self, physical_a: int, physical_b: int) -> tuple[int, int]:
+        """Exchanges the logical ids held by two physical slots (the mapping only).
+
+        Returns:
+            The logical ids now at ``physical_a`` and ``physical_b``.
+        """
+        assert NULL_BLOCK_ID not in (physical_a, physical_b), "the null block never moves"
+        logical_a = int(self.bwd[physical_a])
+        logical_b = int(self.bwd[physical_b])
+        for logical_id, old, new in ((logical_a, physical_a, physical_b),
+                                     (logical_b, physical_b, physical_a)):
+            if self.refs[logical_id]:
+                self.digest ^= pair_digest(logical_id, old) ^ pair_digest(logical_id, new)
+        self.fwd[logical_a], self.fwd[logical_b] = physical_b, physical_a
+        self.bwd[physical_a], self.bwd[physical_b] = logical_b, logical_a
+        self._index_slot(physical_a)
+        self._index_slot(physical_b)
+        return logical_b, logical_a
+
+    def _index_slot(self, physical_id: int) -> None:
+        """Puts a slot into every heap whose predicate it now satisfies."""
+        logical_id = self.bwd[physical_id]
+        if self.refs[logical_id]:
+            self._live.push(physical_id)
+        elif physical_id != NULL_BLOCK_ID:
+            self._free.push(physical_id)
+            if not self.cached[logical_id]:
+                self._expendable.push(physical_id)
+
+    # --- requests ---------------------------------------------------------------------
+    def drop_request(self, request_id: str) -> bool:
+        """Releases every reference a request holds; False if the request is unknown."""
+        logical_ids = self.requests.pop(request_id, None)
+        if logical_ids is None:
+            return False
+        for logical_id in logical_ids:
+            if logical_id != NULL_BLOCK_ID:
+                self.release(logical_id)
+        return True
+
+    def append_blocks(self, request_id: str, logical_ids: list[int]) -> list[int]:
+        """Adds references for a request's new blocks; returns those that became live."""
+        self.requests.setdefault(request_id, []).extend(logical_ids)
+        return [
+            logical_id
+            for logical_id in logical_ids
+            if logical_id != NULL_BLOCK_ID and self.acquire(logical_id)
+        ]
