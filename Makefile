@@ -26,6 +26,7 @@ proto-check: proto
 	git diff --exit-code -- client/src/kvdefrag/v1
 
 lint: $(STAMP)
+	$(VENV)/bin/buf lint
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
