@@ -186,8 +186,9 @@ class Engine:
         self._force_defrag = False
 
     @classmethod
-    def from_config(cls, kv_caches: KvCaches, block_size: int, config: Config,
-                    **options: Any) -> Engine:
+    def from_config(
+        cls, kv_caches: KvCaches, block_size: int, config: Config, **options: Any
+    ) -> Engine:
         """Builds an engine with the engine fields of a service Config."""
         return cls(
             kv_caches,
@@ -270,11 +271,14 @@ class Engine:
     @staticmethod
     def _check_request_id(field: str, request_id: object) -> str:
         if not isinstance(request_id, str) or not request_id:
-            raise InvalidArgument(f"{field}: request id must be a non-empty str, got "
-                                  f"{request_id!r}")
+            raise InvalidArgument(
+                f"{field}: request id must be a non-empty str, got {request_id!r}"
+            )
         if len(request_id) > MAX_REQUEST_ID_CHARS:
-            raise InvalidArgument(f"{field}: request id {request_id[:32]!r}... is longer "
-                                  f"than {MAX_REQUEST_ID_CHARS} characters")
+            raise InvalidArgument(
+                f"{field}: request id {request_id[:32]!r}... is longer "
+                f"than {MAX_REQUEST_ID_CHARS} characters"
+            )
         return request_id
 
     def _check_ids(self, field: str, ids: Iterable[int]) -> list[int]:
@@ -321,8 +325,7 @@ class Engine:
         for logical_id in fresh_ids:
             if logical_id == NULL_BLOCK_ID or logical_id not in allocated:
                 raise InvalidArgument(
-                    f"fresh: block id {logical_id} is not among this step's new or "
-                    "resumed blocks"
+                    f"fresh: block id {logical_id} is not among this step's new or resumed blocks"
                 )
             if self._tracker.refs[logical_id] > releases[logical_id]:
                 raise InvalidArgument(
@@ -425,7 +428,8 @@ class Engine:
             bad = int(ids[(ids < 0) | (ids >= self.num_blocks)][0])
             raise InvalidArgument(f"resolve: block id {bad} is outside [0, {self.num_blocks})")
         with self._lock:
-            return self._tracker.fwd[ids]
+            physical_ids: npt.NDArray[np.int64] = self._tracker.fwd[ids]
+        return physical_ids
 
     def resolve_tables(self, tables: Sequence[Sequence[int]]) -> list[list[int]]:
         """Maps every block table (one list of logical ids per request) to physical ids."""

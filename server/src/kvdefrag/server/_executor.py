@@ -72,7 +72,7 @@ def bind_kv_caches(kv_caches: KvCaches, block_size: int) -> tuple[list[torch.Ten
     for layer, pair in enumerate(kv_caches):
         if not isinstance(pair, (tuple, list)) or len(pair) != 2:
             raise InvalidArgument(f"kv_caches[{layer}] must be a (key, value) pair")
-        for name, tensor in zip(("key", "value"), pair):
+        for name, tensor in zip(("key", "value"), pair, strict=True):
             if tensor is None and name == "value":
                 continue
             if not isinstance(tensor, torch.Tensor) or tensor.dim() < 1:

@@ -185,8 +185,10 @@ class BlockTracker:
         assert NULL_BLOCK_ID not in (physical_a, physical_b), "the null block never moves"
         logical_a = int(self.bwd[physical_a])
         logical_b = int(self.bwd[physical_b])
-        for logical_id, old, new in ((logical_a, physical_a, physical_b),
-                                     (logical_b, physical_b, physical_a)):
+        for logical_id, old, new in (
+            (logical_a, physical_a, physical_b),
+            (logical_b, physical_b, physical_a),
+        ):
             if self.refs[logical_id]:
                 self.digest ^= pair_digest(logical_id, old) ^ pair_digest(logical_id, new)
         self.fwd[logical_a], self.fwd[logical_b] = physical_b, physical_a

@@ -56,9 +56,7 @@ class Config:
         if self.threshold < 0:
             raise InvalidArgument(f"threshold must be >= 0, got {self.threshold}")
         if self.max_moves_per_step < 1:
-            raise InvalidArgument(
-                f"max_moves_per_step must be >= 1, got {self.max_moves_per_step}"
-            )
+            raise InvalidArgument(f"max_moves_per_step must be >= 1, got {self.max_moves_per_step}")
         buckets = tuple(self.pad_buckets)
         if not buckets or any(b < 1 for b in buckets) or list(buckets) != sorted(set(buckets)):
             raise InvalidArgument(
@@ -69,9 +67,7 @@ class Config:
                 f"max_message_bytes must be >= 1024, got {self.max_message_bytes}"
             )
         if self.replay_cache_size < 1:
-            raise InvalidArgument(
-                f"replay_cache_size must be >= 1, got {self.replay_cache_size}"
-            )
+            raise InvalidArgument(f"replay_cache_size must be >= 1, got {self.replay_cache_size}")
         object.__setattr__(self, "pad_buckets", buckets)
 
 
