@@ -1,0 +1,241 @@
+"""Prometheus metrics of kvdefrag (DESIGN §7), declared against an injected registry.
+
+Two kinds of metric, fed two ways::
+
+    engine.step() ──on_step()──────────▶ counters, histograms   (events, as they happen)
+    servicer ──record_error/_replay()──▶ counters
+    Prometheus scrape ──collect()──────▶ engine.stats() ──▶ pool gauges  (read when asked)
+
+The pool gauges are never stored: they are read from the bound engine at scrape time, so
+they cannot go stale and cost nothing between scrapes. Nothing here touches
+prometheus_client's global registry.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily, Metric
+
+from kvdefrag.server._engine import EngineStats, StepResult
+
+# 50 µs .. 10 s in 1-2-5 steps: a swap of a few blocks or an idle step takes well under a
+# millisecond, a full 512-block pass on a large model tens of milliseconds.
+DURATION_BUCKETS_S = (
+    50e-6, 100e-6, 200e-6, 500e-6,
+    1e-3, 2e-3, 5e-3, 10e-3, 20e-3, 50e-3, 100e-3, 200e-3, 500e-3,
+    1.0, 2.0, 5.0, 10.0,
+)  # fmt: skip
+
+
+class StatsSource(Protocol):
+    """What the pool gauges read (an ``Engine``)."""
+
+    def stats(self) -> EngineStats: ...
+
+
+# name, help, how to read it from a stats snapshot
+_POOL_GAUGES: tuple[tuple[str, str, Callable[[EngineStats], float]], ...] = (
+    ("kvdefrag_live_blocks", "Blocks referenced by at least one running request.",
+     lambda stats: stats.num_live),
+    ("kvdefrag_max_live_block_id",
+     "Highest live physical block id (0 when none is live); decode on contiguous "
+     "paged attention reads every block up to it.",
+     lambda stats: stats.max_live),
+    ("kvdefrag_hole_blocks",
+     "Free blocks below the highest live one: max_live_block_id - live_blocks.",
+     lambda stats: stats.holes),
+    ("kvdefrag_fragmentation_ratio",
+     "max_live_block_id / live_blocks; 1.0 is packed (and when nothing is live).",
+     lambda stats: stats.fragmentation_ratio),
+    ("kvdefrag_capacity_blocks", "Blocks in the KV pool, the null block included.",
+     lambda stats: stats.num_blocks),
+    ("kvdefrag_running_requests", "Requests holding KV blocks.",
+     lambda stats: stats.num_requests),
+    ("kvdefrag_healthy",
+     "1 while KV moves succeed; 0 after a failed move, until the engine is reset.",
+     lambda stats: float(stats.is_healthy)),
+)  # fmt: skip
+
+
+class _PoolCollector:
+    """Reads the pool gauges from the bound engine whenever the registry is collected."""
+
+    def __init__(self) -> None:
+        self._engine: StatsSource | None = None
+
+    def bind(self, engine: StatsSource) -> None:
+        self._engine = engine
+
+    def describe(self) -> list[Metric]:
+        """Names the gauges (the registry uses this to refuse duplicate names)."""
+        return [GaugeMetricFamily(name, doc) for name, doc, _ in _POOL_GAUGES]
+
+    def collect(self) -> list[Metric]:
+        engine = self._engine
+        if engine is None:
+            return []
+        stats = engine.stats()  # one consistent snapshot for every gauge
+        return [GaugeMetricFamily(name, doc, value=read(stats)) for name, doc, read in _POOL_GAUGES]
+
+
+class Metrics:
+    """Every kvdefrag metric, registered on one injected registry.
+
+    Implements the engine's ``StepObserver`` protocol: pass it as ``Engine(observer=...)``
+    and call ``bind_engine(engine)`` so the pool gauges can read ``engine.stats()``.
+    Counters only grow (an engine reset does not clear them, as Prometheus expects).
+
+    Example:
+        >>> from prometheus_client import CollectorRegistry
+        >>> registry = CollectorRegistry()
+        >>> metrics = Metrics(registry)
+        >>> metrics.record_error("Step", "INVALID_ARGUMENT")
+        >>> registry.get_sample_value(
+        ...     "kvdefrag_errors_total", {"method": "Step", "code": "INVALID_ARGUMENT"})
+        1.0
+    """
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        self._pool = _PoolCollector()
+        registry.register(self._pool)
+
+        def counter(name: str, documentation: str, labels: tuple[str, ...] = ()) -> Counter:
+            return Counter(name, documentation, labels, registry=registry)
+
+        self._steps = counter("kvdefrag_steps", "Steps applied by the engine.")
+        self._defrag_runs = counter(
+            "kvdefrag_defrag_runs",
+            "Compaction passes, by result: moved (at least one block moved) or failed "
+            "(the KV move raised; the engine turns unhealthy).",
+            ("result",),
+        )
+        self._moved_blocks = counter(
+            "kvdefrag_moved_blocks",
+            "Blocks moved by compaction, by direction: one_way (copied into an empty "
+            "slot) or two_way (swapped with a cached block, prefix caching).",
+            ("direction",),
+        )
+        self._placements = counter(
+            "kvdefrag_placements",
+            "Fresh blocks re-pointed to a lower free slot without copying any KV data.",
+        )
+        self._moved_bytes = counter(
+            "kvdefrag_moved_bytes", "Bytes written to the KV tensors by block moves."
+        )
+        self._padded_slots = counter(
+            "kvdefrag_padded_slots",
+            "Pad pairs added to move batches to reach a static batch size (HPU).",
+        )
+        self._replayed_steps = counter(
+            "kvdefrag_replayed_steps",
+            "Steps resent by a client and answered from the replay cache (not applied).",
+        )
+        self._unknown_finished = counter(
+            "kvdefrag_unknown_finished_requests",
+            "Finished request ids the engine did not know (tolerated: e.g. cancelled "
+            "before getting blocks).",
+        )
+        self._errors = counter(
+            "kvdefrag_errors",
+            "RPCs that failed, by gRPC method and status code.",
+            ("method", "code"),
+        )
+        self._swap_duration = Histogram(
+            "kvdefrag_swap_duration_seconds",
+            "Time the swap executor took to move one step's blocks.",
+            buckets=DURATION_BUCKETS_S,
+            registry=registry,
+        )
+        self._step_duration = Histogram(
+            "kvdefrag_step_duration_seconds",
+            "Time the engine took to handle one step, moves included.",
+            buckets=DURATION_BUCKETS_S,
+            registry=registry,
+        )
+        # NOTE: children with known label values exist from the start, so rate() and
+        # alerts see a 0 before the first event instead of a missing series.
+        self._runs_moved = self._defrag_runs.labels(result="moved")
+        self._runs_failed = self._defrag_runs.labels(result="failed")
+        self._moved_one_way = self._moved_blocks.labels(direction="one_way")
+        self._moved_two_way = self._moved_blocks.labels(direction="two_way")
+
+    def bind_engine(self, engine: StatsSource) -> None:
+        """Makes the pool gauges read ``engine.stats()`` at scrape time (rebinding is fine)."""
+        self._pool.bind(engine)
+
+    # --- StepObserver -----------------------------------------------------------------
+    def on_step(self, result: StepResult, duration_s: float) -> None:
+        """Counts what one applied step did."""
+        self._steps.inc()
+        self._step_duration.observe(duration_s)
+        self._placements.inc(result.num_placed)
+        self._unknown_finished.inc(result.num_unknown_finished)
+        if result.moves:
+            num_two_way = sum(move.is_two_way for move in result.moves)
+            self._runs_moved.inc()
+            self._moved_one_way.inc(len(result.moves) - num_two_way)
+            self._moved_two_way.inc(num_two_way)
+            self._moved_bytes.inc(result.num_bytes_moved)
+            self._padded_slots.inc(result.num_padded)
+            self._swap_duration.observe(result.swap_duration_s)
+
+    def on_move_failure(self) -> None:
+        """Counts a compaction pass whose KV move raised."""
+        self._runs_failed.inc()
+
+    # --- service events ---------------------------------------------------------------
+    def record_error(self, method: str, code: str) -> None:
+        """Counts a failed RPC.
+
+        Args:
+            method: The RPC's short name, e.g. ``"Step"`` (a fixed set: low cardinality).
+            code: The gRPC status code's name, e.g. ``"INVALID_ARGUMENT"``.
+        """
+        self._errors.labels(method=method, code=code).inc()
+
+    def record_replay(self) -> None:
+        """Counts a resent step answered from the replay cache."""
+        self._replayed_steps.inc()
+
+
+class MetricsServer:
+    """A running ``/metrics`` HTTP endpoint (daemon thread).
+
+    Attributes:
+        host: The address it listens on.
+        port: The port it listens on (the real one when 0 was asked for).
+    """
+
+    def __init__(self, registry: CollectorRegistry, port: int, host: str) -> None:
+        self._httpd, self._thread = start_http_server(port, addr=host, registry=registry)
+        self.host = host
+        self.port: int = self._httpd.server_port
+        self._stopped = False
+
+    def stop(self) -> None:
+        """Stops serving and closes the socket (idempotent)."""
+        if self._stopped:
+            return
+        self._stopped = True
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        self._thread.join()
+
+
+def serve_metrics(registry: CollectorRegistry, port: int, host: str = "127.0.0.1") -> MetricsServer:
+    """Serves ``registry`` on ``http://host:port/metrics`` from a daemon thread.
+
+    Args:
+        registry: The registry a ``Metrics`` was built on.
+        port: TCP port; 0 picks a free one (read it from the result's ``port``).
+        host: Listen address; loopback by default. Use ``0.0.0.0`` in a container or pod
+            so Prometheus can reach it.
+
+    Returns:
+        The running server: ``.port`` and ``.stop()``.
+    """
+    return MetricsServer(registry, port, host)
