@@ -283,9 +283,15 @@ class Engine:
 
     def _check_ids(self, field: str, ids: Iterable[int]) -> list[int]:
         try:
-            checked = [operator.index(block_id) for block_id in ids]
+            values = list(ids)
         except TypeError as err:
-            raise InvalidArgument(f"{field}: block ids must be integers ({err})") from err
+            raise InvalidArgument(f"{field}: expected a list of block ids, got {ids!r}") from err
+        checked: list[int] = []
+        for value in values:
+            try:
+                checked.append(operator.index(value))
+            except TypeError as err:
+                raise InvalidArgument(f"{field}: block id {value!r} is not an integer") from err
         for block_id in checked:
             if not 0 <= block_id < self.num_blocks:
                 raise InvalidArgument(
@@ -487,13 +493,18 @@ class Engine:
         with self._lock:
             return {rid: list(ids) for rid, ids in self._tracker.requests.items()}
 
-    def reset(self) -> None:
+    def reset(self, *, prefix_caching: bool | None = None) -> None:
         """Forgets every request and restores the identity mapping; healthy again.
+
+        Args:
+            prefix_caching: The mode to run in from now on; None keeps the current one.
 
         NOTE: the KV data stays where it is. Reset only when it no longer matters: the
         scheduler dropped its requests and its prefix cache (or restarted).
         """
         with self._lock:
-            self._tracker = BlockTracker(self.num_blocks, self._tracker.prefix_caching)
+            if prefix_caching is not None:
+                self.config = dataclasses.replace(self.config, prefix_caching=prefix_caching)
+            self._tracker = BlockTracker(self.num_blocks, self.config.prefix_caching)
             self._unhealthy_reason = None
             self._force_defrag = False

@@ -1,0 +1,243 @@
+"""Proto <-> domain conversions: the only server module that touches ``*_pb2`` messages.
+
+Requests become plain Python values that the engine validates (ranges, request ids);
+this module only refuses what the engine cannot see once a message is flattened into
+dicts, such as a request id listed twice in one field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import grpc
+
+from kvdefrag.common import InvalidArgument
+from kvdefrag.server._engine import EngineStats, StepResult
+from kvdefrag.v1 import defrag_pb2 as pb
+from kvdefrag.v1 import defrag_pb2_grpc as pb_grpc
+
+# The proto messages are generated code without type information for mypy.
+Message = Any
+
+SERVICE_NAME: str = pb.DESCRIPTOR.services_by_name["DefragService"].full_name
+
+
+def add_service(servicer: object, server: grpc.Server) -> None:
+    """Registers a DefragService servicer (methods named as the RPCs) on a server."""
+    pb_grpc.add_DefragServiceServicer_to_server(servicer, server)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepArgs:
+    """One StepRequest as the keyword arguments of ``Engine.step``."""
+
+    finished: list[str]
+    resumed: dict[str, list[int]]
+    new_blocks: dict[str, list[int]]
+    fresh: list[int] | None
+    evicted: list[int]
+
+    def as_kwargs(self) -> dict[str, Any]:
+        """Returns the fields as ``Engine.step`` keywords."""
+        return {
+            "finished": self.finished,
+            "resumed": self.resumed,
+            "new_blocks": self.new_blocks,
+            "fresh": self.fresh,
+            "evicted": self.evicted,
+        }
+
+
+def _block_lists(field: str, entries: Iterable[Message]) -> dict[str, list[int]]:
+    lists: dict[str, list[int]] = {}
+    for index, entry in enumerate(entries):
+        request_id = entry.request_id
+        if request_id in lists:
+            raise InvalidArgument(
+                f"{field}[{index}]: request id {request_id!r} appears twice in {field}"
+            )
+        lists[request_id] = list(entry.block_ids)
+    return lists
+
+
+@dataclasses.dataclass(frozen=True)
+class OpenArgs:
+    """One OpenSession message."""
+
+    epoch: int
+    prefix_caching: bool
+    client_name: str
+
+
+def stream_request(request: Message) -> tuple[str | None, Message]:
+    """Splits a StepStreamRequest into its kind (``"open"``, ``"step"`` or None) and body."""
+    kind = request.WhichOneof("kind")
+    return kind, (getattr(request, kind) if kind else None)
+
+
+def open_args(request: Message) -> OpenArgs:
+    """Converts an OpenSession message."""
+    return OpenArgs(
+        epoch=request.epoch,
+        prefix_caching=request.prefix_caching,
+        client_name=request.client_name,
+    )
+
+
+def step_args(request: Message) -> StepArgs:
+    """Converts a StepRequest (seq and epoch are the servicer's business).
+
+    Raises:
+        InvalidArgument: A request id appears twice in ``resumed`` or ``new_blocks``.
+    """
+    return StepArgs(
+        finished=list(request.finished_request_ids),
+        resumed=_block_lists("resumed", request.resumed),
+        new_blocks=_block_lists("new_blocks", request.new_blocks),
+        fresh=list(request.fresh.block_ids) if request.HasField("fresh") else None,
+        evicted=list(request.evicted_block_ids),
+    )
+
+
+# Bytes of a StepResponse besides its two id lists: seq, epoch, digest, counts, Stats,
+# list headers and the StepStreamResponse wrapper (all of them at most ~250 bytes).
+_STEP_RESPONSE_OVERHEAD_BYTES = 320
+
+
+def max_step_response_bytes(args: StepArgs, num_blocks: int, max_moves_per_step: int) -> int:
+    """An upper bound of the size of the StepResponse that applying ``args`` produces.
+
+    Every logical id a step lists can add two mapping entries (itself, and the free
+    block its placement displaces), and every compaction move two more.
+    """
+    num_ids = sum(len(ids) for ids in (*args.resumed.values(), *args.new_blocks.values()))
+    num_entries = 2 * num_ids + 2 * max_moves_per_step
+    id_bytes = max(1, ((num_blocks - 1).bit_length() + 6) // 7)  # varint length
+    return num_entries * 2 * id_bytes + _STEP_RESPONSE_OVERHEAD_BYTES
+
+
+def stats_message(stats: EngineStats) -> Message:
+    """Converts EngineStats to a Stats message (same field names)."""
+    return pb.Stats(**dataclasses.asdict(stats))
+
+
+def step_response(result: StepResult, seq: int, epoch: int) -> Message:
+    """Builds the StepResponse of an applied step: its mapping deltas, digest and stats."""
+    mapping = result.block_mapping
+    return pb.StepResponse(
+        seq=seq,
+        epoch=epoch,
+        logical_block_ids=list(mapping),
+        physical_block_ids=list(mapping.values()),
+        digest=result.digest,
+        num_moves=len(result.moves),
+        num_placed=result.num_placed,
+        num_unknown_finished=result.num_unknown_finished,
+        stats=stats_message(result.stats),
+    )
+
+
+def replayed_response(cached: Message) -> Message:
+    """Returns a copy of a cached StepResponse marked as replayed."""
+    response = pb.StepResponse()
+    response.CopyFrom(cached)
+    response.replayed = True
+    return response
+
+
+def session_opened(
+    *,
+    epoch: int,
+    next_seq: int,
+    num_blocks: int,
+    block_size: int,
+    prefix_caching: bool,
+    digest: int,
+) -> Message:
+    """Builds the stream's first reply."""
+    return pb.StepStreamResponse(
+        opened=pb.SessionOpened(
+            epoch=epoch,
+            next_seq=next_seq,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            prefix_caching=prefix_caching,
+            digest=digest,
+        )
+    )
+
+
+def stream_step_response(response: Message) -> Message:
+    """Wraps a StepResponse for the step stream."""
+    return pb.StepStreamResponse(step=response)
+
+
+def resolve_request(request: Message) -> tuple[list[int], list[list[int]]]:
+    """Returns a ResolveRequest's logical ids and block tables."""
+    tables = [list(table.block_ids) for table in request.block_tables]
+    return list(request.logical_block_ids), tables
+
+
+def resolve_response(
+    epoch: int, physical_ids: Sequence[int], tables: Sequence[Sequence[int]]
+) -> Message:
+    """Builds a ResolveResponse."""
+    return pb.ResolveResponse(
+        epoch=epoch,
+        physical_block_ids=list(physical_ids),
+        block_tables=[pb.BlockTable(block_ids=list(table)) for table in tables],
+    )
+
+
+def get_stats_response(
+    *,
+    epoch: int,
+    next_seq: int,
+    is_session_open: bool,
+    digest: int,
+    stats: EngineStats,
+    unhealthy_reason: str | None,
+) -> Message:
+    """Builds a GetStatsResponse."""
+    return pb.GetStatsResponse(
+        epoch=epoch,
+        next_seq=next_seq,
+        is_session_open=is_session_open,
+        digest=digest,
+        stats=stats_message(stats),
+        unhealthy_reason=unhealthy_reason or "",
+    )
+
+
+def get_request_response(
+    request_id: str, logical_ids: Sequence[int], physical_ids: Sequence[int]
+) -> Message:
+    """Builds a GetRequestResponse."""
+    return pb.GetRequestResponse(
+        request_id=request_id,
+        logical_block_ids=list(logical_ids),
+        physical_block_ids=list(physical_ids),
+    )
+
+
+def list_requests_response(epoch: int, requests: Mapping[str, Sequence[int]]) -> Message:
+    """Builds a ListRequestsResponse (requests in the engine's order)."""
+    return pb.ListRequestsResponse(
+        epoch=epoch,
+        requests=[
+            pb.RequestBlocks(request_id=request_id, block_ids=list(block_ids))
+            for request_id, block_ids in requests.items()
+        ],
+    )
+
+
+def defragment_response() -> Message:
+    """Builds a DefragmentResponse (the pass runs inside the next step)."""
+    return pb.DefragmentResponse(is_scheduled=True)
+
+
+def reset_response(epoch: int) -> Message:
+    """Builds a ResetResponse carrying the new epoch."""
+    return pb.ResetResponse(epoch=epoch)

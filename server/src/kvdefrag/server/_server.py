@@ -1,0 +1,352 @@
+"""The in-process gRPC server: DefragService, health and reflection on one address.
+
+``serve_in_process`` runs inside the worker, in background threads, next to the KV
+tensors the engine moves. Addresses::
+
+    unix:/abs/path.sock   default; file mode 0600; a stale socket file is replaced
+    HOST:PORT             TCP; port 0 picks one; a non-loopback HOST needs TLS or insecure
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import ipaddress
+import logging
+import os
+import socket
+import stat
+import threading
+from collections.abc import Callable
+from concurrent import futures
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from kvdefrag.common import InvalidArgument
+from kvdefrag.server import _convert
+from kvdefrag.server._engine import Engine, StepObserver
+from kvdefrag.server._executor import KvCaches, SwapExecutor
+from kvdefrag.server._servicer import DefragServicer, ServiceMetrics
+from kvdefrag.server.config import Config, load_config
+
+_LOGGER = logging.getLogger(__name__)
+
+HEALTH_SERVICE_NAMES = ("", _convert.SERVICE_NAME)
+# sockaddr_un.sun_path holds 108 bytes, the terminating NUL included.
+_MAX_SOCKET_PATH_BYTES = 107
+_LOOPBACK_NAMES = ("localhost", "ip6-localhost")
+
+
+@dataclasses.dataclass(frozen=True)
+class ListenAddress:
+    """A parsed address: a unix socket path, or a TCP host and port."""
+
+    socket_path: str | None = None
+    host: str = ""
+    port: int = 0
+
+    @property
+    def is_loopback(self) -> bool:
+        """True for unix sockets and loopback TCP hosts."""
+        if self.socket_path is not None:
+            return True
+        if self.host.lower() in _LOOPBACK_NAMES:
+            return True
+        try:
+            return ipaddress.ip_address(self.host.strip("[]")).is_loopback
+        except ValueError:
+            return False
+
+    def target(self, port: int | None = None) -> str:
+        """The gRPC target string (with ``port`` in place of the requested one)."""
+        if self.socket_path is not None:
+            return f"unix:{self.socket_path}"
+        return f"{self.host}:{self.port if port is None else port}"
+
+
+def parse_address(address: str) -> ListenAddress:
+    """Parses ``unix:PATH`` (relative paths are made absolute) or ``HOST:PORT``.
+
+    Raises:
+        InvalidArgument: The address has neither form, or the port is out of range.
+    """
+    if address.startswith("unix:"):
+        path = address[len("unix:") :]
+        if path.startswith("//"):  # unix:///abs/path
+            path = path[2:]
+        if not path:
+            raise InvalidArgument(f"address {address!r}: the unix socket path is empty")
+        path = os.path.abspath(path)
+        if len(os.fsencode(path)) > _MAX_SOCKET_PATH_BYTES:
+            raise InvalidArgument(
+                f"address {address!r}: a unix socket path is at most {_MAX_SOCKET_PATH_BYTES} bytes"
+            )
+        return ListenAddress(socket_path=path)
+    host, sep, port_text = address.rpartition(":")
+    if not sep or not host or not port_text.isdigit() or int(port_text) > 65535:
+        raise InvalidArgument(
+            f"address {address!r} must be 'unix:/path.sock' or 'HOST:PORT' "
+            "(port 0-65535, 0 picks a free one)"
+        )
+    return ListenAddress(host=host, port=int(port_text))
+
+
+def _prepare_socket_path(path: str) -> None:
+    """Removes a stale socket file; refuses a live one or a file that is not a socket."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        if not os.path.isdir(os.path.dirname(path)):
+            raise InvalidArgument(
+                f"address unix:{path}: directory {os.path.dirname(path)} does not exist"
+            ) from None
+        return
+    if not stat.S_ISSOCK(mode):
+        raise InvalidArgument(f"address unix:{path}: {path} exists and is not a socket")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        try:
+            probe.connect(path)
+        except ConnectionRefusedError:
+            _LOGGER.info("removing stale socket file %s (nobody listens on it)", path)
+            os.unlink(path)
+            return
+    raise OSError(errno.EADDRINUSE, f"address unix:{path} is taken: a live server listens on it")
+
+
+def _read_file(option: str, path: str) -> bytes:
+    try:
+        with open(path, "rb") as file:
+            return file.read()
+    except OSError as err:
+        raise InvalidArgument(f"{option} {path!r} cannot be read: {err.strerror}") from err
+
+
+def _server_credentials(config: Config) -> grpc.ServerCredentials | None:
+    """TLS credentials from the config (mTLS with a client CA), None without TLS."""
+    if config.tls_cert_file is None and config.tls_key_file is None:
+        if config.tls_client_ca_file is not None:
+            raise InvalidArgument(
+                "tls_client_ca_file needs tls_cert_file and tls_key_file (the server's TLS)"
+            )
+        return None
+    if config.tls_cert_file is None or config.tls_key_file is None:
+        raise InvalidArgument("TLS needs both tls_cert_file and tls_key_file")
+    cert = _read_file("tls_cert_file", config.tls_cert_file)
+    key = _read_file("tls_key_file", config.tls_key_file)
+    client_ca = (
+        None
+        if config.tls_client_ca_file is None
+        else _read_file("tls_client_ca_file", config.tls_client_ca_file)
+    )
+    return grpc.ssl_server_credentials(
+        [(key, cert)], root_certificates=client_ca, require_client_auth=client_ca is not None
+    )
+
+
+def grpc_options(config: Config) -> list[tuple[str, Any]]:
+    """Channel options of the server: message limits, no port sharing, keepalive."""
+    return [
+        ("grpc.max_send_message_length", config.max_message_bytes),
+        ("grpc.max_receive_message_length", config.max_message_bytes),
+        # NOTE: with SO_REUSEPORT a second server could bind a taken port silently.
+        ("grpc.so_reuseport", 0),
+        # A crashed client on TCP must not hold the one writer session for hours.
+        ("grpc.keepalive_time_ms", 20_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+    ]
+
+
+class ServerHandle:
+    """A running service: its address, its engine, and a graceful ``stop``.
+
+    Attributes:
+        address: Where it listens (with the real port when port 0 was asked for).
+        engine: The engine it serves (for a scheduler in the same process).
+        config: The configuration it was built from.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        engine: Engine,
+        config: Config,
+        server: grpc.Server,
+        servicer: DefragServicer,
+        health_servicer: Any,
+        socket_path: str | None,
+        thread_pool: futures.ThreadPoolExecutor,
+    ) -> None:
+        self.address = address
+        self.engine = engine
+        self.config = config
+        self._server = server
+        self._servicer = servicer
+        self._health = health_servicer
+        self._socket_path = socket_path
+        self._thread_pool = thread_pool
+        self._stopped = threading.Event()
+
+    @property
+    def epoch(self) -> int:
+        """The server's current epoch."""
+        return self._servicer.epoch
+
+    def stop(self, grace_s: float | None = 5.0) -> None:
+        """Stops serving: health NOT_SERVING first, then in-flight steps finish.
+
+        New steps are refused (UNAVAILABLE) from the moment health flips; RPCs still
+        running after ``grace_s`` seconds are cancelled. Idempotent.
+        """
+        if self._stopped.is_set():
+            return
+        self._health.enter_graceful_shutdown()
+        self._servicer.begin_shutdown()
+        self._server.stop(grace_s).wait()
+        self._thread_pool.shutdown(wait=False)
+        if self._socket_path is not None and _is_socket(self._socket_path):
+            os.unlink(self._socket_path)
+        self._stopped.set()
+        _LOGGER.info("kvdefrag server on %s stopped", self.address)
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Blocks until ``stop`` has finished; False if ``timeout_s`` passed first."""
+        return self._stopped.wait(timeout_s)
+
+    def __enter__(self) -> ServerHandle:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+
+def _is_socket(path: str) -> bool:
+    try:
+        return stat.S_ISSOCK(os.lstat(path).st_mode)
+    except FileNotFoundError:
+        return False
+
+
+def _health_setter(health_servicer: Any) -> Callable[[bool], None]:
+    def set_serving(is_serving: bool) -> None:
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if is_serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for name in HEALTH_SERVICE_NAMES:
+            health_servicer.set(name, status)
+
+    return set_serving
+
+
+def _listen(server: grpc.Server, address: ListenAddress, config: Config) -> str:
+    """Binds the server's port and returns the address it listens on."""
+    credentials = _server_credentials(config)
+    if not address.is_loopback and credentials is None and not config.insecure:
+        raise InvalidArgument(
+            f"address {config.address!r} is not a loopback address: give tls_cert_file and "
+            "tls_key_file (TLS, optionally tls_client_ca_file for mTLS) or set insecure "
+            "(--insecure) to serve it in plain text"
+        )
+    if address.socket_path is not None:
+        _prepare_socket_path(address.socket_path)
+    try:
+        if credentials is None:
+            port = server.add_insecure_port(address.target())
+        else:
+            port = server.add_secure_port(address.target(), credentials)
+    except RuntimeError as err:
+        raise OSError(
+            errno.EADDRINUSE,
+            f"cannot listen on {config.address}: the address is taken or not local ({err})",
+        ) from err
+    if address.socket_path is not None:
+        # NOTE: gRPC binds in add_*_port and creates the file with the process umask;
+        # restrict it before start() accepts anyone (only this user may connect).
+        os.chmod(address.socket_path, 0o600)
+    return address.target(port)
+
+
+def serve_in_process(
+    kv_caches: KvCaches,
+    block_size: int,
+    address: str | None = None,
+    *,
+    executor: SwapExecutor | None = None,
+    stream: Any = None,
+    kv_lock: threading.Lock | None = None,
+    observer: StepObserver | None = None,
+    metrics: ServiceMetrics | None = None,
+    max_workers: int = 8,
+    **config: Any,
+) -> ServerHandle:
+    """Starts the kvdefrag service in background threads of the calling process.
+
+    Args:
+        kv_caches: The worker's per-layer ``(key, value)`` KV tensors.
+        block_size: Token slots per block.
+        address: ``unix:/abs/path.sock`` or ``HOST:PORT``; None: config/env/default.
+        executor: A swap executor to use instead of the one built for the caches.
+        stream: CUDA/HPU: the stream of the worker's forward pass.
+        kv_lock: CPU: the lock the worker holds during its forward pass.
+        observer: Told about every step (engine metrics).
+        metrics: Told about errors and replayed steps (service metrics).
+        max_workers: gRPC handler threads (a stream session holds one).
+        **config: ``Config`` fields (threshold, prefix_caching, max_moves_per_step,
+            pad_buckets, enable_placement, insecure, tls_*, max_message_bytes,
+            replay_cache_size, metrics_port); they override ``KVDEFRAG_*`` variables.
+
+    Returns:
+        The running server's handle; call ``stop()`` when the worker shuts down.
+
+    Raises:
+        InvalidArgument: A bad option or address, or a non-loopback TCP address
+            without TLS or ``insecure``.
+        OSError: The address is taken (``errno.EADDRINUSE``).
+    """
+    settings = load_config({**config, "address": address})
+    engine = Engine.from_config(
+        kv_caches,
+        block_size,
+        settings,
+        executor=executor,
+        stream=stream,
+        kv_lock=kv_lock,
+        observer=observer,
+    )
+    listen_address = parse_address(settings.address)
+    thread_pool = futures.ThreadPoolExecutor(
+        max_workers=max_workers, thread_name_prefix="kvdefrag-grpc"
+    )
+    server = grpc.server(thread_pool, options=grpc_options(settings))
+    health_servicer = health.HealthServicer()
+    set_serving = _health_setter(health_servicer)
+    servicer = DefragServicer(engine, settings, on_health=set_serving, metrics=metrics)
+    _convert.add_service(servicer, server)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (_convert.SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+    )
+    try:
+        bound_address = _listen(server, listen_address, settings)
+    except BaseException:
+        server.stop(None)
+        thread_pool.shutdown(wait=False)
+        raise
+    set_serving(True)
+    server.start()
+    _LOGGER.info("kvdefrag server listening on %s", bound_address)
+    return ServerHandle(
+        bound_address,
+        engine,
+        settings,
+        server,
+        servicer,
+        health_servicer,
+        listen_address.socket_path,
+        thread_pool,
+    )

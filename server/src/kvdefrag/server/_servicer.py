@@ -1,0 +1,432 @@
+"""The DefragService servicer: sessions, exactly-once steps, errors and health.
+
+State besides the engine (all guarded by one lock, which a step holds while the engine
+applies it, so steps are applied one at a time and in ``seq`` order)::
+
+    epoch     random non-zero uint64, new at start and at every Reset
+    next_seq  the seq the next applied step must carry (1 at the start of an epoch)
+    replies   the last ``replay_cache_size`` StepResponses, by seq (exactly-once replay)
+    session   the open stream session (one writer), or None
+
+Every caller mistake is a ``DefragError``; ``ERROR_CODES`` is the one table that turns
+it into a gRPC status, and the class name travels in the trailing metadata
+``kvdefrag-error`` so the client can raise the same class.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import logging
+import secrets
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any, NoReturn, Protocol, TypeVar
+
+import grpc
+
+from kvdefrag.common import (
+    DefragError,
+    EngineUnhealthy,
+    EpochMismatch,
+    InvalidArgument,
+    MessageTooLarge,
+    NotFound,
+    OutOfOrder,
+    SessionConflict,
+)
+from kvdefrag.server import _convert
+from kvdefrag.server._engine import Engine
+from kvdefrag.server.config import Config
+
+_LOGGER = logging.getLogger(__name__)
+
+ERROR_METADATA_KEY = "kvdefrag-error"
+
+ERROR_CODES: dict[type[DefragError], grpc.StatusCode] = {
+    InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
+    OutOfOrder: grpc.StatusCode.FAILED_PRECONDITION,
+    SessionConflict: grpc.StatusCode.FAILED_PRECONDITION,
+    EpochMismatch: grpc.StatusCode.FAILED_PRECONDITION,
+    EngineUnhealthy: grpc.StatusCode.UNAVAILABLE,
+    MessageTooLarge: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    NotFound: grpc.StatusCode.NOT_FOUND,
+}
+
+Message = Any
+_T = TypeVar("_T")
+
+
+def status_code(err: DefragError) -> grpc.StatusCode:
+    """Returns the gRPC status of an error (its nearest class in ``ERROR_CODES``)."""
+    for cls in type(err).__mro__:
+        code = ERROR_CODES.get(cls)
+        if code is not None:
+            return code
+    return grpc.StatusCode.UNKNOWN
+
+
+def new_epoch(previous: int = 0) -> int:
+    """Returns a random non-zero 64-bit epoch different from ``previous``."""
+    while True:
+        epoch = secrets.randbits(64)
+        if epoch not in (0, previous):
+            return epoch
+
+
+class ServiceMetrics(Protocol):
+    """What the servicer reports to the metrics layer."""
+
+    def record_error(self, method: str, code: str) -> None: ...
+
+    def record_replay(self) -> None: ...
+
+
+class _ShuttingDown(Exception):
+    """The server is stopping: steps are refused with UNAVAILABLE (retry elsewhere)."""
+
+
+@dataclasses.dataclass(eq=False)
+class _Session:
+    """One open stream session (compared by identity)."""
+
+    client_name: str
+    cancel_stream: Callable[[], object]
+
+
+class DefragServicer:
+    """Serves ``kvdefrag.v1.DefragService`` on top of one engine.
+
+    Invariants: ``next_seq - 1`` steps were applied in this epoch, each exactly once;
+    the replay cache holds only replies of this epoch; at most one stream session is
+    open, and while it is, only that stream applies steps.
+
+    Args:
+        engine: The engine to serve (the one owner of the pool state).
+        config: Service options (``replay_cache_size``, ``max_message_bytes``).
+        on_health: Told ``True``/``False`` when the service becomes able/unable to serve
+            steps (the server wires it to ``grpc.health.v1``).
+        metrics: Optional error and replay counters.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        config: Config,
+        *,
+        on_health: Callable[[bool], None] | None = None,
+        metrics: ServiceMetrics | None = None,
+    ) -> None:
+        self._engine = engine
+        self._replay_cache_size = config.replay_cache_size
+        self._max_message_bytes = config.max_message_bytes
+        self._on_health = on_health
+        self._metrics = metrics
+        self._lock = threading.Lock()
+        self._epoch = new_epoch()
+        self._next_seq = 1
+        self._replies: collections.OrderedDict[int, Message] = collections.OrderedDict()
+        self._session: _Session | None = None
+        self._is_stopping = False
+
+    @property
+    def epoch(self) -> int:
+        """The current epoch."""
+        with self._lock:
+            return self._epoch
+
+    def begin_shutdown(self) -> None:
+        """Refuses every later step and ends the open stream once its step is done."""
+        with self._lock:
+            self._is_stopping = True
+            session = self._session
+        if session is not None:
+            # NOTE: an open stream waits for the scheduler's next step and would hold
+            # the server's stop for its whole grace period; the step in flight, if any,
+            # has finished (we held the lock), so end the stream now.
+            session.cancel_stream()
+
+    # --- RPCs -------------------------------------------------------------------------
+    def StepStream(
+        self, request_iterator: Iterator[Message], context: grpc.ServicerContext
+    ) -> Iterator[Message]:
+        """The hot path: an ``open`` message, then one reply per ``step`` message."""
+        session: _Session | None = None
+        try:
+            for request in request_iterator:
+                if session is None:
+                    session, reply = self._call(
+                        "StepStream", context, functools.partial(self._open, request, context)
+                    )
+                    context.add_callback(functools.partial(self._release, session))
+                else:
+                    reply = self._call(
+                        "StepStream",
+                        context,
+                        functools.partial(self._stream_step, request, session),
+                    )
+                yield reply
+        finally:
+            if session is not None:
+                self._release(session)
+
+    def Step(self, request: Message, context: grpc.ServicerContext) -> Message:
+        """One step without a stream; refused while a stream session is open."""
+        return self._call("Step", context, lambda: self._step(request, None))
+
+    def Resolve(self, request: Message, context: grpc.ServicerContext) -> Message:
+        """Maps logical ids and block tables to physical ids."""
+        return self._call("Resolve", context, lambda: self._resolve(request))
+
+    def GetStats(self, request: Message, context: grpc.ServicerContext) -> Message:
+        """Pool statistics and session state, one consistent snapshot."""
+        return self._call("GetStats", context, self._get_stats)
+
+    def GetRequest(self, request: Message, context: grpc.ServicerContext) -> Message:
+        """The logical and physical blocks of one running request."""
+        return self._call("GetRequest", context, lambda: self._get_request(request))
+
+    def ListRequests(self, request: Message, context: grpc.ServicerContext) -> Message:
+        """Every running request with its logical blocks."""
+        return self._call("ListRequests", context, self._list_requests)
+
+    def Defragment(self, request: Message, context: grpc.ServicerContext) -> Message:
+        """Makes the next step compact the pool whatever the threshold."""
+        return self._call("Defragment", context, self._defragment)
+
+    def Reset(self, request: Message, context: grpc.ServicerContext) -> Message:
+        """Forgets all state and starts a new epoch (healthy again)."""
+        return self._call("Reset", context, lambda: self._reset(request))
+
+    # --- sessions and steps -----------------------------------------------------------
+    def _stream_step(self, request: Message, session: _Session) -> Message:
+        kind, body = _convert.stream_request(request)
+        if kind == "open":
+            raise SessionConflict(
+                f"StepStream: the session of {session.client_name!r} is already open; "
+                "'open' is only allowed as the first message"
+            )
+        if kind != "step":
+            raise InvalidArgument("StepStreamRequest.kind: neither 'open' nor 'step' is set")
+        return _convert.stream_step_response(self._step(body, session))
+
+    def _open(self, request: Message, context: grpc.ServicerContext) -> tuple[_Session, Message]:
+        kind, body = _convert.stream_request(request)
+        if kind != "open":
+            raise SessionConflict(
+                f"StepStream: the first message must be 'open', got {kind or 'an empty one'!r}"
+            )
+        args = _convert.open_args(body)
+        engine = self._engine
+        with self._lock:
+            if self._is_stopping:
+                raise _ShuttingDown("the server is shutting down")
+            if self._session is not None:
+                raise SessionConflict(
+                    f"open: another stream session (client_name="
+                    f"{self._session.client_name!r}) is open; one writer at a time"
+                )
+            if args.epoch and args.epoch != self._epoch:
+                raise EpochMismatch(
+                    f"open.epoch {args.epoch} is not the server epoch {self._epoch}: the "
+                    "server restarted or was reset, so the client's state is stale"
+                )
+            if args.prefix_caching != engine.config.prefix_caching:
+                is_pristine = (
+                    self._next_seq == 1
+                    and engine.unhealthy_reason is None
+                    and engine.stats().num_requests == 0
+                )
+                if not is_pristine:
+                    raise SessionConflict(
+                        f"open.prefix_caching={args.prefix_caching} but epoch {self._epoch} "
+                        f"runs with prefix_caching={engine.config.prefix_caching} and has "
+                        f"state (next_seq {self._next_seq}); Reset to change the mode"
+                    )
+                engine.reset(prefix_caching=args.prefix_caching)
+            session = _Session(args.client_name or "unnamed", context.cancel)
+            self._session = session
+            opened = _convert.session_opened(
+                epoch=self._epoch,
+                next_seq=self._next_seq,
+                num_blocks=engine.num_blocks,
+                block_size=engine.block_size,
+                prefix_caching=engine.config.prefix_caching,
+                digest=engine.digest,
+            )
+        _LOGGER.info("stream session opened by %r", session.client_name)
+        return session, opened
+
+    def _release(self, session: _Session) -> None:
+        with self._lock:
+            if self._session is session:
+                self._session = None
+                _LOGGER.info("stream session of %r closed", session.client_name)
+
+    def _step(self, request: Message, session: _Session | None) -> Message:
+        seq, epoch = request.seq, request.epoch
+        engine = self._engine
+        with self._lock:
+            if self._is_stopping:
+                raise _ShuttingDown("the server is shutting down")
+            if self._session is not session:
+                if session is None:
+                    assert self._session is not None
+                    raise SessionConflict(
+                        f"Step: a stream session (client_name={self._session.client_name!r})"
+                        " is open; unary steps are refused while it is"
+                    )
+                raise SessionConflict("step: this stream's session is closed")
+            reason = engine.unhealthy_reason
+            if reason is not None:
+                raise EngineUnhealthy(reason)
+            if epoch and epoch != self._epoch:
+                raise EpochMismatch(
+                    f"step.epoch {epoch} is not the server epoch {self._epoch}: the server "
+                    "restarted or was reset"
+                )
+            if seq == 0:
+                raise OutOfOrder(
+                    f"seq 0 is not a step number (an epoch's steps count from 1); expected "
+                    f"seq {self._next_seq}"
+                )
+            if seq < self._next_seq:
+                cached = self._replies.get(seq)
+                if cached is None:
+                    raise OutOfOrder(
+                        f"seq {seq} was applied and its reply is no longer cached (the last "
+                        f"{self._replay_cache_size} are kept); expected seq {self._next_seq}"
+                    )
+                if self._metrics is not None:
+                    self._metrics.record_replay()
+                return _convert.replayed_response(cached)
+            if seq > self._next_seq:
+                raise OutOfOrder(f"seq {seq} skips ahead: expected seq {self._next_seq}")
+            args = _convert.step_args(request)
+            self._check_reply_bound(args)
+            try:
+                result = engine.step(**args.as_kwargs())
+            except EngineUnhealthy:
+                self._set_health(False)
+                raise
+            response = _convert.step_response(result, seq, self._epoch)
+            self._replies[seq] = response
+            while len(self._replies) > self._replay_cache_size:
+                self._replies.popitem(last=False)
+            self._next_seq += 1
+        return response
+
+    # --- other RPCs -------------------------------------------------------------------
+    def _resolve(self, request: Message) -> Message:
+        logical_ids, tables = _convert.resolve_request(request)
+        with self._lock:
+            physical_ids = self._engine.resolve(logical_ids).tolist()
+            physical_tables = self._engine.resolve_tables(tables)
+            response = _convert.resolve_response(self._epoch, physical_ids, physical_tables)
+        return self._check_size("Resolve", response)
+
+    def _get_stats(self) -> Message:
+        engine = self._engine
+        with self._lock:
+            return _convert.get_stats_response(
+                epoch=self._epoch,
+                next_seq=self._next_seq,
+                is_session_open=self._session is not None,
+                digest=engine.digest,
+                stats=engine.stats(),
+                unhealthy_reason=engine.unhealthy_reason,
+            )
+
+    def _get_request(self, request: Message) -> Message:
+        request_id = request.request_id
+        if not request_id:
+            raise InvalidArgument("request_id must be a non-empty string, got ''")
+        with self._lock:
+            logical_ids = self._engine.request_blocks(request_id)
+            physical_ids = self._engine.resolve(logical_ids).tolist()
+        response = _convert.get_request_response(request_id, logical_ids, physical_ids)
+        return self._check_size("GetRequest", response)
+
+    def _list_requests(self) -> Message:
+        with self._lock:
+            response = _convert.list_requests_response(self._epoch, self._engine.list_requests())
+        return self._check_size("ListRequests", response)
+
+    def _defragment(self) -> Message:
+        self._engine.schedule_defragment()
+        return _convert.defragment_response()
+
+    def _reset(self, request: Message) -> Message:
+        with self._lock:
+            if request.epoch and request.epoch != self._epoch:
+                raise EpochMismatch(
+                    f"reset.epoch {request.epoch} is not the server epoch {self._epoch}"
+                )
+            self._engine.reset(prefix_caching=request.prefix_caching)
+            self._epoch = new_epoch(self._epoch)
+            self._next_seq = 1
+            self._replies.clear()
+            epoch = self._epoch
+            if not self._is_stopping:
+                self._set_health(True)
+        _LOGGER.info("reset: new epoch %d (prefix_caching=%s)", epoch, request.prefix_caching)
+        return _convert.reset_response(epoch)
+
+    # --- errors -----------------------------------------------------------------------
+    def _check_size(self, method: str, response: Message) -> Message:
+        size_bytes = response.ByteSize()
+        if size_bytes > self._max_message_bytes:
+            raise MessageTooLarge(
+                f"{method}: the reply would be {size_bytes} bytes, over max_message_bytes="
+                f"{self._max_message_bytes}; ask for less per call"
+            )
+        return response
+
+    def _check_reply_bound(self, args: _convert.StepArgs) -> None:
+        """Refuses a step whose reply might not fit in a message (before applying it).
+
+        NOTE: a reply that gRPC cannot send would leave the step applied but its deltas
+        unknown to the client, so the bound is checked while nothing has changed yet.
+        """
+        engine = self._engine
+        bound_bytes = _convert.max_step_response_bytes(
+            args, engine.num_blocks, engine.config.max_moves_per_step
+        )
+        if bound_bytes > self._max_message_bytes:
+            raise MessageTooLarge(
+                f"step: its reply could reach {bound_bytes} bytes, over max_message_bytes="
+                f"{self._max_message_bytes}; send fewer blocks per step (or lower "
+                "max_moves_per_step)"
+            )
+
+    def _set_health(self, is_serving: bool) -> None:
+        if self._on_health is not None:
+            self._on_health(is_serving)
+
+    def _call(self, method: str, context: grpc.ServicerContext, call: Callable[[], _T]) -> _T:
+        try:
+            return call()
+        except (DefragError, _ShuttingDown) as err:
+            error: Exception = err
+        except Exception as err:
+            _LOGGER.exception("%s failed unexpectedly", method)
+            error = err
+        self._abort(context, method, error)
+
+    def _abort(self, context: grpc.ServicerContext, method: str, err: Exception) -> NoReturn:
+        """Ends the RPC with the status of ``err`` (the one place errors leave the server)."""
+        details = str(err)
+        if isinstance(err, DefragError):
+            code = status_code(err)
+            context.set_trailing_metadata(((ERROR_METADATA_KEY, type(err).__name__),))
+        elif isinstance(err, _ShuttingDown):
+            # NOTE: no kvdefrag-error metadata: to the client this is a broken connection,
+            # which it handles by reconnecting (to this address once a server is back).
+            code = grpc.StatusCode.UNAVAILABLE
+        else:
+            code = grpc.StatusCode.INTERNAL
+            details = f"internal error: {type(err).__name__}: {err}"
+        if self._metrics is not None:
+            self._metrics.record_error(method, code.name)
+        context.abort(code, details)
