@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,7 @@ DEPLOY = ROOT / "deploy"
 # The command the README and the Makefile's `image` target document for the CPU image.
 IMAGE_COMMAND = [
     "kvdefrag-server", "--address", "0.0.0.0:50051", "--insecure", "--metrics-port", "9464",
+    "--metrics-host", "0.0.0.0",
 ]  # fmt: skip
 _METRIC_NAME = re.compile(r"\bkvdefrag_[a-z0-9_]+")
 _TYPE_SUFFIXES = {
@@ -120,7 +122,7 @@ def test_scrape_config_passes_promtool_check() -> None:
     assert "is valid prometheus config file syntax" in output
     config = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
     targets = config["scrape_configs"][0]["static_configs"][0]["targets"]
-    assert targets == [f"127.0.0.1:{IMAGE_COMMAND[-1]}"]
+    assert targets == [f"127.0.0.1:{IMAGE_COMMAND[IMAGE_COMMAND.index('--metrics-port') + 1]}"]
 
 
 def test_every_metric_the_alerts_use_exists() -> None:
@@ -188,7 +190,9 @@ def test_cpu_image_runs_the_documented_server_command() -> None:
     (script,) = importlib.metadata.entry_points(group="console_scripts", name=command[0])
     assert script.value == "kvdefrag.server.__main__:main"
     config = parse_args(command[1:], environ={}).config
-    assert (config.address, config.insecure, config.metrics_port) == ("0.0.0.0:50051", True, 9464)
+    assert (config.address, config.insecure, config.metrics_port, config.metrics_host) == (
+        "0.0.0.0:50051", True, 9464, "0.0.0.0",
+    )  # fmt: skip
     assert instructions["EXPOSE"].split() == ["50051", "9464"]
     assert instructions["FROM"] == "python:3.11-slim"
 
@@ -268,6 +272,7 @@ def test_image_entry_command_starts_a_server_that_answers(tmp_path: Path) -> Non
     command = [server_script, *IMAGE_COMMAND[1:]]
     command[command.index("0.0.0.0:50051")] = "127.0.0.1:0"
     command[command.index("9464")] = "0"
+    command[command.index("0.0.0.0")] = "127.0.0.1"
     log_path = tmp_path / "server.log"
     with log_path.open("wb") as log:
         process = subprocess.Popen(
@@ -281,6 +286,10 @@ def test_image_entry_command_starts_a_server_that_answers(tmp_path: Path) -> Non
             '{"service": "kvdefrag.v1.DefragService"}', address, "grpc.health.v1.Health/Check",
         )  # fmt: skip
         assert json.loads(answer) == {"status": "SERVING"}
+        metrics_url = re.search(r"metrics on (http://\S+)", log_path.read_text())
+        assert metrics_url, log_path.read_text()
+        with urllib.request.urlopen(metrics_url.group(1), timeout=10) as response:
+            assert b"kvdefrag_capacity_blocks 64.0" in response.read()
     finally:
         process.terminate()  # SIGTERM to this PID: the server stops cleanly
         try:

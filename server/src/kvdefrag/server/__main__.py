@@ -96,6 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     service = parser.add_argument_group("service (flags > KVDEFRAG_* env > defaults)")
     service.add_argument("--address", help="unix:/abs/path.sock or HOST:PORT")
     service.add_argument("--metrics-port", type=int, help="Prometheus /metrics port")
+    service.add_argument("--metrics-host", help="interface of /metrics (default 127.0.0.1)")
     service.add_argument(
         "--insecure", action="store_const", const=True,
         help="allow a non-loopback TCP address without TLS",
@@ -173,6 +174,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{shape.size_bytes / 2**20:.1f} MiB on cpu)",
         flush=True,
     )
+    if handle.metrics_port is not None:
+        print(
+            f"kvdefrag-server metrics on http://{options.config.metrics_host}:"
+            f"{handle.metrics_port}/metrics",
+            flush=True,
+        )
     stop_requested.wait()
     print("kvdefrag-server: stopping", flush=True)
     handle.stop(options.grace_s)

@@ -14,6 +14,7 @@ live block) and the engine refuses further steps until ``reset()``.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import operator
 import threading
 import time
@@ -31,6 +32,7 @@ from kvdefrag.server._tracker import NULL_BLOCK_ID, BlockTracker
 from kvdefrag.server.config import DEFAULT_PAD_BUCKETS, Config
 
 MAX_REQUEST_ID_CHARS = 256
+_LOGGER = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -235,9 +237,19 @@ class Engine:
                 raise EngineUnhealthy(self._unhealthy_reason)
             step_input = self._validate(finished, new_blocks, resumed, fresh, evicted)
             result = self._apply(step_input)
-        if self._observer is not None:
-            self._observer.on_step(result, time.perf_counter() - started)
+        self._notify("on_step", result, time.perf_counter() - started)
         return result
+
+    def _notify(self, event: str, *args: Any) -> None:
+        """Tells the observer; its failure is logged, never raised."""
+        if self._observer is None:
+            return
+        try:
+            getattr(self._observer, event)(*args)
+        except Exception:
+            # NOTE: the step is committed by now; raising would make the client resend
+            # a step the engine already applied.
+            _LOGGER.exception("step observer failed in %s", event)
 
     def schedule_defragment(self) -> None:
         """Makes the next step compact the pool whatever the threshold.
@@ -406,8 +418,7 @@ class Engine:
                 "the mapping was not changed, so live blocks resolve to their old slots; "
                 "cached free blocks in the batch may be lost. reset() is required."
             )
-            if self._observer is not None:
-                self._observer.on_move_failure()
+            self._notify("on_move_failure")
             raise EngineUnhealthy(self._unhealthy_reason) from err
         swap_s = time.perf_counter() - started
         for move in moves:

@@ -24,6 +24,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry
 
 from kvdefrag.common import InvalidArgument
 from kvdefrag.server import _convert
@@ -31,6 +32,7 @@ from kvdefrag.server._engine import Engine, StepObserver
 from kvdefrag.server._executor import KvCaches, SwapExecutor
 from kvdefrag.server._servicer import DefragServicer, ServiceMetrics
 from kvdefrag.server.config import Config, load_config
+from kvdefrag.server.metrics import Metrics, MetricsServer, serve_metrics
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -167,6 +169,7 @@ class ServerHandle:
         address: Where it listens (with the real port when port 0 was asked for).
         engine: The engine it serves (for a scheduler in the same process).
         config: The configuration it was built from.
+        registry: The Prometheus registry of its metrics.
     """
 
     def __init__(
@@ -179,6 +182,8 @@ class ServerHandle:
         health_servicer: Any,
         socket_path: str | None,
         thread_pool: futures.ThreadPoolExecutor,
+        registry: CollectorRegistry,
+        metrics_server: MetricsServer | None,
     ) -> None:
         self.address = address
         self.engine = engine
@@ -188,7 +193,14 @@ class ServerHandle:
         self._health = health_servicer
         self._socket_path = socket_path
         self._thread_pool = thread_pool
+        self.registry = registry
+        self._metrics_server = metrics_server
         self._stopped = threading.Event()
+
+    @property
+    def metrics_port(self) -> int | None:
+        """The port of the ``/metrics`` endpoint, None when it is not served."""
+        return None if self._metrics_server is None else self._metrics_server.port
 
     @property
     def epoch(self) -> int:
@@ -207,6 +219,8 @@ class ServerHandle:
         self._servicer.begin_shutdown()
         self._server.stop(grace_s).wait()
         self._thread_pool.shutdown(wait=False)
+        if self._metrics_server is not None:
+            self._metrics_server.stop()
         if self._socket_path is not None and _is_socket(self._socket_path):
             os.unlink(self._socket_path)
         self._stopped.set()
@@ -281,6 +295,7 @@ def serve_in_process(
     kv_lock: threading.Lock | None = None,
     observer: StepObserver | None = None,
     metrics: ServiceMetrics | None = None,
+    registry: CollectorRegistry | None = None,
     max_workers: int = 8,
     **config: Any,
 ) -> ServerHandle:
@@ -293,12 +308,15 @@ def serve_in_process(
         executor: A swap executor to use instead of the one built for the caches.
         stream: CUDA/HPU: the stream of the worker's forward pass.
         kv_lock: CPU: the lock the worker holds during its forward pass.
-        observer: Told about every step (engine metrics).
-        metrics: Told about errors and replayed steps (service metrics).
+        observer: Told about every step (engine metrics); default: a ``Metrics``.
+        metrics: Told about errors and replayed steps; default: the same ``Metrics``.
+        registry: Where the default ``Metrics`` registers (a new registry if None);
+            served on ``/metrics`` when ``metrics_port`` is set.
         max_workers: gRPC handler threads (a stream session holds one).
         **config: ``Config`` fields (threshold, prefix_caching, max_moves_per_step,
             pad_buckets, enable_placement, insecure, tls_*, max_message_bytes,
-            replay_cache_size, metrics_port); they override ``KVDEFRAG_*`` variables.
+            replay_cache_size, metrics_port, metrics_host); they override ``KVDEFRAG_*``
+            variables.
 
     Returns:
         The running server's handle; call ``stop()`` when the worker shuts down.
@@ -309,6 +327,10 @@ def serve_in_process(
         OSError: The address is taken (``errno.EADDRINUSE``).
     """
     settings = load_config({**config, "address": address})
+    registry = registry if registry is not None else CollectorRegistry()
+    default_metrics = Metrics(registry)
+    observer = observer if observer is not None else default_metrics
+    metrics = metrics if metrics is not None else default_metrics
     engine = Engine.from_config(
         kv_caches,
         block_size,
@@ -331,8 +353,12 @@ def serve_in_process(
     reflection.enable_server_reflection(
         (_convert.SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
+    default_metrics.bind_engine(engine)
+    metrics_server: MetricsServer | None = None
     try:
         bound_address = _listen(server, listen_address, settings)
+        if settings.metrics_port is not None:
+            metrics_server = serve_metrics(registry, settings.metrics_port, settings.metrics_host)
     except BaseException:
         server.stop(None)
         thread_pool.shutdown(wait=False)
@@ -349,4 +375,6 @@ def serve_in_process(
         health_servicer,
         listen_address.socket_path,
         thread_pool,
+        registry,
+        metrics_server,
     )

@@ -30,6 +30,7 @@ class Config:
             handshake, never guessed).
         address: ``unix:PATH`` (default) or ``HOST:PORT``.
         metrics_port: Port of the Prometheus ``/metrics`` endpoint; None disables it.
+        metrics_host: Interface the ``/metrics`` endpoint listens on (0.0.0.0 in a pod).
         insecure: Allow a non-loopback TCP address without TLS.
         tls_cert_file: Server certificate (PEM) for TLS.
         tls_key_file: Server private key (PEM) for TLS.
@@ -45,6 +46,7 @@ class Config:
     prefix_caching: bool = False
     address: str = DEFAULT_ADDRESS
     metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
     insecure: bool = False
     tls_cert_file: str | None = None
     tls_key_file: str | None = None
