@@ -40,7 +40,7 @@ bench: $(STAMP)
 	$(PY) bench/run.py
 
 demo: $(STAMP)
-	$(PY) -m kvdefrag.client.demo
+	$(PY) -m kvdefrag.server.demo
 
 run: $(STAMP)
 	$(PY) -m kvdefrag.server --metrics-port 9464 --address 127.0.0.1:50051 --insecure

@@ -147,6 +147,29 @@ def make_kv_caches(shape: CacheShape) -> list[tuple[torch.Tensor, torch.Tensor]]
     ]
 
 
+def poke_commands(address: str, metrics_port: int | None) -> str:
+    """Returns the grpcurl (and curl) command lines that inspect a server at ``address``."""
+    if address.startswith("unix:"):
+        flags, target = "-plaintext -unix", address.removeprefix("unix:")
+    else:
+        flags, target = "-plaintext", address.replace("0.0.0.0", "127.0.0.1")
+    service = "kvdefrag.v1.DefragService"
+    step = '{"seq": 1, "new_blocks": [{"request_id": "r1", "block_ids": [7, 9]}]}'
+    resolve = '{"logical_block_ids": [7, 9]}'
+    lines = [
+        "try:",
+        f"  grpcurl {flags} {target} list",
+        f"  grpcurl {flags} {target} describe {service}",
+        f"  grpcurl {flags} {target} grpc.health.v1.Health/Check",
+        f"  grpcurl {flags} {target} {service}/GetStats",
+        f"  grpcurl {flags} -d '{step}' {target} {service}/Step",
+        f"  grpcurl {flags} -d '{resolve}' {target} {service}/Resolve",
+    ]
+    if metrics_port is not None:
+        lines.append(f"  curl -s http://127.0.0.1:{metrics_port}/metrics")
+    return "\n".join(lines)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the server until SIGINT or SIGTERM; returns the exit status."""
     options = parse_args(argv)
@@ -180,6 +203,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{handle.metrics_port}/metrics",
             flush=True,
         )
+    print(poke_commands(handle.address, handle.metrics_port), flush=True)
     stop_requested.wait()
     print("kvdefrag-server: stopping", flush=True)
     handle.stop(options.grace_s)
