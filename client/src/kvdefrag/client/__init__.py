@@ -1,3 +1,52 @@
-"""kvdefrag client side (torch-free): talks to the sidecar from the vLLM scheduler."""
+"""kvdefrag client side (torch-free): talks to the sidecar from the vLLM scheduler.
 
-__all__: list[str] = []
+Example:
+    >>> from kvdefrag.client import DefragClient
+    >>> with DefragClient("unix:/tmp/kvdefrag.sock") as client:  # doctest: +SKIP
+    ...     reply = client.step(new_blocks={"req-a": [5, 9]})
+    ...     physical_ids = client.resolve([5, 9])
+
+The vLLM glue lives in ``kvdefrag.client.vllm``.
+"""
+
+from kvdefrag.client._client import DefragClient
+from kvdefrag.client._types import (
+    AuditReport,
+    PoolStats,
+    ServiceStats,
+    SessionInfo,
+    StepEvents,
+    StepReply,
+)
+from kvdefrag.common import (
+    DefragError,
+    EngineUnhealthy,
+    EpochMismatch,
+    InvalidArgument,
+    MessageTooLarge,
+    MirrorDiverged,
+    NotFound,
+    OutOfOrder,
+    ServiceUnavailable,
+    SessionConflict,
+)
+
+__all__ = [
+    "AuditReport",
+    "DefragClient",
+    "DefragError",
+    "EngineUnhealthy",
+    "EpochMismatch",
+    "InvalidArgument",
+    "MessageTooLarge",
+    "MirrorDiverged",
+    "NotFound",
+    "OutOfOrder",
+    "PoolStats",
+    "ServiceStats",
+    "ServiceUnavailable",
+    "SessionConflict",
+    "SessionInfo",
+    "StepEvents",
+    "StepReply",
+]

@@ -11,8 +11,10 @@ from kvdefrag.common.errors import (
     EpochMismatch,
     InvalidArgument,
     MessageTooLarge,
+    MirrorDiverged,
     NotFound,
     OutOfOrder,
+    ServiceUnavailable,
     SessionConflict,
 )
 
@@ -22,8 +24,10 @@ __all__ = [
     "EpochMismatch",
     "InvalidArgument",
     "MessageTooLarge",
+    "MirrorDiverged",
     "NotFound",
     "OutOfOrder",
+    "ServiceUnavailable",
     "SessionConflict",
     "mapping_digest",
     "pair_digest",

@@ -36,3 +36,17 @@ class MessageTooLarge(DefragError):
 
 class NotFound(DefragError):
     """The named object (for example a request id) does not exist."""
+
+
+class MirrorDiverged(DefragError):
+    """The client's mirror of the mapping no longer matches the server's (digest or seq).
+
+    Raised by the client only; ``DefragClient.rebuild_mirror()`` or ``reset()`` recovers.
+    """
+
+
+class ServiceUnavailable(DefragError):
+    """The service could not be reached, or did not answer within the deadline.
+
+    Raised by the client only, for transport failures that carry no kvdefrag error.
+    """
