@@ -1,0 +1,72 @@
+"""Pins the public faces of ``kvdefrag.server`` and ``kvdefrag.common``.
+
+Adding or removing a public name is an API change: update the set here on purpose.
+"""
+
+from __future__ import annotations
+
+import importlib
+import subprocess
+import sys
+from types import ModuleType
+
+import pytest
+
+SERVER_NAMES = {
+    "Config",
+    "Engine",
+    "EngineStats",
+    "Move",
+    "MoveReport",
+    "ServerHandle",
+    "StepObserver",
+    "StepResult",
+    "SwapExecutor",
+    "load_config",
+    "make_executor",
+    "serve_in_process",
+}
+
+COMMON_NAMES = {
+    "DefragError",
+    "EngineUnhealthy",
+    "EpochMismatch",
+    "InvalidArgument",
+    "MessageTooLarge",
+    "MirrorDiverged",
+    "NotFound",
+    "OutOfOrder",
+    "ServiceUnavailable",
+    "SessionConflict",
+    "mapping_digest",
+    "pair_digest",
+}
+
+
+@pytest.mark.parametrize(
+    ("module_name", "names"),
+    [("kvdefrag.server", SERVER_NAMES), ("kvdefrag.common", COMMON_NAMES)],
+)
+def test_all_is_pinned_sorted_and_documented(module_name: str, names: set[str]) -> None:
+    module: ModuleType = importlib.import_module(module_name)
+    assert set(module.__all__) == names
+    assert list(module.__all__) == sorted(module.__all__)
+    star: dict[str, object] = {}
+    exec(f"from {module_name} import *", star)
+    assert set(star) - {"__builtins__"} == names
+    for name in names:
+        assert getattr(module, name).__doc__, f"{module_name}.{name} has no docstring"
+
+
+def test_every_common_error_is_a_defrag_error() -> None:
+    common = importlib.import_module("kvdefrag.common")
+    errors = [getattr(common, name) for name in COMMON_NAMES if name[0].isupper()]
+    assert all(issubclass(error, common.DefragError) for error in errors)
+
+
+def test_kvdefrag_common_imports_without_torch() -> None:
+    script = "import sys, kvdefrag.common; print('torch' in sys.modules)"
+    completed = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True
+    )
+    assert completed.stdout.strip() == "False"
