@@ -1,0 +1,188 @@
+"""The demo (``make demo``): real server, real client, real KV data, both modes.
+
+Also the worker's signature checks and the event-derived live set it relies on.
+"""
+
+from __future__ import annotations
+
+import io
+import re
+import subprocess
+import sys
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from kvdefrag.server import Move, MoveReport
+from kvdefrag.server.demo import (
+    DemoOptions,
+    KvSignatures,
+    LogicalPool,
+    format_report,
+    make_kv_caches,
+    run_demo,
+    run_mode,
+)
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+INTEGRITY = re.compile(r"KV integrity: ([\d,]+) live blocks checked, ([\d,]+) corrupted")
+
+
+def tiny_options(**overrides: object) -> DemoOptions:
+    """A few hundred steps on a 400-block pool: fills up, preempts, compacts."""
+    options: dict[str, object] = {
+        "num_steps": 300,
+        "num_blocks": 400,
+        "check_every": 50,
+        "progress_interval_s": 0.0,
+    }
+    options.update(overrides)
+    return DemoOptions(**options)  # type: ignore[arg-type]
+
+
+def integrity_counts(text: str) -> list[tuple[int, int]]:
+    return [
+        (int(checked.replace(",", "")), int(bad.replace(",", "")))
+        for checked, bad in INTEGRITY.findall(text)
+    ]
+
+
+# --- the demo end to end -------------------------------------------------------------
+def test_demo_packs_the_pool_and_keeps_every_block_in_both_modes(tmp_path: Path) -> None:
+    out = io.StringIO()
+    plot = tmp_path / "plots" / "demo.png"
+
+    result = run_demo(tiny_options(), "both", plot, out=out)
+
+    text = out.getvalue()
+    off, on = result.reports
+    assert (off.title, on.title) == ("prefix caching off", "prefix caching on")
+    assert integrity_counts(text) == [(off.num_live_checked, 0), (on.num_live_checked, 0)]
+    for report in (off, on):
+        assert report.num_corrupted == 0
+        assert report.num_live_checked > 0 and report.num_moved_checked > 0
+        assert report.peak_max_live_with <= report.peak_max_live_without
+        assert report.mean_max_live_with < report.mean_max_live_without
+        assert report.ratio_mean_with < report.ratio_mean_without
+        assert report.num_moves > 0 and report.num_bytes_moved > 0
+        assert report.num_steps == 300
+    assert off.num_placements > 0 and off.num_two_way_moves == 0
+    assert on.num_two_way_moves > 0 and on.num_cached_checked > 0
+    assert result.exit_code == 0
+    assert plot.read_bytes().startswith(PNG_MAGIC)
+    assert f"plot: {plot.resolve()}" in text
+    assert "[prefix caching off] step    300/300" in text, "progress lines"
+
+
+def test_one_mode_only(tmp_path: Path) -> None:
+    out = io.StringIO()
+
+    result = run_demo(tiny_options(num_steps=120), "on", tmp_path / "on.png", out=out)
+
+    assert [report.title for report in result.reports] == ["prefix caching on"]
+    assert "prefix caching off" not in out.getvalue()
+
+
+class DroppingExecutor:
+    """Claims every move succeeded but copies nothing: the data stays behind."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+
+    def execute(self, moves: Sequence[Move]) -> MoveReport:
+        return MoveReport(num_moves=len(moves), num_padded=0, num_bytes=0)
+
+
+def test_demo_sees_blocks_whose_data_did_not_move() -> None:
+    options = tiny_options(num_steps=150)
+
+    run = run_mode(options, False, out=io.StringIO(), executor=DroppingExecutor(400))
+
+    report = run.report
+    assert report.num_moves > 0
+    assert report.num_corrupted > 0
+    assert report.corruption_examples
+    assert not report.is_intact
+    checked, bad = integrity_counts(format_report(report))[0]
+    assert bad == report.num_corrupted and checked == report.num_live_checked
+
+
+def test_demo_module_runs_as_make_demo_does(tmp_path: Path) -> None:
+    plot = tmp_path / "demo.png"
+    argv = ["--steps", "150", "--num-blocks", "300", "--mode", "off", "--out", str(plot)]
+
+    done = subprocess.run(
+        [sys.executable, "-m", "kvdefrag.server.demo", *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+    assert done.returncode == 0, done.stderr
+    assert [bad for _, bad in integrity_counts(done.stdout)] == [0]
+    assert "highest live block id, mean" in done.stdout
+    assert plot.read_bytes().startswith(PNG_MAGIC)
+
+
+def test_bad_options_are_refused_naming_the_option() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "kvdefrag.server.demo", "--num-blocks", "10"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+    assert done.returncode == 2
+    assert "num_blocks must be >= 64, got 10" in done.stderr
+
+
+# --- the worker's signatures ---------------------------------------------------------
+def signed_blocks(
+    num_blocks: int = 16,
+) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], KvSignatures]:
+    caches = make_kv_caches(num_blocks, 4)
+    kv = KvSignatures(caches, 4, threading.Lock())
+    kv.write([1, 2, 3, 4], [1, 2, 3, 4])
+    return caches, kv
+
+
+def test_signatures_read_back_where_they_were_written() -> None:
+    _, kv = signed_blocks()
+
+    assert kv.corrupted([1, 2, 3, 4], [1, 2, 3, 4]) == []
+    assert kv.corrupted([1, 2], [2, 1]) == [(1, 2), (2, 1)]
+    assert kv.corrupted([5], [5]) == [(5, 5)], "a block never written holds nothing"
+
+
+def test_signatures_see_a_block_copied_to_another_tensor_or_offset() -> None:
+    caches, kv = signed_blocks()
+    key, value = caches[0]
+    value.view(16, -1)[1] = key.view(16, -1)[1]  # key data in the value tensor
+    key.view(16, -1)[2] = torch.roll(key.view(16, -1)[2], 1)  # shifted by one element
+
+    assert kv.corrupted([1, 2, 3], [1, 2, 3]) == [(1, 1), (2, 2)]
+
+
+def test_a_rewritten_block_has_a_new_signature() -> None:
+    caches, kv = signed_blocks()
+    old = caches[0][0].view(16, -1)[3].clone()
+
+    kv.write([3], [7])
+
+    assert kv.corrupted([3], [7]) == []
+    caches[0][0].view(16, -1)[7] = old
+    assert kv.corrupted([3], [7]) == [(3, 7)], "the old version is not the new one"
+
+
+def test_logical_pool_follows_the_engine_order() -> None:
+    pool = LogicalPool(16)
+    assert pool.apply(new_blocks={"a": [0, 3, 5], "b": [5]}) == ([3, 5], [])
+    # finished first: "a" re-admitted in the same step keeps block 3 live
+    became_live, became_free = pool.apply(finished=["a"], new_blocks={"a": [3, 9]})
+    assert (became_live, became_free) == ([9], [])
+    assert pool.apply(resumed={"b": [7]}) == ([7], [5])
+    assert (pool.num_live, pool.max_live(), pool.live_ids()) == (3, 9, [3, 7, 9])
