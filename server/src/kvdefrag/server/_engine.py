@@ -236,7 +236,10 @@ class Engine:
             if self._unhealthy_reason is not None:
                 raise EngineUnhealthy(self._unhealthy_reason)
             step_input = self._validate(finished, new_blocks, resumed, fresh, evicted)
-            result = self._apply(step_input)
+            try:
+                result = self._apply(step_input)
+            finally:
+                self._tracker.flush()
         self._notify("on_step", result, time.perf_counter() - started)
         return result
 
@@ -375,7 +378,7 @@ class Engine:
         stats = self._stats_locked()
         fwd = tracker.fwd
         return StepResult(
-            block_mapping={i: int(fwd[i]) for i in touched if i != NULL_BLOCK_ID},
+            block_mapping={i: fwd[i] for i in touched if i != NULL_BLOCK_ID},
             moves=tuple(moves),
             num_placed=num_placed,
             num_unknown_finished=num_unknown,
@@ -391,7 +394,7 @@ class Engine:
         tracker = self._tracker
         num_placed = 0
         for logical_id in dict.fromkeys(fresh):
-            physical_id = int(tracker.fwd[logical_id])
+            physical_id = tracker.fwd[logical_id]
             target = tracker.lowest_expendable()
             if target is None or target > physical_id:
                 continue
@@ -413,6 +416,7 @@ class Engine:
             with self.kv_lock:
                 report = self._executor.execute(moves)
         except Exception as err:
+            tracker.restore_slots([slot for move in moves for slot in move[:2]])
             self._unhealthy_reason = (
                 f"KV move of {len(moves)} blocks failed ({type(err).__name__}: {err}); "
                 "the mapping was not changed, so live blocks resolve to their old slots; "
@@ -421,8 +425,9 @@ class Engine:
             self._notify("on_move_failure")
             raise EngineUnhealthy(self._unhealthy_reason) from err
         swap_s = time.perf_counter() - started
-        for move in moves:
-            touched += tracker.swap_slots(move.src_physical_id, move.dst_physical_id)
+        touched += tracker.move_live_blocks(
+            [move.src_physical_id for move in moves], [move.dst_physical_id for move in moves]
+        )
         counters = self._counters
         counters.num_defrag_runs += 1
         counters.num_moves += len(moves)
@@ -445,7 +450,7 @@ class Engine:
             bad = int(ids[(ids < 0) | (ids >= self.num_blocks)][0])
             raise InvalidArgument(f"resolve: block id {bad} is outside [0, {self.num_blocks})")
         with self._lock:
-            physical_ids: npt.NDArray[np.int64] = self._tracker.fwd[ids]
+            physical_ids: npt.NDArray[np.int64] = self._tracker.fwd_array[ids]
         return physical_ids
 
     def resolve_tables(self, tables: Sequence[Sequence[int]]) -> list[list[int]]:

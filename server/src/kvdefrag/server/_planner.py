@@ -31,17 +31,12 @@ def plan_compaction(tracker: BlockTracker, max_moves: int) -> list[Move]:
 
     Pairs stop at the first free slot that is not below its live partner: a block only
     ever moves down, and slot 0 is never a candidate (the tracker never lists it).
+
+    The slots of the returned moves are taken out of the tracker's heaps: the caller
+    commits them (``BlockTracker.move_live_blocks``) or hands them back
+    (``BlockTracker.restore_slots``).
     """
-    moves: list[Move] = []
-    taken_live: list[int] = []
-    taken_free: list[int] = []
-    while len(moves) < max_moves:
-        src = tracker.take_highest_live(1)
-        dst = tracker.take_lowest_free(1)
-        taken_live += src
-        taken_free += dst
-        if not src or not dst or dst[0] > src[0]:
-            break
-        moves.append(Move(src[0], dst[0], tracker.holds_data(dst[0])))
-    tracker.restore_slots(taken_live + taken_free)
-    return moves
+    src_ids, dst_ids = tracker.take_compaction_pairs(max_moves)
+    return [
+        Move(src, dst, tracker.holds_data(dst)) for src, dst in zip(src_ids, dst_ids, strict=True)
+    ]

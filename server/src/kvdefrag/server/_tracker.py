@@ -11,6 +11,10 @@ Reference counts and the "cached" flag belong to *logical* ids (prefix caching s
 caches the scheduler's blocks); the packing question -- which slots are live, which are
 holes -- is asked in *physical* space. Three lazy heaps answer it in O(log n) per change,
 so no step ever scans or sorts the pool.
+
+NOTE: the per-block state is kept in Python lists, not numpy arrays: the hot path reads
+and writes single elements, which lists do several times faster. ``fwd_array`` is a numpy
+copy of ``fwd`` for vectorised resolve, brought up to date by ``flush`` in O(changes).
 """
 
 from __future__ import annotations
@@ -26,6 +30,22 @@ from kvdefrag.common import pair_digest
 NULL_BLOCK_ID = 0
 
 
+def _xor_of_pair_digests(logical_ids: list[int], physical_ids: list[int]) -> int:
+    """XOR of ``pair_digest`` over many pairs; numpy for batches, same values."""
+    if len(logical_ids) < 32:
+        digest = 0
+        for logical_id, physical_id in zip(logical_ids, physical_ids, strict=True):
+            digest ^= pair_digest(logical_id, physical_id)
+        return digest
+    logical = np.asarray(logical_ids, dtype=np.uint64)
+    physical = np.asarray(physical_ids, dtype=np.uint64)
+    z = (logical << np.uint64(32)) ^ physical ^ np.uint64(0x9E3779B97F4A7C15)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    z ^= z >> np.uint64(31)
+    return int(np.bitwise_xor.reduce(z))
+
+
 class _SlotHeap:
     """A lazy heap of physical slots whose entries are re-checked when read.
 
@@ -37,27 +57,27 @@ class _SlotHeap:
 
     def __init__(self, num_blocks: int, slots: Iterable[int], descending: bool) -> None:
         self._sign = -1 if descending else 1
-        self._flags = bytearray(num_blocks)
-        self._heap: list[int] = []
+        self.flags = bytearray(num_blocks)
+        self.heap: list[int] = []
         for slot in slots:
-            self._flags[slot] = 1
-            self._heap.append(self._sign * slot)
-        heapq.heapify(self._heap)
+            self.flags[slot] = 1
+            self.heap.append(self._sign * slot)
+        heapq.heapify(self.heap)
 
     def push(self, slot: int) -> None:
-        if not self._flags[slot]:
-            self._flags[slot] = 1
-            heapq.heappush(self._heap, self._sign * slot)
+        if not self.flags[slot]:
+            self.flags[slot] = 1
+            heapq.heappush(self.heap, self._sign * slot)
 
     def top(self, is_valid: Callable[[int], bool]) -> int | None:
         """Returns the best valid slot, dropping stale entries above it; None if empty."""
-        heap = self._heap
+        heap = self.heap
         while heap:
             slot = self._sign * heap[0]
             if is_valid(slot):
                 return slot
             heapq.heappop(heap)
-            self._flags[slot] = 0
+            self.flags[slot] = 0
         return None
 
     def take(self, count: int, is_valid: Callable[[int], bool]) -> list[int]:
@@ -67,8 +87,8 @@ class _SlotHeap:
             slot = self.top(is_valid)
             if slot is None:
                 break
-            heapq.heappop(self._heap)
-            self._flags[slot] = 0
+            heapq.heappop(self.heap)
+            self.flags[slot] = 0
             taken.append(slot)
         return taken
 
@@ -90,10 +110,12 @@ class BlockTracker:
         assert num_blocks >= 2, f"a pool needs the null block and one more, got {num_blocks}"
         self.num_blocks = num_blocks
         self.prefix_caching = prefix_caching
-        self.fwd: npt.NDArray[np.int64] = np.arange(num_blocks, dtype=np.int64)
-        self.bwd: npt.NDArray[np.int64] = np.arange(num_blocks, dtype=np.int64)
-        self.refs: npt.NDArray[np.int32] = np.zeros(num_blocks, dtype=np.int32)
-        self.cached: npt.NDArray[np.bool_] = np.zeros(num_blocks, dtype=np.bool_)
+        self.fwd: list[int] = list(range(num_blocks))
+        self.bwd: list[int] = list(range(num_blocks))
+        self.refs: list[int] = [0] * num_blocks
+        self.cached: list[bool] = [False] * num_blocks
+        self.fwd_array: npt.NDArray[np.int64] = np.arange(num_blocks, dtype=np.int64)
+        self._remapped: list[int] = []  # logical ids whose fwd changed since flush()
         self.requests: dict[str, list[int]] = {}
         self.num_live = 0
         self.digest = 0
@@ -104,7 +126,7 @@ class BlockTracker:
 
     # --- predicates on physical slots -------------------------------------------------
     def is_live_slot(self, physical_id: int) -> bool:
-        return bool(self.refs[self.bwd[physical_id]] > 0)
+        return self.refs[self.bwd[physical_id]] > 0
 
     def is_free_slot(self, physical_id: int) -> bool:
         return physical_id != NULL_BLOCK_ID and not self.refs[self.bwd[physical_id]]
@@ -139,6 +161,31 @@ class BlockTracker:
     def take_lowest_free(self, count: int) -> list[int]:
         return self._free.take(count, self.is_free_slot)
 
+    def take_compaction_pairs(self, max_pairs: int) -> tuple[list[int], list[int]]:
+        """Takes up to ``max_pairs`` (highest live slot, lowest free slot) pairs, while the
+        free slot is below the live one. Both leave the heaps (see ``restore_slots``).
+
+        NOTE: the hottest loop of a compaction step, so it works on the heaps directly
+        instead of through ``take_*``.
+        """
+        refs, bwd = self.refs, self.bwd
+        live, free = self._live, self._free
+        live_heap, free_heap = live.heap, free.heap
+        src_ids: list[int] = []
+        dst_ids: list[int] = []
+        while len(src_ids) < max_pairs:
+            src = live.top(self.is_live_slot)
+            dst = free.top(self.is_free_slot)
+            if src is None or dst is None or dst > src:
+                break
+            heapq.heappop(live_heap)
+            heapq.heappop(free_heap)
+            live.flags[src] = free.flags[dst] = 0
+            src_ids.append(src)
+            dst_ids.append(dst)
+        assert all(refs[bwd[dst]] == 0 for dst in dst_ids), "a compaction target is live"
+        return src_ids, dst_ids
+
     def restore_slots(self, physical_ids: Iterable[int]) -> None:
         """Re-indexes slots taken by ``take_*`` (their state has not changed)."""
         for physical_id in physical_ids:
@@ -147,11 +194,11 @@ class BlockTracker:
     # --- mutations --------------------------------------------------------------------
     def acquire(self, logical_id: int) -> bool:
         """Adds one reference; returns True when the block became live."""
-        refs = int(self.refs[logical_id])
+        refs = self.refs[logical_id]
         self.refs[logical_id] = refs + 1
         if refs:
             return False
-        physical_id = int(self.fwd[logical_id])
+        physical_id = self.fwd[logical_id]
         self.num_live += 1
         self.digest ^= pair_digest(logical_id, physical_id)
         self._live.push(physical_id)
@@ -159,12 +206,12 @@ class BlockTracker:
 
     def release(self, logical_id: int) -> None:
         """Drops one reference; a block that becomes free is cached under prefix caching."""
-        refs = int(self.refs[logical_id])
+        refs = self.refs[logical_id]
         assert refs > 0, f"release of logical block {logical_id} with no references"
         self.refs[logical_id] = refs - 1
         if refs > 1:
             return
-        physical_id = int(self.fwd[logical_id])
+        physical_id = self.fwd[logical_id]
         self.num_live -= 1
         self.digest ^= pair_digest(logical_id, physical_id)
         self.cached[logical_id] = self.prefix_caching
@@ -174,7 +221,7 @@ class BlockTracker:
         """Marks a free block's content as no longer needed (a no-op for live blocks)."""
         if not self.refs[logical_id] and self.cached[logical_id]:
             self.cached[logical_id] = False
-            self._index_slot(int(self.fwd[logical_id]))
+            self._index_slot(self.fwd[logical_id])
 
     def swap_slots(self, physical_a: int, physical_b: int) -> tuple[int, int]:
         """Exchanges the logical ids held by two physical slots (the mapping only).
@@ -183,8 +230,8 @@ class BlockTracker:
             The logical ids now at ``physical_a`` and ``physical_b``.
         """
         assert NULL_BLOCK_ID not in (physical_a, physical_b), "the null block never moves"
-        logical_a = int(self.bwd[physical_a])
-        logical_b = int(self.bwd[physical_b])
+        logical_a = self.bwd[physical_a]
+        logical_b = self.bwd[physical_b]
         for logical_id, old, new in (
             (logical_a, physical_a, physical_b),
             (logical_b, physical_b, physical_a),
@@ -193,9 +240,43 @@ class BlockTracker:
                 self.digest ^= pair_digest(logical_id, old) ^ pair_digest(logical_id, new)
         self.fwd[logical_a], self.fwd[logical_b] = physical_b, physical_a
         self.bwd[physical_a], self.bwd[physical_b] = logical_b, logical_a
+        self._remapped += (logical_a, logical_b)
         self._index_slot(physical_a)
         self._index_slot(physical_b)
         return logical_b, logical_a
+
+    def move_live_blocks(self, src_ids: list[int], dst_ids: list[int]) -> list[int]:
+        """Commits a compaction batch: live ``src_ids[i]`` and free ``dst_ids[i]`` trade
+        logical ids. The slots must have been taken from the heaps (``take_*``).
+
+        Returns:
+            Every logical id whose slot changed.
+        """
+        fwd, bwd = self.fwd, self.bwd
+        moved_ids = [bwd[src] for src in src_ids]
+        freed_ids = [bwd[dst] for dst in dst_ids]
+        assert all(self.refs[i] for i in moved_ids), "compaction moves live blocks only"
+        assert not any(self.refs[i] for i in freed_ids), "compaction targets free slots only"
+        for moved_id, freed_id, src, dst in zip(
+            moved_ids, freed_ids, src_ids, dst_ids, strict=True
+        ):
+            fwd[moved_id], fwd[freed_id] = dst, src
+            bwd[dst], bwd[src] = moved_id, freed_id
+        self.digest ^= _xor_of_pair_digests(moved_ids, src_ids) ^ _xor_of_pair_digests(
+            moved_ids, dst_ids
+        )
+        for physical_id in (*src_ids, *dst_ids):
+            self._index_slot(physical_id)
+        changed = moved_ids + freed_ids
+        self._remapped += changed
+        return changed
+
+    def flush(self) -> None:
+        """Brings ``fwd_array`` up to date with ``fwd`` (O(ids changed since last flush))."""
+        if self._remapped:
+            remapped = self._remapped
+            self.fwd_array[remapped] = [self.fwd[i] for i in remapped]
+            self._remapped = []
 
     def _index_slot(self, physical_id: int) -> None:
         """Puts a slot into every heap whose predicate it now satisfies."""

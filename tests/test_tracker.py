@@ -1,0 +1,38 @@
+"""Tracker internals the engine relies on for speed: batch digests and the numpy view."""
+
+import random
+
+from kvdefrag.common import pair_digest
+from kvdefrag.server._tracker import BlockTracker, _xor_of_pair_digests
+
+
+def test_batch_digest_equals_the_scalar_digest_on_both_paths() -> None:
+    rng = random.Random(7)
+    for size in (0, 1, 31, 32, 33, 500):
+        logical = [rng.randrange(1, 1 << 31) for _ in range(size)]
+        physical = [rng.randrange(1, 1 << 31) for _ in range(size)]
+        expected = 0
+        for logical_id, physical_id in zip(logical, physical, strict=True):
+            expected ^= pair_digest(logical_id, physical_id)
+        assert _xor_of_pair_digests(logical, physical) == expected
+
+
+def test_fwd_array_follows_fwd_after_flush() -> None:
+    tracker = BlockTracker(4096, prefix_caching=False)
+    rng = random.Random(3)
+    live = rng.sample(range(2048, 4096), 600)
+    for logical_id in live:
+        tracker.acquire(logical_id)
+    src_ids, dst_ids = tracker.take_compaction_pairs(512)
+    assert len(src_ids) == 512 and all(dst < src for src, dst in zip(src_ids, dst_ids, strict=True))
+    tracker.move_live_blocks(src_ids, dst_ids)
+    assert tracker.fwd_array.tolist() != tracker.fwd  # not synced until flush()
+    tracker.flush()
+    assert tracker.fwd_array.tolist() == tracker.fwd
+    assert sorted(tracker.fwd) == list(range(4096))
+    assert all(tracker.bwd[tracker.fwd[i]] == i for i in range(4096))
+    live_pairs = [(i, tracker.fwd[i]) for i in live]
+    digest = 0
+    for logical_id, physical_id in live_pairs:
+        digest ^= pair_digest(logical_id, physical_id)
+    assert tracker.digest == digest
