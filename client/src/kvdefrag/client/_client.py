@@ -37,6 +37,7 @@ from kvdefrag.client._types import (
     StepEvents,
     StepReply,
 )
+from kvdefrag.client.record import StepRecorder
 from kvdefrag.common import (
     DefragError,
     EpochMismatch,
@@ -103,6 +104,7 @@ class DefragClient:
         certificate_chain: bytes | None = None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         interceptors: Sequence[Any] = (),
+        record_to: str | os.PathLike[str] | None = None,
     ) -> None:
         """Connects and opens the step session.
 
@@ -117,6 +119,8 @@ class DefragClient:
             certificate_chain: PEM client certificate chain (mTLS).
             max_message_bytes: Largest message sent or received (match the server's).
             interceptors: ``grpc`` client interceptors (tracing, tests).
+            record_to: A JSON-lines file that receives every step the server applied,
+                for ``kvdefrag replay`` (offline tuning).
 
         Raises:
             InvalidArgument: A setting is out of range.
@@ -162,9 +166,17 @@ class DefragClient:
         self._pending: _PendingStep | None = None
         self._unusable: DefragError | None = None
         self._is_closed = False
+        self._recorder: StepRecorder | None = None
         try:
             with self._lock:
                 self._open_stream(self._deadline())
+                if record_to is not None:
+                    self._recorder = StepRecorder(
+                        record_to,
+                        num_blocks=self.num_blocks,
+                        block_size=self.block_size,
+                        prefix_caching=prefix_caching,
+                    )
         except BaseException:
             self._channel.close()
             raise
@@ -253,7 +265,9 @@ class DefragClient:
             self._check_usable()
             deadline = self._deadline()
             if self._pending is not None:
-                self._complete(self._pending, deadline, "earlier unacknowledged step")
+                earlier = self._pending
+                self._complete(earlier, deadline, "earlier unacknowledged step")
+                self._record(earlier.events)
             if self._mirror is None:
                 self._ensure_stream(deadline)  # seq and epoch come from the session
             request = _convert.step_request(self._next_seq, self._epoch, events)
@@ -265,7 +279,14 @@ class DefragClient:
                     f"max_message_bytes ({self.max_message_bytes})"
                 )
             self._pending = _PendingStep(self._next_seq, events, message)
-            return self._complete(self._pending, deadline, "step")
+            reply = self._complete(self._pending, deadline, "step")
+            self._record(events)
+            return reply
+
+    def _record(self, events: StepEvents) -> None:
+        """Appends a step the server applied to the trace, when recording."""
+        if self._recorder is not None:
+            self._recorder.record_events(events)
 
     def _complete(self, pending: _PendingStep, deadline: float, what: str) -> StepReply:
         """Sends a pending step until its reply arrives, reconnecting when the stream breaks."""
@@ -670,6 +691,8 @@ class DefragClient:
                 self._drop_stream(cancel=False)
             finally:
                 self._channel.close()
+                if self._recorder is not None:
+                    self._recorder.close()
 
     def __enter__(self) -> DefragClient:
         return self
