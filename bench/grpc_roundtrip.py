@@ -1,0 +1,289 @@
+"""gRPC round trip of one kvdefrag step against a bare gRPC bidi echo (issue 3).
+
+Both run in this process, each on its own temporary unix socket, and are timed step by
+step, interleaved, so machine noise hits both alike::
+
+    kvdefrag:  DefragClient.step ==StepStream==> servicer -> engine (+ KV moves) -> reply
+               (proto build, mirror update, digest check)
+    echo:      raw request bytes ==bidi stream==> generic handler -> raw reply bytes
+               (the same bytes a kvdefrag step sends and receives, no work)
+
+The typical step of the issue: one new request with 64 fresh blocks, a few finished
+requests (2-3 of 256 blocks), and the engine's compaction moving up to 512 blocks. A
+setup phase (untimed) fills ~97% of the pool with 256-block requests so that each timed
+step frees more than it moves and compaction stays busy. The same steps also run through
+an in-process ``Engine`` (no gRPC), so the report splits the round trip into engine work
+and what the wire adds.
+
+Run alone: ``python bench/grpc_roundtrip.py [--quick]``; ``bench/run.py`` calls
+``run_grpc_bench`` and prints ``format_grpc_bench``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import queue
+import random
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from concurrent import futures
+from typing import Any
+
+import grpc
+import torch
+
+from kvdefrag.client import DefragClient, StepEvents
+from kvdefrag.client import _convert as client_convert
+from kvdefrag.server import Engine, serve_in_process
+from kvdefrag.server import _convert as server_convert
+
+REQUEST_BLOCKS = 256
+NEW_BLOCKS_PER_STEP = 64
+SETUP_BLOCKS_PER_STEP = 4_096
+FILL_FRACTION = 0.97
+MAX_MOVES_PER_STEP = 512
+ECHO_METHOD = "/kvdefrag.bench.Echo/Echo"
+GOAL_RATIO_P50 = 1.3
+
+
+def make_steps(num_blocks: int, num_timed: int, seed: int = 0) -> tuple[list[dict[str, Any]], int]:
+    """Builds the setup steps followed by ``num_timed`` typical steps.
+
+    Returns:
+        Every step's ``step()`` keywords, and how many of them are setup.
+    """
+    rng = random.Random(seed)
+    free_ids = list(range(num_blocks - 1, 0, -1))  # pop() hands out 1, 2, 3, ...
+    live: dict[str, list[int]] = {}
+    steps: list[dict[str, Any]] = []
+    counter = 0
+
+    def admit(num_blocks_wanted: int) -> tuple[str, list[int]]:
+        nonlocal counter
+        request_id = f"req-{counter}"
+        counter += 1
+        block_ids = [free_ids.pop() for _ in range(num_blocks_wanted)]
+        live[request_id] = block_ids
+        return request_id, block_ids
+
+    target = int(FILL_FRACTION * (num_blocks - 1))
+    while len(free_ids) > num_blocks - target:
+        new_blocks: dict[str, list[int]] = {}
+        while len(free_ids) > num_blocks - target and len(new_blocks) * REQUEST_BLOCKS < (
+            SETUP_BLOCKS_PER_STEP
+        ):
+            request_id, block_ids = admit(REQUEST_BLOCKS)
+            new_blocks[request_id] = block_ids
+        fresh = [block_id for ids in new_blocks.values() for block_id in ids]
+        steps.append({"new_blocks": new_blocks, "fresh": fresh})
+    num_setup = len(steps)
+    for index in range(num_timed):
+        finished = rng.sample(sorted(live), 2 + index % 2)
+        for request_id in finished:
+            free_ids.extend(live.pop(request_id))
+        rng.shuffle(free_ids)
+        request_id, block_ids = admit(NEW_BLOCKS_PER_STEP)
+        steps.append(
+            {"finished": finished, "new_blocks": {request_id: block_ids}, "fresh": block_ids}
+        )
+    return steps, num_setup
+
+
+def _kv_caches(num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A small CPU cache: 16-token blocks of 1 head x 8 float16 (256 bytes per tensor)."""
+    shape = (num_blocks * 16, 1, 8)
+    return [(torch.zeros(shape, dtype=torch.float16), torch.zeros(shape, dtype=torch.float16))]
+
+
+def _engine_pass(
+    steps: list[dict[str, Any]], num_blocks: int, num_setup: int
+) -> tuple[list[float], list[bytes], list[bytes], list[int]]:
+    """Runs the steps in process; returns timed durations, wire bytes and moves per step."""
+    engine = Engine(_kv_caches(num_blocks), 16, max_moves_per_step=MAX_MOVES_PER_STEP)
+    durations, requests, replies, moves = [], [], [], []
+    for seq, kwargs in enumerate(steps, start=1):
+        started = time.perf_counter()
+        result = engine.step(**kwargs)
+        elapsed = time.perf_counter() - started
+        if seq <= num_setup:
+            continue
+        durations.append(elapsed)
+        moves.append(len(result.moves))
+        request = client_convert.step_request(seq, 1, StepEvents.build(**kwargs))
+        requests.append(client_convert.stream_step(request).SerializeToString())
+        reply = server_convert.step_response(result, seq, 1)
+        replies.append(server_convert.stream_step_response(reply).SerializeToString())
+    return durations, requests, replies, moves
+
+
+class _EchoServer:
+    """A bare bidi stream: answers the i-th message with the i-th canned reply."""
+
+    def __init__(self, address: str, replies: list[bytes]) -> None:
+        def echo(requests: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
+            for index, _ in enumerate(requests):
+                yield replies[index % len(replies)]
+
+        handler = grpc.method_handlers_generic_handler(
+            "kvdefrag.bench.Echo", {"Echo": grpc.stream_stream_rpc_method_handler(echo)}
+        )
+        self._pool = futures.ThreadPoolExecutor(max_workers=2)
+        self._server = grpc.server(self._pool)
+        self._server.add_generic_rpc_handlers((handler,))
+        self._server.add_insecure_port(address)
+        self._server.start()
+
+    def stop(self) -> None:
+        self._server.stop(None).wait()
+        self._pool.shutdown(wait=False)
+
+
+class _EchoClient:
+    """One long-lived bidi call: send raw bytes, wait for the reply (no proto work)."""
+
+    _END = object()
+
+    def __init__(self, address: str) -> None:
+        self._channel = grpc.insecure_channel(address)
+        self._requests: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        # Raw bytes both ways: no serializer, no deserializer.
+        call = self._channel.stream_stream(ECHO_METHOD, None, None)
+        self._replies: Iterator[bytes] = iter(call(iter(self._requests.get, self._END)))
+
+    def round_trip(self, message: bytes) -> bytes:
+        self._requests.put(message)
+        reply: bytes = next(self._replies)
+        return reply
+
+    def close(self) -> None:
+        self._requests.put(self._END)
+        for _ in self._replies:
+            pass
+        self._channel.close()
+
+
+def _percentile_us(samples_s: Sequence[float], fraction: float) -> float:
+    ordered = sorted(samples_s)
+    return ordered[round(fraction * (len(ordered) - 1))] * 1e6
+
+
+def _summary(samples_s: Sequence[float]) -> dict[str, float]:
+    return {
+        "p50_us": _percentile_us(samples_s, 0.50),
+        "p99_us": _percentile_us(samples_s, 0.99),
+        "mean_us": statistics.fmean(samples_s) * 1e6,
+    }
+
+
+def run_grpc_bench(quick: bool = False) -> dict[str, Any]:
+    """Times kvdefrag's step round trip and a bare echo of the same bytes, interleaved.
+
+    Args:
+        quick: A smaller pool and fewer steps.
+
+    Returns:
+        Latency summaries (µs) for the echo, the kvdefrag stream and the in-process
+        engine, the p50 ratio, steps/s, and what a typical step carried.
+    """
+    num_blocks = 65_536 if quick else 262_144
+    num_timed = 150 if quick else 400
+    steps, num_setup = make_steps(num_blocks, num_timed)
+    engine_s, requests, replies, moves = _engine_pass(steps, num_blocks, num_setup)
+    stream_s: list[float] = []
+    echo_s: list[float] = []
+    with tempfile.TemporaryDirectory(prefix="kvdefrag-bench-") as socket_dir:
+        echo_address = f"unix:{socket_dir}/echo.sock"
+        echo_server = _EchoServer(echo_address, replies)
+        handle = serve_in_process(
+            _kv_caches(num_blocks),
+            16,
+            address=f"unix:{socket_dir}/kvdefrag.sock",
+            max_moves_per_step=MAX_MOVES_PER_STEP,
+        )
+        echo = _EchoClient(echo_address)
+        try:
+            with DefragClient(handle.address, client_name="bench") as client:
+                for kwargs in steps[:num_setup]:
+                    client.step(**kwargs)
+                for message in requests[:20]:  # warm the echo path too
+                    echo.round_trip(message)
+                gc.collect()
+                gc.freeze()
+                try:
+                    for message, kwargs in zip(requests, steps[num_setup:], strict=True):
+                        started = time.perf_counter()
+                        echo.round_trip(message)
+                        echo_s.append(time.perf_counter() - started)
+                        started = time.perf_counter()
+                        client.step(**kwargs)
+                        stream_s.append(time.perf_counter() - started)
+                finally:
+                    gc.unfreeze()
+        finally:
+            echo.close()
+            echo_server.stop()
+            handle.stop(1.0)
+    stream = _summary(stream_s)
+    echo_summary = _summary(echo_s)
+    engine = _summary(engine_s)
+    return {
+        "num_blocks": num_blocks,
+        "num_timed_steps": num_timed,
+        "mean_moves_per_step": statistics.fmean(moves),
+        "max_moves_per_step": max(moves),
+        "mean_request_bytes": statistics.fmean(len(message) for message in requests),
+        "mean_reply_bytes": statistics.fmean(len(message) for message in replies),
+        "echo": echo_summary,
+        "kvdefrag_stream": stream,
+        "engine_in_process": engine,
+        "ratio_p50": stream["p50_us"] / echo_summary["p50_us"],
+        "wire_ratio_p50": (stream["p50_us"] - engine["p50_us"]) / echo_summary["p50_us"],
+        "steps_per_s": len(stream_s) / sum(stream_s),
+        "goal_ratio_p50": GOAL_RATIO_P50,
+    }
+
+
+def format_grpc_bench(result: dict[str, Any]) -> str:
+    """The report's section for the round-trip benchmark."""
+
+    def row(name: str, summary: dict[str, float]) -> str:
+        return (
+            f"   {name:<34} {summary['p50_us']:>9.0f} {summary['p99_us']:>9.0f} "
+            f"{summary['mean_us']:>9.0f}"
+        )
+
+    ratio = result["ratio_p50"]
+    verdict = "ok" if ratio <= result["goal_ratio_p50"] else "MISSED"
+    return "\n".join(
+        [
+            f"== gRPC round trip ({result['num_timed_steps']} typical steps, "
+            f"{result['num_blocks']:,} blocks; unix socket, same process)",
+            f"   a step: {NEW_BLOCKS_PER_STEP} new blocks, 2-3 finished, "
+            f"{result['mean_moves_per_step']:.0f} moves on average "
+            f"(max {result['max_moves_per_step']}); request "
+            f"{result['mean_request_bytes']:.0f} B, reply {result['mean_reply_bytes']:.0f} B",
+            f"   {'':<34} {'p50 µs':>9} {'p99 µs':>9} {'mean µs':>9}",
+            row("bare gRPC bidi echo (same bytes)", result["echo"]),
+            row("kvdefrag DefragClient.step", result["kvdefrag_stream"]),
+            row("  of which: Engine.step in process", result["engine_in_process"]),
+            f"   ratio at p50: {ratio:.2f}x the echo (goal <= {result['goal_ratio_p50']}x: "
+            f"{verdict}); without the engine's own work: {result['wire_ratio_p50']:.2f}x",
+            f"   {result['steps_per_s']:,.0f} steps/s through the stream",
+        ]
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="smaller pool, fewer steps")
+    args = parser.parse_args(argv)
+    print(format_grpc_bench(run_grpc_bench(args.quick)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
