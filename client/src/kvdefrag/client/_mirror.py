@@ -39,6 +39,9 @@ class Mirror:
         self.refs: list[int] = [0] * num_blocks
         self.requests: dict[str, list[int]] = {}
         self.digest = 0
+        # pair_digest(l, fwd[l]) as of when l became live or last moved (stale while free):
+        # releases and moves XOR the stored value out instead of recomputing it.
+        self._live_digests: list[int] = [0] * num_blocks
 
     @classmethod
     def from_tables(cls, fwd: Sequence[int], requests: Mapping[str, Sequence[int]]) -> Mirror:
@@ -139,11 +142,13 @@ class Mirror:
                 self._append(request_id, block_ids)
         fwd = self.fwd
         refs = self.refs
+        live_digests = self._live_digests
         digest = self.digest
         for logical_id, physical_id in zip(logical_ids, physical_ids, strict=True):
             if refs[logical_id]:
-                digest ^= pair_digest(logical_id, fwd[logical_id])
-                digest ^= pair_digest(logical_id, physical_id)
+                moved = pair_digest(logical_id, physical_id)
+                digest ^= live_digests[logical_id] ^ moved
+                live_digests[logical_id] = moved
             fwd[logical_id] = physical_id
         self.digest = digest
         return digest
@@ -153,14 +158,13 @@ class Mirror:
         if logical_ids is None:
             return
         refs = self.refs
-        fwd = self.fwd
         for logical_id in logical_ids:
             if logical_id == NULL_BLOCK_ID:
                 continue
             refs[logical_id] -= 1
             assert refs[logical_id] >= 0, f"mirror: block {logical_id} released twice"
             if not refs[logical_id]:
-                self.digest ^= pair_digest(logical_id, fwd[logical_id])
+                self.digest ^= self._live_digests[logical_id]
 
     def _append(self, request_id: str, logical_ids: list[int]) -> None:
         self.requests.setdefault(request_id, []).extend(logical_ids)
@@ -170,5 +174,7 @@ class Mirror:
             if logical_id == NULL_BLOCK_ID:
                 continue
             if not refs[logical_id]:
-                self.digest ^= pair_digest(logical_id, fwd[logical_id])
+                became_live = pair_digest(logical_id, fwd[logical_id])
+                self._live_digests[logical_id] = became_live
+                self.digest ^= became_live
             refs[logical_id] += 1

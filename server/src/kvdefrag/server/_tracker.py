@@ -30,20 +30,20 @@ from kvdefrag.common import pair_digest
 NULL_BLOCK_ID = 0
 
 
-def _xor_of_pair_digests(logical_ids: list[int], physical_ids: list[int]) -> int:
-    """XOR of ``pair_digest`` over many pairs; numpy for batches, same values."""
+def pair_digests(logical_ids: list[int], physical_ids: list[int]) -> list[int]:
+    """``pair_digest`` of many pairs; numpy for batches, the same values."""
     if len(logical_ids) < 32:
-        digest = 0
-        for logical_id, physical_id in zip(logical_ids, physical_ids, strict=True):
-            digest ^= pair_digest(logical_id, physical_id)
-        return digest
+        return [
+            pair_digest(l_id, p_id) for l_id, p_id in zip(logical_ids, physical_ids, strict=True)
+        ]
     logical = np.asarray(logical_ids, dtype=np.uint64)
     physical = np.asarray(physical_ids, dtype=np.uint64)
     z = (logical << np.uint64(32)) ^ physical ^ np.uint64(0x9E3779B97F4A7C15)
     z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
     z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
     z ^= z >> np.uint64(31)
-    return int(np.bitwise_xor.reduce(z))
+    digests: list[int] = z.tolist()
+    return digests
 
 
 class _SlotHeap:
@@ -119,6 +119,9 @@ class BlockTracker:
         self.requests: dict[str, list[int]] = {}
         self.num_live = 0
         self.digest = 0
+        # pair_digest(l, fwd[l]) as of when l became live or last moved (stale while free),
+        # so releases and moves XOR the stored value out instead of recomputing it.
+        self._live_digests: list[int] = [0] * num_blocks
         slots = range(1, num_blocks)
         self._live = _SlotHeap(num_blocks, (), descending=True)
         self._free = _SlotHeap(num_blocks, slots, descending=False)
@@ -200,7 +203,9 @@ class BlockTracker:
             return False
         physical_id = self.fwd[logical_id]
         self.num_live += 1
-        self.digest ^= pair_digest(logical_id, physical_id)
+        became_live = pair_digest(logical_id, physical_id)
+        self._live_digests[logical_id] = became_live
+        self.digest ^= became_live
         self._live.push(physical_id)
         return True
 
@@ -213,7 +218,7 @@ class BlockTracker:
             return
         physical_id = self.fwd[logical_id]
         self.num_live -= 1
-        self.digest ^= pair_digest(logical_id, physical_id)
+        self.digest ^= self._live_digests[logical_id]
         self.cached[logical_id] = self.prefix_caching
         self._index_slot(physical_id)
 
@@ -232,12 +237,11 @@ class BlockTracker:
         assert NULL_BLOCK_ID not in (physical_a, physical_b), "the null block never moves"
         logical_a = self.bwd[physical_a]
         logical_b = self.bwd[physical_b]
-        for logical_id, old, new in (
-            (logical_a, physical_a, physical_b),
-            (logical_b, physical_b, physical_a),
-        ):
+        for logical_id, new in ((logical_a, physical_b), (logical_b, physical_a)):
             if self.refs[logical_id]:
-                self.digest ^= pair_digest(logical_id, old) ^ pair_digest(logical_id, new)
+                moved = pair_digest(logical_id, new)
+                self.digest ^= self._live_digests[logical_id] ^ moved
+                self._live_digests[logical_id] = moved
         self.fwd[logical_a], self.fwd[logical_b] = physical_b, physical_a
         self.bwd[physical_a], self.bwd[physical_b] = logical_b, logical_a
         self._remapped += (logical_a, logical_b)
@@ -262,9 +266,12 @@ class BlockTracker:
         ):
             fwd[moved_id], fwd[freed_id] = dst, src
             bwd[dst], bwd[src] = moved_id, freed_id
-        self.digest ^= _xor_of_pair_digests(moved_ids, src_ids) ^ _xor_of_pair_digests(
-            moved_ids, dst_ids
-        )
+        live_digests = self._live_digests
+        digest = self.digest
+        for moved_id, moved in zip(moved_ids, pair_digests(moved_ids, dst_ids), strict=True):
+            digest ^= live_digests[moved_id] ^ moved
+            live_digests[moved_id] = moved
+        self.digest = digest
         for physical_id in (*src_ids, *dst_ids):
             self._index_slot(physical_id)
         changed = moved_ids + freed_ids
