@@ -172,18 +172,21 @@ class BlockTracker:
         instead of through ``take_*``.
         """
         refs, bwd = self.refs, self.bwd
-        live, free = self._live, self._free
-        live_heap, free_heap = live.heap, free.heap
+        live_heap, live_flags = self._live.heap, self._live.flags
+        free_heap, free_flags = self._free.heap, self._free.flags
+        heappop = heapq.heappop
         src_ids: list[int] = []
         dst_ids: list[int] = []
         while len(src_ids) < max_pairs:
-            src = live.top(self.is_live_slot)
-            dst = free.top(self.is_free_slot)
-            if src is None or dst is None or dst > src:
+            while live_heap and not refs[bwd[-live_heap[0]]]:  # stale: no longer live
+                live_flags[-heappop(live_heap)] = 0
+            while free_heap and refs[bwd[free_heap[0]]]:  # stale: live again
+                free_flags[heappop(free_heap)] = 0
+            if not live_heap or not free_heap or free_heap[0] > -live_heap[0]:
                 break
-            heapq.heappop(live_heap)
-            heapq.heappop(free_heap)
-            live.flags[src] = free.flags[dst] = 0
+            src = -heappop(live_heap)
+            dst = heappop(free_heap)
+            live_flags[src] = free_flags[dst] = 0
             src_ids.append(src)
             dst_ids.append(dst)
         assert all(refs[bwd[dst]] == 0 for dst in dst_ids), "a compaction target is live"
