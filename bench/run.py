@@ -482,6 +482,7 @@ def _engine_report(results: dict[str, Any], executor_rows: list[dict[str, Any]])
     lines.append("")
     lines.append("== 4. " + format_grpc_bench(results["grpc"]).removeprefix("== "))
     lines.append("")
+    lines.append("")
     copies_off = next(
         r for r in runs if r["num_blocks"] == DYNAMIC_BLOCKS and not r["prefix_caching"]
     )

@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kv import SignedKv
 from random_workload import RandomWorkload
-from test_server_listen import make_certificates, needs_openssl
+from test_server_listen import make_certificates
 
 from kvdefrag.client import DefragClient, ServiceUnavailable
 from kvdefrag.server import Engine, serve_in_process
@@ -116,7 +116,6 @@ def test_the_workloads_exercise_moves_placements_and_every_event_kind() -> None:
     assert readmitted > 0
 
 
-@needs_openssl
 def test_the_client_speaks_mtls_over_tcp(tmp_path: Path) -> None:
     certs = make_certificates(tmp_path)
     signed = SignedKv.create(NUM_BLOCKS, block_size=BLOCK_SIZE)

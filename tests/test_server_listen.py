@@ -133,7 +133,9 @@ def test_bad_addresses_are_refused(address: str) -> None:
 
 # --- TLS --------------------------------------------------------------------------------
 def _openssl(*args: str | Path) -> None:
-    assert OPENSSL is not None
+    assert OPENSSL is not None, (
+        "the TLS tests make certificates with openssl: apt-get install openssl"
+    )
     subprocess.run([OPENSSL, *map(str, args)], check=True, capture_output=True, timeout=60)
 
 
@@ -157,10 +159,6 @@ def make_certificates(directory: Path) -> dict[str, Path]:
     return paths
 
 
-needs_openssl = pytest.mark.skipif(OPENSSL is None, reason="makes certificates with openssl")
-
-
-@needs_openssl
 def test_tls_serves_a_non_loopback_address(serve: Any, tmp_path: Path) -> None:
     certs = make_certificates(tmp_path)
     handle = serve(
@@ -173,7 +171,6 @@ def test_tls_serves_a_non_loopback_address(serve: Any, tmp_path: Path) -> None:
         get_stats(f"localhost:{port}")  # plain text is not served
 
 
-@needs_openssl
 def test_mtls_requires_a_client_certificate(serve: Any, tmp_path: Path) -> None:
     certs = make_certificates(tmp_path)
     handle = serve(

@@ -479,7 +479,7 @@ class Engine:
             num_requests=len(tracker.requests),
             fragmentation_ratio=max_live / num_live if num_live else 1.0,
             is_healthy=self._unhealthy_reason is None,
-            **dataclasses.asdict(self._counters),
+            **vars(self._counters),
         )
 
     @property
