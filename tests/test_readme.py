@@ -33,3 +33,12 @@ def test_readme_examples_print_what_they_say() -> None:
         for expected in _expected_lines(block):
             shown = expected.split(":")[0].strip()  # text after ':' is commentary
             assert shown in printed, f"README promises {shown!r}, the code printed:\n{printed}"
+
+
+def test_docstring_examples_run() -> None:
+    import doctest
+
+    from kvdefrag.server import _engine
+
+    failures, attempted = doctest.testmod(_engine, raise_on_error=False)
+    assert attempted > 0 and failures == 0
