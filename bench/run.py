@@ -331,10 +331,37 @@ def run_engine_part(quick: bool) -> dict[str, Any]:
         progress(f"engine: generating the {num_blocks:,}-block stream ({steps} steps)")
         stream = make_stream(num_blocks, steps, prefix_caching=False)
         runs.append(run_stream(stream, num_blocks, False, timed, f"{num_blocks:,}"))
+    sweep = run_threshold_sweep(make_stream(DYNAMIC_BLOCKS, full_steps, prefix_caching=False))
     progress(f"engine: {DYNAMIC_BLOCKS:,} blocks with prefix caching ({full_steps} steps)")
     stream = make_stream(DYNAMIC_BLOCKS, full_steps, prefix_caching=True)
     runs.append(run_stream(stream, DYNAMIC_BLOCKS, True, timed, "prefix caching"))
-    return {"runs": runs, "timed_steps": list(timed)}
+    return {"runs": runs, "timed_steps": list(timed), "threshold_sweep": sweep}
+
+
+SWEEP_THRESHOLDS = (32, 128, 512, 2048)
+
+
+def run_threshold_sweep(stream: list[WorkloadStep]) -> list[dict[str, Any]]:
+    """Blocks copied against packing, per threshold, on one stream (prefix caching off)."""
+    rows = []
+    for threshold in SWEEP_THRESHOLDS:
+        progress(f"engine: threshold sweep, threshold {threshold}")
+        executor = CountingExecutor(DYNAMIC_BLOCKS)
+        engine = Engine([], threshold=threshold, executor=executor)
+        ratios = []
+        for step in stream:
+            engine.step(**step.as_step_kwargs())
+            ratios.append(engine.stats().fragmentation_ratio)
+        rows.append(
+            {
+                "threshold": threshold,
+                "blocks_copied": executor.num_blocks_copied,
+                "placements": engine.stats().num_placements,
+                "mean_fragmentation": statistics.fmean(ratios[1:]),
+                "p99_fragmentation": sorted(ratios)[int(0.99 * (len(ratios) - 1))],
+            }
+        )
+    return rows
 
 
 # --- 4. the gRPC round trip ---------------------------------------------------------------
@@ -479,6 +506,30 @@ def _engine_report(results: dict[str, Any], executor_rows: list[dict[str, Any]])
     )
     lines.append("   copies count blocks written (a two-way swap writes two); frag = mean/final")
     lines.append("   of max_live / num_live")
+    seed_copies = next(
+        r["seed_blocks_copied"]
+        for r in runs
+        if r["num_blocks"] == DYNAMIC_BLOCKS and not r["prefix_caching"]
+    )
+    lines.append(
+        f"   threshold sweep (same stream, no APC; the seed copied {seed_copies:,} at 32):"
+    )
+    lines.append(
+        _table(
+            ["threshold", "kvd copies", "kvd/seed", "placed", "frag mean", "frag p99"],
+            [
+                [
+                    str(row["threshold"]),
+                    f"{row['blocks_copied']:,}",
+                    f"{row['blocks_copied'] / max(1, seed_copies):.3f}x",
+                    f"{row['placements']:,}",
+                    f"{row['mean_fragmentation']:.4f}",
+                    f"{row['p99_fragmentation']:.4f}",
+                ]
+                for row in engine["threshold_sweep"]
+            ],
+        )
+    )
     lines.append("")
     lines.append("== 4. " + format_grpc_bench(results["grpc"]).removeprefix("== "))
     lines.append("")
