@@ -43,7 +43,7 @@ demo: $(STAMP)
 	$(PY) -m kvdefrag.server.demo
 
 run: $(STAMP)
-	$(PY) -m kvdefrag.server --metrics-port 9464 --address 127.0.0.1:50051 --insecure
+	$(PY) -m kvdefrag.server --metrics-port 9464 --address 127.0.0.1:50051
 
 image:
 	docker build -f deploy/Dockerfile -t kvdefrag:dev .
