@@ -27,6 +27,7 @@ def fake_habana(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
     monkeypatch.setitem(sys.modules, "habana_frameworks.torch", module)
     monkeypatch.delitem(sys.modules, "kvdefrag.server._executor_hpu", raising=False)
     yield calls
+    sys.modules.pop("kvdefrag.server._executor_hpu", None)  # imported against the stand-in
 
 
 def _signed_caches(num_blocks: int, block_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
