@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install proto proto-check lint typecheck test bench demo run image clean
+.PHONY: install proto proto-check lint typecheck test bench cuda-check demo run image clean
 
 install: $(STAMP)
 
@@ -38,6 +38,10 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/run.py
+
+# On a machine with a GPU: engine + executor on CUDA tensors, integrity and bandwidth.
+cuda-check: $(STAMP)
+	$(PY) bench/cuda_check.py
 
 demo: $(STAMP)
 	$(PY) -m kvdefrag.server.demo
