@@ -15,8 +15,6 @@ so the mirror applies every step's deltas exactly once, in order.
 
 from __future__ import annotations
 
-import dataclasses
-import logging
 import os
 import socket
 import threading
@@ -28,43 +26,13 @@ from typing import Any
 import grpc
 
 from kvdefrag.client import _convert
-from kvdefrag.client._mirror import Mirror
-from kvdefrag.client._stream import ReplyTimeout, Stream, StreamEnded
-from kvdefrag.client._types import (
-    AuditReport,
-    ServiceStats,
-    SessionInfo,
-    StepEvents,
-    StepReply,
-)
+from kvdefrag.client._channel import call_unary, open_channel
+from kvdefrag.client._session import StepSession
+from kvdefrag.client._types import AuditReport, ServiceStats, StepEvents, StepReply
 from kvdefrag.client.record import StepRecorder
-from kvdefrag.common import (
-    DefragError,
-    EpochMismatch,
-    InvalidArgument,
-    MessageTooLarge,
-    MirrorDiverged,
-    ServiceUnavailable,
-    SessionConflict,
-)
-
-_LOGGER = logging.getLogger(__name__)
+from kvdefrag.common import DefragError, InvalidArgument, MirrorDiverged
 
 DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
-# Resolve at most this many ids per call when rebuilding the mirror (keeps messages small).
-_RESOLVE_CHUNK = 1 << 18
-_BACKOFF_START_S = 0.02
-_BACKOFF_MAX_S = 0.5
-
-
-@dataclasses.dataclass
-class _PendingStep:
-    """A step whose reply has not arrived; ``is_sent`` once it went out on a stream."""
-
-    seq: int
-    events: StepEvents
-    message: Any
-    is_sent: bool = False
 
 
 def _default_client_name() -> str:
@@ -137,39 +105,26 @@ class DefragClient:
         self.timeout_s = float(timeout_s)
         self.client_name = client_name or _default_client_name()
         self.max_message_bytes = max_message_bytes
-        options = [
-            ("grpc.max_send_message_length", max_message_bytes),
-            ("grpc.max_receive_message_length", max_message_bytes),
-            # NOTE: a sidecar is local; come back quickly after a restart.
-            ("grpc.initial_reconnect_backoff_ms", 100),
-            ("grpc.min_reconnect_backoff_ms", 100),
-            ("grpc.max_reconnect_backoff_ms", 1000),
-        ]
-        if root_certificates or private_key or certificate_chain:
-            credentials = grpc.ssl_channel_credentials(
-                root_certificates, private_key, certificate_chain
-            )
-            channel = grpc.secure_channel(address, credentials, options)
-        else:
-            channel = grpc.insecure_channel(address, options)
+        channel = open_channel(
+            address,
+            max_message_bytes=max_message_bytes,
+            root_certificates=root_certificates,
+            private_key=private_key,
+            certificate_chain=certificate_chain,
+        )
         self._channel: grpc.Channel = channel
         if interceptors:
             channel = grpc.intercept_channel(channel, *interceptors)
         self._stub = _convert.stub(channel)
         self._lock = threading.RLock()
-        self._stream: Stream | None = None
-        self._has_had_session = False
-        self._epoch = 0
-        self._next_seq = 1
-        self._mirror: Mirror | None = None
-        self._session: SessionInfo | None = None
-        self._pending: _PendingStep | None = None
-        self._unusable: DefragError | None = None
+        # NOTE: the session reads this client's settings live, so a changed timeout_s
+        # applies to the next step.
+        self._session = StepSession(self, self._stub)
         self._is_closed = False
         self._recorder: StepRecorder | None = None
         try:
             with self._lock:
-                self._open_stream(self._deadline())
+                self._session.open_stream(self._deadline())
                 if record_to is not None:
                     self._recorder = StepRecorder(
                         record_to,
@@ -185,37 +140,39 @@ class DefragClient:
     @property
     def epoch(self) -> int:
         """The server epoch the mirror belongs to."""
-        return self._epoch
+        return self._session.epoch
 
     @property
     def next_seq(self) -> int:
         """The seq of the next step (or of the pending one)."""
-        return self._next_seq
+        return self._session.next_seq
 
     @property
     def num_blocks(self) -> int:
         """Blocks in the server's pool, null block included."""
-        return self._require_mirror().num_blocks
+        return self._session.require_mirror().num_blocks
 
     @property
     def block_size(self) -> int:
         """Tokens per block of the server's KV cache (0 before the first session)."""
-        return self._session.block_size if self._session is not None else 0
+        info = self._session.info
+        return info.block_size if info is not None else 0
 
     @property
     def digest(self) -> int:
         """Digest of the mirror's live mapping."""
-        return self._require_mirror().digest
+        return self._session.require_mirror().digest
 
     @property
     def has_pending_step(self) -> bool:
         """True when a step timed out unacknowledged; the next ``step()`` resends it."""
-        return self._pending is not None
+        return self._session.has_pending_step
 
     def live_requests(self) -> dict[str, list[int]]:
         """The client's view of running requests: request id -> logical block ids."""
         with self._lock:
-            return {rid: list(ids) for rid, ids in self._require_mirror().requests.items()}
+            requests = self._session.require_mirror().requests
+            return {rid: list(ids) for rid, ids in requests.items()}
 
     # --- the step ---------------------------------------------------------------------
     def step(
@@ -264,22 +221,10 @@ class DefragClient:
         with self._lock:
             self._check_usable()
             deadline = self._deadline()
-            if self._pending is not None:
-                earlier = self._pending
-                self._complete(earlier, deadline, "earlier unacknowledged step")
-                self._record(earlier.events)
-            if self._mirror is None:
-                self._ensure_stream(deadline)  # seq and epoch come from the session
-            request = _convert.step_request(self._next_seq, self._epoch, events)
-            message = _convert.stream_step(request)
-            size_bytes = _convert.message_size(message)
-            if size_bytes > self.max_message_bytes:
-                raise MessageTooLarge(
-                    f"step seq {self._next_seq}: message of {size_bytes} bytes exceeds "
-                    f"max_message_bytes ({self.max_message_bytes})"
-                )
-            self._pending = _PendingStep(self._next_seq, events, message)
-            reply = self._complete(self._pending, deadline, "step")
+            earlier_events = self._session.resend_pending(deadline)
+            if earlier_events is not None:
+                self._record(earlier_events)
+            reply = self._session.send_step(events, deadline)
             self._record(events)
             return reply
 
@@ -288,263 +233,9 @@ class DefragClient:
         if self._recorder is not None:
             self._recorder.record_events(events)
 
-    def _complete(self, pending: _PendingStep, deadline: float, what: str) -> StepReply:
-        """Sends a pending step until its reply arrives, reconnecting when the stream breaks."""
-        context = f"{what} seq {pending.seq}"
-        backoff_s = _BACKOFF_START_S
-        while True:
-            try:
-                stream = self._ensure_stream(deadline)
-            except ServiceUnavailable:
-                raise  # the step stays pending
-            except DefragError:
-                self._pending = None
-                raise
-            stream.send(pending.message)
-            pending.is_sent = True
-            try:
-                reply = stream.receive(deadline - time.monotonic())
-            except ReplyTimeout:
-                self._drop_stream(cancel=True)
-                raise ServiceUnavailable(
-                    f"{context}: no reply from {self.address} within {self.timeout_s} s; "
-                    "the step stays pending and is resent (applied once) before the next step"
-                ) from None
-            except StreamEnded as ended:
-                self._drop_stream(cancel=False)
-                if self._is_transient(ended.error, reopening=False):
-                    _LOGGER.warning(
-                        "%s: the stream to %s broke (%s); reconnecting",
-                        context,
-                        self.address,
-                        _convert.describe(ended.error),
-                    )
-                    if time.monotonic() + backoff_s < deadline:
-                        time.sleep(backoff_s)
-                        backoff_s = min(2 * backoff_s, _BACKOFF_MAX_S)
-                        continue
-                    raise ServiceUnavailable(
-                        f"{context}: the stream to {self.address} kept breaking for "
-                        f"{self.timeout_s} s; the step stays pending and is resent (applied "
-                        "once) before the next step"
-                    ) from ended.error
-                self._pending = None
-                raise self._definitive_error(ended.error, context) from ended.error
-            kind, body = _convert.stream_reply(reply)
-            if kind != "step":
-                self._drop_stream(cancel=True)
-                self._pending = None
-                raise self._diverged(f"{context}: the server answered {kind!r}, not a step")
-            return self._accept(pending, body, context)
-
-    def _accept(self, pending: _PendingStep, body: Any, context: str) -> StepReply:
-        mirror = self._require_mirror()
-        self._pending = None
-        if body.seq != pending.seq or body.epoch != self._epoch:
-            raise self._diverged(
-                f"{context}: the reply is for seq {body.seq} of epoch {body.epoch}, "
-                f"expected seq {pending.seq} of epoch {self._epoch}"
-            )
-        logical_ids, physical_ids = _convert.step_deltas(body)
-        try:
-            digest = mirror.apply_step(pending.events, logical_ids, physical_ids)
-        except InvalidArgument as err:
-            raise self._diverged(f"{context}: {err}") from err
-        self._next_seq = pending.seq + 1
-        if digest != body.digest:
-            raise self._diverged(
-                f"{context}: the mirror's digest {digest:#018x} differs from the server's "
-                f"{body.digest:#018x}"
-            )
-        return _convert.step_reply(body, dict(zip(logical_ids, physical_ids, strict=True)))
-
-    # --- the stream -------------------------------------------------------------------
-    def _ensure_stream(self, deadline: float) -> Stream:
-        stream = self._stream
-        if stream is not None and stream.is_idle_and_open:
-            return stream
-        self._drop_stream(cancel=True)
-        return self._open_stream(deadline)
-
-    def _open_stream(self, deadline: float) -> Stream:
-        """Opens a stream session and checks (or, for a fresh client, adopts) its state."""
-        backoff_s = _BACKOFF_START_S
-        while True:
-            message = _convert.stream_open(self._epoch, self.prefix_caching, self.client_name)
-            stream = Stream(self._stub, message)
-            try:
-                reply = stream.receive(deadline - time.monotonic())
-            except ReplyTimeout:
-                stream.cancel()
-                raise ServiceUnavailable(
-                    f"open session: no answer from {self.address} within {self.timeout_s} s"
-                ) from None
-            except StreamEnded as ended:
-                stream.cancel()
-                if (
-                    self._is_transient(ended.error, reopening=self._has_had_session)
-                    and time.monotonic() + backoff_s < deadline
-                ):
-                    time.sleep(backoff_s)
-                    backoff_s = min(2 * backoff_s, _BACKOFF_MAX_S)
-                    continue
-                if self._is_transient(ended.error, reopening=False):
-                    raise ServiceUnavailable(
-                        f"open session: the stream to {self.address} kept breaking for "
-                        f"{self.timeout_s} s"
-                    ) from ended.error
-                raise self._definitive_error(ended.error, "open session") from ended.error
-            try:
-                self._adopt_session(reply)
-            except BaseException:
-                stream.cancel()
-                raise
-            self._stream = stream
-            self._has_had_session = True
-            return stream
-
-    def _adopt_session(self, reply: Any) -> None:
-        kind, body = _convert.stream_reply(reply)
-        if kind != "opened":
-            raise DefragError(f"open session: the server answered {kind!r}, not 'opened'")
-        info = _convert.session_info(body)
-        if info.prefix_caching != self.prefix_caching:
-            raise SessionConflict(
-                f"open session: the server runs with prefix_caching={info.prefix_caching}, "
-                f"this client asked for {self.prefix_caching}"
-            )
-        if self._epoch == 0:
-            # NOTE: an epoch at seq 1 with an empty digest has applied nothing: identity.
-            is_pristine = info.next_seq == 1 and info.digest == 0
-            mirror = Mirror(info.num_blocks) if is_pristine else self._fetch_mirror(info)
-            if not is_pristine:
-                _LOGGER.info(
-                    "adopted the state of %s: epoch %d, seq %d, %d requests",
-                    self.address,
-                    info.epoch,
-                    info.next_seq,
-                    len(mirror.requests),
-                )
-            self._session, self._epoch, self._next_seq = info, info.epoch, info.next_seq
-            self._mirror = mirror
-            return
-        mirror = self._require_mirror()
-        expected_seq = self._next_seq
-        if info.epoch != self._epoch:
-            raise self._epoch_error(f"open session: the server is at epoch {info.epoch}")
-        if info.num_blocks != mirror.num_blocks:
-            raise self._diverged(
-                f"open session: the server has {info.num_blocks} blocks, the mirror "
-                f"{mirror.num_blocks}"
-            )
-        if info.next_seq == expected_seq:
-            if info.digest != mirror.digest:
-                raise self._diverged(
-                    f"open session: server digest {info.digest:#018x} at seq "
-                    f"{info.next_seq - 1}, mirror digest {mirror.digest:#018x}"
-                )
-        elif not (
-            self._pending is not None
-            and self._pending.is_sent
-            and info.next_seq == expected_seq + 1
-        ):
-            raise self._diverged(
-                f"open session: the server expects seq {info.next_seq} but this client is "
-                f"at seq {expected_seq}: another writer changed the server's state"
-            )
-        self._session = info
-
-    def _fetch_mirror(self, info: SessionInfo) -> Mirror:
-        """Builds a mirror from the server's tables (call while holding the session)."""
-        epoch, requests = _convert.request_lists(
-            self._unary("ListRequests", _convert.list_requests_request(), "rebuild mirror")
-        )
-        fwd: list[int] = []
-        for start in range(0, info.num_blocks, _RESOLVE_CHUNK):
-            ids = list(range(start, min(start + _RESOLVE_CHUNK, info.num_blocks)))
-            resolve_epoch, physical_ids = _convert.resolved_ids(
-                self._unary("Resolve", _convert.resolve_request(ids), "rebuild mirror")
-            )
-            if resolve_epoch != info.epoch:
-                epoch = resolve_epoch
-            fwd += physical_ids
-        if epoch != info.epoch:
-            raise MirrorDiverged(
-                f"rebuild mirror: the server moved from epoch {info.epoch} to {epoch} "
-                "meanwhile (reset by someone else); try again"
-            )
-        try:
-            mirror = Mirror.from_tables(fwd, requests)
-        except InvalidArgument as err:
-            raise MirrorDiverged(f"rebuild mirror: {err}") from err
-        if mirror.digest != info.digest:
-            raise MirrorDiverged(
-                f"rebuild mirror: the tables' digest {mirror.digest:#018x} differs from the "
-                f"server's {info.digest:#018x}"
-            )
-        return mirror
-
-    def _drop_stream(self, *, cancel: bool) -> None:
-        stream, self._stream = self._stream, None
-        if stream is None:
-            return
-        if cancel:
-            stream.cancel()
-        else:
-            stream.close(self.timeout_s)
-
-    @staticmethod
-    def _is_transient(error: BaseException | None, *, reopening: bool) -> bool:
-        """True for a broken transport (and, when reopening, our own stale session)."""
-        if error is None:
-            return True
-        if not isinstance(error, grpc.RpcError):
-            return False
-        if _convert.is_transport_failure(error):
-            return True
-        # NOTE: after a cut, the server may not have noticed yet that our old stream
-        # ended, so for a moment it still counts it as the open session.
-        return reopening and _convert.error_class(error) is SessionConflict
-
-    def _definitive_error(self, error: BaseException | None, context: str) -> DefragError:
-        if not isinstance(error, grpc.RpcError):
-            return DefragError(f"{context}: the stream failed: {error!r}")
-        mapped = _convert.defrag_error(error, context)
-        if isinstance(mapped, EpochMismatch):
-            return self._epoch_error(str(mapped))
-        return mapped
-
-    def _epoch_error(self, message: str) -> EpochMismatch:
-        err = EpochMismatch(
-            f"{message}; this client's mirror belongs to epoch {self._epoch}: the server "
-            "restarted or was reset, so its mapping and KV data are new. Drop the "
-            "scheduler's requests and call reset() (or rebuild_mirror() to adopt the "
-            "server's state)"
-        )
-        self._unusable = err
-        self._pending = None
-        return err
-
-    def _diverged(self, message: str) -> MirrorDiverged:
-        err = MirrorDiverged(
-            f"{message}; the mirror can no longer be trusted: call rebuild_mirror() or reset()"
-        )
-        self._unusable = err
-        return err
-
     def _check_usable(self) -> None:
-        if self._is_closed:
-            raise DefragError(f"DefragClient for {self.address} is closed")
-        if self._unusable is not None:
-            raise type(self._unusable)(str(self._unusable))
-
-    def _require_mirror(self) -> Mirror:
-        if self._mirror is None:
-            raise DefragError(
-                f"DefragClient for {self.address} has no mirror: its last (re)connect "
-                "failed; step(), rebuild_mirror() or reset() connects again"
-            )
-        return self._mirror
+        self._check_open()
+        self._session.check_usable()
 
     def _deadline(self) -> float:
         return time.monotonic() + self.timeout_s
@@ -559,39 +250,25 @@ class DefragClient:
         """
         with self._lock:
             self._check_usable()
-            return self._require_mirror().resolve(logical_ids)
+            return self._session.require_mirror().resolve(logical_ids)
 
     def resolve_tables(self, tables: Iterable[Iterable[int]]) -> list[list[int]]:
         """Maps every block table (logical ids per request) to physical ids, locally."""
         with self._lock:
             self._check_usable()
-            return self._require_mirror().resolve_tables(tables)
+            return self._session.require_mirror().resolve_tables(tables)
 
     # --- unary calls ------------------------------------------------------------------
     def _unary(self, method: str, request: Any, context: str, *, is_idempotent: bool = True) -> Any:
-        """Calls a unary RPC within ``timeout_s``, retrying a broken transport if idempotent.
-
-        NOTE: a call can fail on a connection that broke a moment ago (a cut, a server
-        restart) before the channel noticed; reads and Defragment are safe to repeat,
-        Reset is not (a second one would start yet another epoch).
-        """
-        deadline = self._deadline()
-        backoff_s = _BACKOFF_START_S
-        while True:
-            try:
-                return getattr(self._stub, method)(
-                    request, timeout=max(deadline - time.monotonic(), 0.0), wait_for_ready=True
-                )
-            except grpc.RpcError as err:
-                if (
-                    is_idempotent
-                    and _convert.is_transport_failure(err)
-                    and time.monotonic() + backoff_s < deadline
-                ):
-                    time.sleep(backoff_s)
-                    backoff_s = min(2 * backoff_s, _BACKOFF_MAX_S)
-                    continue
-                raise _convert.defrag_error(err, context) from err
+        """Calls a unary RPC within ``timeout_s`` (see ``_channel.call_unary``)."""
+        return call_unary(
+            self._stub,
+            method,
+            request,
+            context,
+            timeout_s=self.timeout_s,
+            is_idempotent=is_idempotent,
+        )
 
     def stats(self) -> ServiceStats:
         """Fetches the server's statistics and session state (``GetStats``)."""
@@ -623,10 +300,10 @@ class DefragClient:
             epoch, server_requests = _convert.request_lists(
                 self._unary("ListRequests", _convert.list_requests_request(), "audit")
             )
-            mirror = self._require_mirror()
+            mirror = self._session.require_mirror()
             report = AuditReport.compare(
                 epoch=epoch,
-                client_epoch=self._epoch,
+                client_epoch=self._session.epoch,
                 client_requests=mirror.requests,
                 server_requests=server_requests,
                 client_digest=mirror.digest,
@@ -646,9 +323,9 @@ class DefragClient:
         """
         with self._lock:
             self._check_open()
-            self._drop_stream(cancel=False)
-            self._forget_state()
-            self._open_stream(self._deadline())
+            self._session.drop_stream(cancel=False)
+            self._session.forget_state()
+            self._session.open_stream(self._deadline())
 
     def reset(self) -> None:
         """Resets the server (new epoch, identity mapping, healthy) and the mirror.
@@ -658,23 +335,16 @@ class DefragClient:
         """
         with self._lock:
             self._check_open()
-            self._drop_stream(cancel=False)
-            epoch = 0 if self._unusable is not None else self._epoch
+            self._session.drop_stream(cancel=False)
+            epoch = 0 if self._session.is_unusable else self._session.epoch
             self._unary(
                 "Reset",
                 _convert.reset_request(epoch, self.prefix_caching),
                 "reset",
                 is_idempotent=False,
             )
-            self._forget_state()
-            self._open_stream(self._deadline())
-
-    def _forget_state(self) -> None:
-        self._epoch = 0
-        self._next_seq = 1
-        self._mirror = None
-        self._pending = None
-        self._unusable = None
+            self._session.forget_state()
+            self._session.open_stream(self._deadline())
 
     def _check_open(self) -> None:
         if self._is_closed:
@@ -688,7 +358,7 @@ class DefragClient:
                 return
             self._is_closed = True
             try:
-                self._drop_stream(cancel=False)
+                self._session.drop_stream(cancel=False)
             finally:
                 self._channel.close()
                 if self._recorder is not None:

@@ -1,0 +1,403 @@
+"""StepSession: the client's step stream to one server, with the mirror it keeps in step.
+
+Opening a session checks the server's state against the mirror (or, for a fresh client,
+adopts it); a step is sent until its reply arrives, reopening the stream when it breaks::
+
+    send_step() -> [pending seq N] -> Stream --StepRequest--> server
+                         ^                                      |
+    mirror.apply_step <--+-------------- StepResponse <---------+
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Any, Protocol
+
+import grpc
+
+from kvdefrag.client import _convert
+from kvdefrag.client._channel import BACKOFF_MAX_S, BACKOFF_START_S
+from kvdefrag.client._mirror import Mirror
+from kvdefrag.client._rebuild import fetch_mirror
+from kvdefrag.client._stream import ReplyTimeout, Stream, StreamEnded
+from kvdefrag.client._types import SessionInfo, StepEvents, StepReply
+from kvdefrag.common import (
+    DefragError,
+    EpochMismatch,
+    InvalidArgument,
+    MessageTooLarge,
+    MirrorDiverged,
+    ServiceUnavailable,
+    SessionConflict,
+)
+
+_LOGGER = logging.getLogger(__name__)
+
+
+class SessionSettings(Protocol):
+    """The client settings a session reads, live (a changed ``timeout_s`` applies at once)."""
+
+    address: str
+    prefix_caching: bool
+    timeout_s: float
+    client_name: str
+    max_message_bytes: int
+
+
+@dataclasses.dataclass
+class _PendingStep:
+    """A step whose reply has not arrived; ``is_sent`` once it went out on a stream."""
+
+    seq: int
+    events: StepEvents
+    message: Any
+    is_sent: bool = False
+
+
+class StepSession:
+    """The step session with one server: its stream, epoch, seq, mirror and pending step.
+
+    Invariants: while the session is usable (``check_usable()`` passes), the mirror equals
+    the server's mapping as of the last acknowledged step; ``next_seq`` is the seq of the
+    next step to send (or of the pending one); at most one step is pending. Epoch 0 means
+    no session was adopted yet: the next open adopts the server's state.
+
+    Not thread-safe: its owner serialises every call.
+    """
+
+    def __init__(self, settings: SessionSettings, stub: Any) -> None:
+        """Creates a session that is not open yet (``open_stream()`` opens it).
+
+        Args:
+            settings: The owning client's settings, read at every use.
+            stub: The service stub the stream and the mirror's rebuild calls go through.
+        """
+        self._settings = settings
+        self._stub = stub
+        self._stream: Stream | None = None
+        self._has_had_session = False
+        self._epoch = 0
+        self._next_seq = 1
+        self._mirror: Mirror | None = None
+        self._info: SessionInfo | None = None
+        self._pending: _PendingStep | None = None
+        self._unusable: DefragError | None = None
+
+    # --- state ------------------------------------------------------------------------
+    @property
+    def epoch(self) -> int:
+        """The server epoch the mirror belongs to (0 before the first session)."""
+        return self._epoch
+
+    @property
+    def next_seq(self) -> int:
+        """The seq of the next step (or of the pending one)."""
+        return self._next_seq
+
+    @property
+    def info(self) -> SessionInfo | None:
+        """What the server said when the session last opened; None before that."""
+        return self._info
+
+    @property
+    def has_pending_step(self) -> bool:
+        """True when a step went unacknowledged; the next ``send_step()`` resends it."""
+        return self._pending is not None
+
+    @property
+    def is_unusable(self) -> bool:
+        """True after an epoch mismatch or a divergence, until ``forget_state()``."""
+        return self._unusable is not None
+
+    def check_usable(self) -> None:
+        """Raises (a fresh copy of) the error that made the session unusable, if any."""
+        if self._unusable is not None:
+            raise type(self._unusable)(str(self._unusable))
+
+    def require_mirror(self) -> Mirror:
+        """Returns the mirror, or raises when the last (re)connect failed to set one up."""
+        if self._mirror is None:
+            raise DefragError(
+                f"DefragClient for {self._settings.address} has no mirror: its last "
+                "(re)connect failed; step(), rebuild_mirror() or reset() connects again"
+            )
+        return self._mirror
+
+    def forget_state(self) -> None:
+        """Forgets epoch, seq, mirror and pending step: the next open adopts the server's."""
+        self._epoch = 0
+        self._next_seq = 1
+        self._mirror = None
+        self._pending = None
+        self._unusable = None
+
+    # --- the step ---------------------------------------------------------------------
+    def resend_pending(self, deadline: float) -> StepEvents | None:
+        """Completes an earlier unacknowledged step, if any.
+
+        Returns:
+            The events of the step the server now acknowledged, or None without one.
+        """
+        if self._pending is None:
+            return None
+        earlier = self._pending
+        self._complete(earlier, deadline, "earlier unacknowledged step")
+        return earlier.events
+
+    def send_step(self, events: StepEvents, deadline: float) -> StepReply:
+        """Sends a step (no other may be pending) and applies its reply to the mirror.
+
+        Raises:
+            MessageTooLarge: The step exceeds ``max_message_bytes`` (nothing changed).
+            ServiceUnavailable: No reply by ``deadline``; the step stays pending.
+            DefragError: Any other refusal or failure (see ``DefragClient.step``).
+        """
+        assert self._pending is None, f"step seq {self._pending.seq} is still pending"
+        if self._mirror is None:
+            self.ensure_stream(deadline)  # seq and epoch come from the session
+        request = _convert.step_request(self._next_seq, self._epoch, events)
+        message = _convert.stream_step(request)
+        size_bytes = _convert.message_size(message)
+        max_message_bytes = self._settings.max_message_bytes
+        if size_bytes > max_message_bytes:
+            raise MessageTooLarge(
+                f"step seq {self._next_seq}: message of {size_bytes} bytes exceeds "
+                f"max_message_bytes ({max_message_bytes})"
+            )
+        self._pending = _PendingStep(self._next_seq, events, message)
+        return self._complete(self._pending, deadline, "step")
+
+    def _complete(self, pending: _PendingStep, deadline: float, what: str) -> StepReply:
+        """Sends a pending step until its reply arrives, reconnecting when the stream breaks."""
+        settings = self._settings
+        context = f"{what} seq {pending.seq}"
+        backoff_s = BACKOFF_START_S
+        while True:
+            try:
+                stream = self.ensure_stream(deadline)
+            except ServiceUnavailable:
+                raise  # the step stays pending
+            except DefragError:
+                self._pending = None
+                raise
+            stream.send(pending.message)
+            pending.is_sent = True
+            try:
+                reply = stream.receive(deadline - time.monotonic())
+            except ReplyTimeout:
+                self.drop_stream(cancel=True)
+                raise ServiceUnavailable(
+                    f"{context}: no reply from {settings.address} within {settings.timeout_s} s; "
+                    "the step stays pending and is resent (applied once) before the next step"
+                ) from None
+            except StreamEnded as ended:
+                self.drop_stream(cancel=False)
+                if self._is_transient(ended.error, reopening=False):
+                    _LOGGER.warning(
+                        "%s: the stream to %s broke (%s); reconnecting",
+                        context,
+                        settings.address,
+                        _convert.describe(ended.error),
+                    )
+                    if time.monotonic() + backoff_s < deadline:
+                        time.sleep(backoff_s)
+                        backoff_s = min(2 * backoff_s, BACKOFF_MAX_S)
+                        continue
+                    raise ServiceUnavailable(
+                        f"{context}: the stream to {settings.address} kept breaking for "
+                        f"{settings.timeout_s} s; the step stays pending and is resent "
+                        "(applied once) before the next step"
+                    ) from ended.error
+                self._pending = None
+                raise self._definitive_error(ended.error, context) from ended.error
+            kind, body = _convert.stream_reply(reply)
+            if kind != "step":
+                self.drop_stream(cancel=True)
+                self._pending = None
+                raise self._diverged(f"{context}: the server answered {kind!r}, not a step")
+            return self._accept(pending, body, context)
+
+    def _accept(self, pending: _PendingStep, body: Any, context: str) -> StepReply:
+        mirror = self.require_mirror()
+        self._pending = None
+        if body.seq != pending.seq or body.epoch != self._epoch:
+            raise self._diverged(
+                f"{context}: the reply is for seq {body.seq} of epoch {body.epoch}, "
+                f"expected seq {pending.seq} of epoch {self._epoch}"
+            )
+        logical_ids, physical_ids = _convert.step_deltas(body)
+        try:
+            digest = mirror.apply_step(pending.events, logical_ids, physical_ids)
+        except InvalidArgument as err:
+            raise self._diverged(f"{context}: {err}") from err
+        self._next_seq = pending.seq + 1
+        if digest != body.digest:
+            raise self._diverged(
+                f"{context}: the mirror's digest {digest:#018x} differs from the server's "
+                f"{body.digest:#018x}"
+            )
+        return _convert.step_reply(body, dict(zip(logical_ids, physical_ids, strict=True)))
+
+    # --- the stream -------------------------------------------------------------------
+    def ensure_stream(self, deadline: float) -> Stream:
+        """Returns the open stream, or opens a new session when it broke or is busy."""
+        stream = self._stream
+        if stream is not None and stream.is_idle_and_open:
+            return stream
+        self.drop_stream(cancel=True)
+        return self.open_stream(deadline)
+
+    def open_stream(self, deadline: float) -> Stream:
+        """Opens a stream session and checks (or, for a fresh client, adopts) its state.
+
+        Raises:
+            ServiceUnavailable: The server did not answer by ``deadline``.
+            SessionConflict: Another writer holds the server's session.
+            EpochMismatch, MirrorDiverged: The server's state does not match the mirror.
+            DefragError: Any other refusal of the session.
+        """
+        settings = self._settings
+        backoff_s = BACKOFF_START_S
+        while True:
+            message = _convert.stream_open(
+                self._epoch, settings.prefix_caching, settings.client_name
+            )
+            stream = Stream(self._stub, message)
+            try:
+                reply = stream.receive(deadline - time.monotonic())
+            except ReplyTimeout:
+                stream.cancel()
+                raise ServiceUnavailable(
+                    f"open session: no answer from {settings.address} within {settings.timeout_s} s"
+                ) from None
+            except StreamEnded as ended:
+                stream.cancel()
+                if (
+                    self._is_transient(ended.error, reopening=self._has_had_session)
+                    and time.monotonic() + backoff_s < deadline
+                ):
+                    time.sleep(backoff_s)
+                    backoff_s = min(2 * backoff_s, BACKOFF_MAX_S)
+                    continue
+                if self._is_transient(ended.error, reopening=False):
+                    raise ServiceUnavailable(
+                        f"open session: the stream to {settings.address} kept breaking for "
+                        f"{settings.timeout_s} s"
+                    ) from ended.error
+                raise self._definitive_error(ended.error, "open session") from ended.error
+            try:
+                self._adopt_session(reply)
+            except BaseException:
+                stream.cancel()
+                raise
+            self._stream = stream
+            self._has_had_session = True
+            return stream
+
+    def drop_stream(self, *, cancel: bool) -> None:
+        """Ends the stream, if any: cancelled, or closed gracefully within ``timeout_s``."""
+        stream, self._stream = self._stream, None
+        if stream is None:
+            return
+        if cancel:
+            stream.cancel()
+        else:
+            stream.close(self._settings.timeout_s)
+
+    def _adopt_session(self, reply: Any) -> None:
+        settings = self._settings
+        kind, body = _convert.stream_reply(reply)
+        if kind != "opened":
+            raise DefragError(f"open session: the server answered {kind!r}, not 'opened'")
+        info = _convert.session_info(body)
+        if info.prefix_caching != settings.prefix_caching:
+            raise SessionConflict(
+                f"open session: the server runs with prefix_caching={info.prefix_caching}, "
+                f"this client asked for {settings.prefix_caching}"
+            )
+        if self._epoch == 0:
+            # NOTE: an epoch at seq 1 with an empty digest has applied nothing: identity.
+            is_pristine = info.next_seq == 1 and info.digest == 0
+            mirror = (
+                Mirror(info.num_blocks)
+                if is_pristine
+                else fetch_mirror(self._stub, info, timeout_s=settings.timeout_s)
+            )
+            if not is_pristine:
+                _LOGGER.info(
+                    "adopted the state of %s: epoch %d, seq %d, %d requests",
+                    settings.address,
+                    info.epoch,
+                    info.next_seq,
+                    len(mirror.requests),
+                )
+            self._info, self._epoch, self._next_seq = info, info.epoch, info.next_seq
+            self._mirror = mirror
+            return
+        mirror = self.require_mirror()
+        expected_seq = self._next_seq
+        if info.epoch != self._epoch:
+            raise self._epoch_error(f"open session: the server is at epoch {info.epoch}")
+        if info.num_blocks != mirror.num_blocks:
+            raise self._diverged(
+                f"open session: the server has {info.num_blocks} blocks, the mirror "
+                f"{mirror.num_blocks}"
+            )
+        if info.next_seq == expected_seq:
+            if info.digest != mirror.digest:
+                raise self._diverged(
+                    f"open session: server digest {info.digest:#018x} at seq "
+                    f"{info.next_seq - 1}, mirror digest {mirror.digest:#018x}"
+                )
+        elif not (
+            self._pending is not None
+            and self._pending.is_sent
+            and info.next_seq == expected_seq + 1
+        ):
+            raise self._diverged(
+                f"open session: the server expects seq {info.next_seq} but this client is "
+                f"at seq {expected_seq}: another writer changed the server's state"
+            )
+        self._info = info
+
+    # --- errors -----------------------------------------------------------------------
+    @staticmethod
+    def _is_transient(error: BaseException | None, *, reopening: bool) -> bool:
+        """True for a broken transport (and, when reopening, our own stale session)."""
+        if error is None:
+            return True
+        if not isinstance(error, grpc.RpcError):
+            return False
+        if _convert.is_transport_failure(error):
+            return True
+        # NOTE: after a cut, the server may not have noticed yet that our old stream
+        # ended, so for a moment it still counts it as the open session.
+        return reopening and _convert.error_class(error) is SessionConflict
+
+    def _definitive_error(self, error: BaseException | None, context: str) -> DefragError:
+        if not isinstance(error, grpc.RpcError):
+            return DefragError(f"{context}: the stream failed: {error!r}")
+        mapped = _convert.defrag_error(error, context)
+        if isinstance(mapped, EpochMismatch):
+            return self._epoch_error(str(mapped))
+        return mapped
+
+    def _epoch_error(self, message: str) -> EpochMismatch:
+        err = EpochMismatch(
+            f"{message}; this client's mirror belongs to epoch {self._epoch}: the server "
+            "restarted or was reset, so its mapping and KV data are new. Drop the "
+            "scheduler's requests and call reset() (or rebuild_mirror() to adopt the "
+            "server's state)"
+        )
+        self._unusable = err
+        self._pending = None
+        return err
+
+    def _diverged(self, message: str) -> MirrorDiverged:
+        err = MirrorDiverged(
+            f"{message}; the mirror can no longer be trusted: call rebuild_mirror() or reset()"
+        )
+        self._unusable = err
+        return err
