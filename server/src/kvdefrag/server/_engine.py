@@ -15,10 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import operator
 import threading
 import time
-from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
@@ -29,9 +27,9 @@ from kvdefrag.common import EngineUnhealthy, InvalidArgument, NotFound
 from kvdefrag.server._executor import KvCaches, MoveReport, SwapExecutor, make_executor
 from kvdefrag.server._planner import Move, plan_compaction
 from kvdefrag.server._tracker import NULL_BLOCK_ID, BlockTracker
+from kvdefrag.server._validate import StepInput, validate_step
 from kvdefrag.server.config import DEFAULT_PAD_BUCKETS, Config
 
-MAX_REQUEST_ID_CHARS = 256
 _LOGGER = logging.getLogger(__name__)
 
 
@@ -117,17 +115,6 @@ class _Counters:
     num_defrag_runs: int = 0
     num_bytes_moved: int = 0
     num_unknown_finished: int = 0
-
-
-@dataclasses.dataclass(frozen=True)
-class _StepInput:
-    """A validated step: every id an int in range, every request id well formed."""
-
-    finished: list[str]
-    resumed: dict[str, list[int]]
-    new_blocks: dict[str, list[int]]
-    fresh: list[int] | None
-    evicted: list[int]
 
 
 class Engine:
@@ -235,7 +222,7 @@ class Engine:
         with self._lock:
             if self._unhealthy_reason is not None:
                 raise EngineUnhealthy(self._unhealthy_reason)
-            step_input = self._validate(finished, new_blocks, resumed, fresh, evicted)
+            step_input = validate_step(self._tracker, finished, new_blocks, resumed, fresh, evicted)
             try:
                 result = self._apply(step_input)
             finally:
@@ -264,96 +251,7 @@ class Engine:
         with self._lock:
             self._force_defrag = True
 
-    def _validate(
-        self,
-        finished: Iterable[str],
-        new_blocks: Mapping[str, Sequence[int]] | None,
-        resumed: Mapping[str, Sequence[int]] | None,
-        fresh: Iterable[int] | None,
-        evicted: Iterable[int],
-    ) -> _StepInput:
-        if isinstance(finished, str):
-            raise InvalidArgument("finished must be a collection of request ids, got a str")
-        finished_ids = [self._check_request_id("finished", rid) for rid in finished]
-        resumed_lists = self._check_block_lists("resumed", resumed)
-        new_lists = self._check_block_lists("new_blocks", new_blocks)
-        evicted_ids = self._check_ids("evicted", evicted)
-        fresh_ids = None if fresh is None else self._check_ids("fresh", fresh)
-        if fresh_ids is not None:
-            self._check_fresh(fresh_ids, finished_ids, resumed_lists, new_lists)
-        return _StepInput(finished_ids, resumed_lists, new_lists, fresh_ids, evicted_ids)
-
-    @staticmethod
-    def _check_request_id(field: str, request_id: object) -> str:
-        if not isinstance(request_id, str) or not request_id:
-            raise InvalidArgument(
-                f"{field}: request id must be a non-empty str, got {request_id!r}"
-            )
-        if len(request_id) > MAX_REQUEST_ID_CHARS:
-            raise InvalidArgument(
-                f"{field}: request id {request_id[:32]!r}... is longer "
-                f"than {MAX_REQUEST_ID_CHARS} characters"
-            )
-        return request_id
-
-    def _check_ids(self, field: str, ids: Iterable[int]) -> list[int]:
-        try:
-            values = list(ids)
-        except TypeError as err:
-            raise InvalidArgument(f"{field}: expected a list of block ids, got {ids!r}") from err
-        checked: list[int] = []
-        for value in values:
-            try:
-                checked.append(operator.index(value))
-            except TypeError as err:
-                raise InvalidArgument(f"{field}: block id {value!r} is not an integer") from err
-        for block_id in checked:
-            if not 0 <= block_id < self.num_blocks:
-                raise InvalidArgument(
-                    f"{field}: block id {block_id} is outside [0, {self.num_blocks})"
-                )
-        return checked
-
-    def _check_block_lists(
-        self, field: str, lists: Mapping[str, Sequence[int]] | None
-    ) -> dict[str, list[int]]:
-        checked: dict[str, list[int]] = {}
-        for request_id, ids in (lists or {}).items():
-            self._check_request_id(field, request_id)
-            name = f"{field}[{request_id!r}]"
-            block_ids = self._check_ids(name, ids)
-            seen: set[int] = set()
-            for block_id in block_ids:
-                if block_id in seen and block_id != NULL_BLOCK_ID:
-                    raise InvalidArgument(f"{name}: block id {block_id} appears twice")
-                seen.add(block_id)
-            checked[request_id] = block_ids
-        return checked
-
-    def _check_fresh(
-        self,
-        fresh_ids: list[int],
-        finished_ids: list[str],
-        resumed_lists: dict[str, list[int]],
-        new_lists: dict[str, list[int]],
-    ) -> None:
-        """A fresh block must be allocated this step and referenced by nobody else."""
-        requests = self._tracker.requests
-        releases: Counter[int] = Counter()
-        for request_id in {*finished_ids, *resumed_lists}:
-            releases.update(requests.get(request_id, ()))
-        allocated = {i for ids in (*resumed_lists.values(), *new_lists.values()) for i in ids}
-        for logical_id in fresh_ids:
-            if logical_id == NULL_BLOCK_ID or logical_id not in allocated:
-                raise InvalidArgument(
-                    f"fresh: block id {logical_id} is not among this step's new or resumed blocks"
-                )
-            if self._tracker.refs[logical_id] > releases[logical_id]:
-                raise InvalidArgument(
-                    f"fresh: block id {logical_id} still holds data for a running request"
-                )
-
-    def _apply(self, step: _StepInput) -> StepResult:
+    def _apply(self, step: StepInput) -> StepResult:
         tracker = self._tracker
         counters = self._counters
         num_unknown = sum(not tracker.drop_request(rid) for rid in step.finished)

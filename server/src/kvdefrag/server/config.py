@@ -55,6 +55,13 @@ class Config:
     replay_cache_size: int = 64
 
     def __post_init__(self) -> None:
+        for name in ("threshold", "max_moves_per_step", "max_message_bytes", "replay_cache_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise InvalidArgument(f"{name} must be an int, got {value!r}")
+        for name in ("enable_placement", "prefix_caching", "insecure"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidArgument(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.threshold < 0:
             raise InvalidArgument(f"threshold must be >= 0, got {self.threshold}")
         if self.max_moves_per_step < 1:

@@ -1,0 +1,42 @@
+"""Configuration and step-shape errors are clear InvalidArguments that change nothing."""
+
+import pytest
+import torch
+
+from kvdefrag.common import InvalidArgument
+from kvdefrag.server import Config, Engine, load_config
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"threshold": 2.5}, "threshold must be an int, got 2.5"),
+        ({"threshold": "3"}, "threshold must be an int, got '3'"),
+        ({"max_moves_per_step": True}, "max_moves_per_step must be an int, got True"),
+        ({"prefix_caching": 1}, "prefix_caching must be a bool, got 1"),
+        ({"threshold": -1}, "threshold must be >= 0, got -1"),
+        ({"pad_buckets": (16, 8)}, "pad_buckets must be strictly increasing"),
+    ],
+)
+def test_bad_options_name_the_option(options: dict[str, object], message: str) -> None:
+    with pytest.raises(InvalidArgument, match=message.replace("(", r"\(")):
+        Config(**options)  # type: ignore[arg-type]
+
+
+def test_environment_is_below_explicit_options() -> None:
+    environ = {"KVDEFRAG_THRESHOLD": "64", "KVDEFRAG_PREFIX_CACHING": "true"}
+    config = load_config({"threshold": 8}, environ)
+    assert (config.threshold, config.prefix_caching) == (8, True)
+    with pytest.raises(InvalidArgument, match="KVDEFRAG_THRESHOLD must be int"):
+        load_config({}, {"KVDEFRAG_THRESHOLD": "many"})
+    with pytest.raises(InvalidArgument, match="unknown configuration option 'treshold'"):
+        load_config({"treshold": 8}, {})
+
+
+def test_block_lists_must_be_a_mapping_and_nothing_changes() -> None:
+    engine = Engine([(torch.zeros(64 * 4, 2), None)], 4, threshold=0)
+    engine.step(new_blocks={"a": [9, 10]})
+    before = (engine.stats(), engine.digest, engine.resolve(list(range(64))).tolist())
+    with pytest.raises(InvalidArgument, match="new_blocks: expected a mapping"):
+        engine.step(new_blocks=[1, 2])  # type: ignore[arg-type]
+    assert (engine.stats(), engine.digest, engine.resolve(list(range(64))).tolist()) == before
