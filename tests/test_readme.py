@@ -12,12 +12,18 @@ def _python_blocks() -> list[str]:
     return re.findall(r"```python\n(.*?)```", README.read_text(), re.DOTALL)
 
 
-def _expected_lines(block: str) -> list[str]:
-    """The `# expected` comment after each print(...) call, where there is one."""
-    return [
-        match.group(1).strip()
-        for match in re.finditer(r"^print\(.*\)\s+# (.+)$", block, re.MULTILINE)
-    ]
+def _expected_lines(block: str) -> list[str | None]:
+    """Per print() call, in order: the output its `# comment` promises, or None.
+
+    A comment is the exact line printed, optionally followed by " (commentary)".
+    """
+    expected: list[str | None] = []
+    for line in block.splitlines():
+        match = re.match(r"^\s*print\(.*\)(?:\s+# (.+))?$", line)
+        if match:
+            comment = match.group(1)
+            expected.append(None if comment is None else comment.split(" (")[0].strip())
+    return expected
 
 
 def test_readme_has_examples() -> None:
@@ -29,10 +35,13 @@ def test_readme_examples_print_what_they_say() -> None:
         output = io.StringIO()
         with contextlib.redirect_stdout(output):
             exec(compile(block, str(README), "exec"), {"__name__": "readme_example"})
-        printed = output.getvalue()
-        for expected in _expected_lines(block):
-            shown = expected.split(":")[0].strip()  # text after ':' is commentary
-            assert shown in printed, f"README promises {shown!r}, the code printed:\n{printed}"
+        printed = output.getvalue().splitlines()
+        expected = _expected_lines(block)
+        assert len(printed) == len(expected), f"one line per print(), got:\n{printed}"
+        promised = [(want, got) for want, got in zip(expected, printed, strict=True) if want]
+        assert promised, "the example promises no output"
+        for want, got in promised:
+            assert got == want, f"README promises {want!r}, the code printed {got!r}"
 
 
 def test_docstring_examples_run() -> None:
