@@ -80,18 +80,6 @@ class _SlotHeap:
             self.flags[slot] = 0
         return None
 
-    def take(self, count: int, is_valid: Callable[[int], bool]) -> list[int]:
-        """Removes and returns up to ``count`` best valid slots, best first."""
-        taken: list[int] = []
-        while len(taken) < count:
-            slot = self.top(is_valid)
-            if slot is None:
-                break
-            heapq.heappop(self.heap)
-            self.flags[slot] = 0
-            taken.append(slot)
-        return taken
-
 
 class BlockTracker:
     """Live blocks, requests and the logical->physical permutation of one KV pool.
@@ -131,9 +119,6 @@ class BlockTracker:
     def is_live_slot(self, physical_id: int) -> bool:
         return self.refs[self.bwd[physical_id]] > 0
 
-    def is_free_slot(self, physical_id: int) -> bool:
-        return physical_id != NULL_BLOCK_ID and not self.refs[self.bwd[physical_id]]
-
     def is_expendable_slot(self, physical_id: int) -> bool:
         logical_id = self.bwd[physical_id]
         return (
@@ -152,24 +137,14 @@ class BlockTracker:
         """Highest live physical id, 0 when nothing is live."""
         return self._live.top(self.is_live_slot) or 0
 
-    def lowest_free(self) -> int | None:
-        return self._free.top(self.is_free_slot)
-
     def lowest_expendable(self) -> int | None:
         return self._expendable.top(self.is_expendable_slot)
-
-    def take_highest_live(self, count: int) -> list[int]:
-        return self._live.take(count, self.is_live_slot)
-
-    def take_lowest_free(self, count: int) -> list[int]:
-        return self._free.take(count, self.is_free_slot)
 
     def take_compaction_pairs(self, max_pairs: int) -> tuple[list[int], list[int]]:
         """Takes up to ``max_pairs`` (highest live slot, lowest free slot) pairs, while the
         free slot is below the live one. Both leave the heaps (see ``restore_slots``).
 
-        NOTE: the hottest loop of a compaction step, so it works on the heaps directly
-        instead of through ``take_*``.
+        NOTE: the hottest loop of a compaction step, so it works on the heaps directly.
         """
         refs, bwd = self.refs, self.bwd
         live_heap, live_flags = self._live.heap, self._live.flags
@@ -193,7 +168,7 @@ class BlockTracker:
         return src_ids, dst_ids
 
     def restore_slots(self, physical_ids: Iterable[int]) -> None:
-        """Re-indexes slots taken by ``take_*`` (their state has not changed)."""
+        """Re-indexes slots taken by ``take_compaction_pairs`` (their state has not changed)."""
         for physical_id in physical_ids:
             self._index_slot(physical_id)
 
@@ -254,7 +229,7 @@ class BlockTracker:
 
     def move_live_blocks(self, src_ids: list[int], dst_ids: list[int]) -> list[int]:
         """Commits a compaction batch: live ``src_ids[i]`` and free ``dst_ids[i]`` trade
-        logical ids. The slots must have been taken from the heaps (``take_*``).
+        logical ids. The slots must have been taken by ``take_compaction_pairs``.
 
         Returns:
             Every logical id whose slot changed.
