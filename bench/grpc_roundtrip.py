@@ -1,4 +1,4 @@
-"""gRPC round trip of one kvdefrag step against a bare gRPC bidi echo (issue 3).
+"""gRPC round trip of one kvdefrag step against a bare gRPC bidi echo.
 
 Both run in this process, each on its own temporary unix socket, and are timed step by
 step, interleaved, so machine noise hits both alike::

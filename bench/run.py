@@ -551,7 +551,7 @@ def _engine_report(results: dict[str, Any], executor_rows: list[dict[str, Any]])
         f"{runs[1]['num_steps']:,} at 100k and 200k; KV moves only counted"
     )
     lines.append("")
-    lines.append("== targets (issue 2)")
+    lines.append("== targets")
     targets = [
         (
             f"per-step at 100k <= 1/10 of the seed: seed/kvd = {seed_ratio_100k:.1f}x",

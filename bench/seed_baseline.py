@@ -2,7 +2,7 @@
 
 This module re-states, in our own words and for measurement only, the algorithm of the
 project's seed: vllm-gaudi's ``OnlineDefragmenter`` and ``CacheSwapUtils``
-(``vllm_gaudi/extension/defragmentation.py``; see ``../shared/seed/``). It keeps the
+(``vllm_gaudi/extension/defragmentation.py`` in the vllm-gaudi repository). It keeps the
 seed's data structures and costs on purpose, so the benchmark compares like with like:
 
 * reference counts in a dict keyed by *physical* id; a list of logical ids per request;

@@ -1,6 +1,6 @@
 """The defragmentation engine: the one owner of kvdefrag's mutable state.
 
-A step applies the scheduler's events in DESIGN §4 order, all-or-nothing up to the KV
+A step applies the scheduler's events in docs/design.md §4 order, all-or-nothing up to the KV
 moves::
 
     validate -> finished -> resumed -> evicted -> new blocks -> placement -> compaction
