@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from kvdefrag.client.workload import SyntheticWorkload, WorkloadConfig
-from kvdefrag.server import Engine, Move, make_executor
+from kvdefrag.server import Engine, EngineConfig, Move, make_executor
 
 BLOCK_SIZE = 16
 
@@ -38,7 +38,12 @@ def run_integrity(
     stream: Any = torch.cuda.Stream(device) if device.type == "cuda" else None
     shape = (num_blocks * BLOCK_SIZE, 2, 8)
     kv = [(torch.zeros(shape, device=device), torch.zeros(shape, device=device)) for _ in range(2)]
-    engine = Engine(kv, BLOCK_SIZE, threshold=16, prefix_caching=prefix_caching, stream=stream)
+    engine = Engine(
+        kv,
+        BLOCK_SIZE,
+        config=EngineConfig(threshold=16, prefix_caching=prefix_caching),
+        stream=stream,
+    )
     config = WorkloadConfig(
         num_blocks=num_blocks,
         num_steps=num_steps,
@@ -86,7 +91,7 @@ def run_integrity(
     stats = engine.stats()
     print(
         f"{device.type} integrity (prefix caching {'on' if prefix_caching else 'off'}): "
-        f"{stats.num_moves:,} moves, {stats.num_placements:,} placements, "
+        f"{stats.totals.num_moves:,} moves, {stats.totals.num_placements:,} placements, "
         f"{corrupted} corrupted"
     )
     return corrupted

@@ -39,7 +39,7 @@ import torch
 from kvdefrag.client import DefragClient, StepEvents
 from kvdefrag.client import _convert as client_convert
 from kvdefrag.client.workload import SyntheticWorkload, WorkloadConfig
-from kvdefrag.server import Engine, serve_in_process
+from kvdefrag.server import Engine, EngineConfig, serve_in_process
 from kvdefrag.server import _convert as server_convert
 
 REQUEST_BLOCKS = 256
@@ -104,7 +104,9 @@ def _engine_pass(
     steps: list[dict[str, Any]], num_blocks: int, num_setup: int
 ) -> tuple[list[float], list[bytes], list[bytes], list[int]]:
     """Runs the steps in process; returns timed durations, wire bytes and moves per step."""
-    engine = Engine(_kv_caches(num_blocks), 16, max_moves_per_step=MAX_MOVES_PER_STEP)
+    engine = Engine(
+        _kv_caches(num_blocks), 16, config=EngineConfig(max_moves_per_step=MAX_MOVES_PER_STEP)
+    )
     durations, requests, replies, moves = [], [], [], []
     for seq, kwargs in enumerate(steps, start=1):
         started = time.perf_counter()

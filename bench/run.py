@@ -39,7 +39,7 @@ from grpc_roundtrip import format_grpc_bench, run_grpc_bench
 from seed_baseline import SeedEquivalentDefragmenter, SeedEquivalentSwap
 
 from kvdefrag.client.workload import SyntheticWorkload, WorkloadConfig, WorkloadStep
-from kvdefrag.server import Engine, Move, MoveReport, make_executor
+from kvdefrag.server import Engine, EngineConfig, Move, MoveReport, make_executor
 
 DYNAMIC_BLOCKS = 10_000
 GIB = 1 << 30
@@ -261,7 +261,7 @@ def run_stream(
     """
     track_fragmentation = num_blocks == DYNAMIC_BLOCKS
     executor = CountingExecutor(num_blocks)
-    engine = Engine([], prefix_caching=prefix_caching, executor=executor)
+    engine = Engine([], config=EngineConfig(prefix_caching=prefix_caching), executor=executor)
     frag_kvdefrag: list[float] = []
     runs_before_timing = [0]
 
@@ -269,7 +269,7 @@ def run_stream(
         if track_fragmentation and step.index:
             frag_kvdefrag.append(engine.stats().fragmentation_ratio)
         if step.index == timed[0] - 1:
-            runs_before_timing[0] = engine.stats().num_defrag_runs
+            runs_before_timing[0] = engine.stats().totals.num_defrag_runs
 
     def apply_kvdefrag(kwargs: dict[str, Any]) -> None:
         engine.step(**kwargs)
@@ -302,9 +302,9 @@ def run_stream(
         "seed_step0_ms": seed_ns[0] / 1e6,
         "num_fresh_blocks": sum(len(step.fresh) for step in stream[1:]),
         "mean_live_blocks": statistics.fmean(step.num_live_blocks for step in stream[1:]),
-        "kvdefrag_moves": stats.num_moves,
-        "kvdefrag_two_way_moves": stats.num_two_way_moves,
-        "kvdefrag_placements": stats.num_placements,
+        "kvdefrag_moves": stats.totals.num_moves,
+        "kvdefrag_two_way_moves": stats.totals.num_two_way_moves,
+        "kvdefrag_placements": stats.totals.num_placements,
         "kvdefrag_blocks_copied": executor.num_blocks_copied,
         "seed_moves": seed.num_moves,
         "seed_blocks_copied": seed_counter.num_blocks_copied,
@@ -347,7 +347,7 @@ def run_threshold_sweep(stream: list[WorkloadStep]) -> list[dict[str, Any]]:
     for threshold in SWEEP_THRESHOLDS:
         progress(f"engine: threshold sweep, threshold {threshold}")
         executor = CountingExecutor(DYNAMIC_BLOCKS)
-        engine = Engine([], threshold=threshold, executor=executor)
+        engine = Engine([], config=EngineConfig(threshold=threshold), executor=executor)
         ratios = []
         for step in stream:
             engine.step(**step.as_step_kwargs())
@@ -356,7 +356,7 @@ def run_threshold_sweep(stream: list[WorkloadStep]) -> list[dict[str, Any]]:
             {
                 "threshold": threshold,
                 "blocks_copied": executor.num_blocks_copied,
-                "placements": engine.stats().num_placements,
+                "placements": engine.stats().totals.num_placements,
                 "mean_fragmentation": statistics.fmean(ratios[1:]),
                 "p99_fragmentation": sorted(ratios)[int(0.99 * (len(ratios) - 1))],
             }

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import random
 
-from reference_model import NULL_BLOCK_ID, ReferenceModel, StepEvents, StepOutcome
+from reference_model import ReferenceModel, StepOutcome
+
+from kvdefrag.common import NULL_BLOCK_ID, StepEvents
 
 
 class RandomWorkload:

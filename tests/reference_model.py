@@ -13,35 +13,12 @@ from __future__ import annotations
 import copy
 import dataclasses
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from kvdefrag.common import mapping_digest
-
-NULL_BLOCK_ID = 0
-
-
-@dataclasses.dataclass(frozen=True)
-class StepEvents:
-    """One step's events, as passed to ``Engine.step`` (keywords of the same names)."""
-
-    finished: tuple[str, ...] = ()
-    resumed: Mapping[str, Sequence[int]] = dataclasses.field(default_factory=dict)
-    new_blocks: Mapping[str, Sequence[int]] = dataclasses.field(default_factory=dict)
-    fresh: Sequence[int] | None = None
-    evicted: Sequence[int] = ()
-
-    def as_kwargs(self) -> dict[str, Any]:
-        """Returns the keyword arguments for ``Engine.step``."""
-        return {
-            "finished": list(self.finished),
-            "resumed": {rid: list(ids) for rid, ids in self.resumed.items()},
-            "new_blocks": {rid: list(ids) for rid, ids in self.new_blocks.items()},
-            "fresh": None if self.fresh is None else list(self.fresh),
-            "evicted": list(self.evicted),
-        }
+from kvdefrag.common import NULL_BLOCK_ID, StepEvents, mapping_digest
 
 
 @dataclasses.dataclass(frozen=True)

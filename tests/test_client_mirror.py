@@ -18,7 +18,7 @@ from random_workload import RandomWorkload
 from kvdefrag.client import InvalidArgument, StepEvents
 from kvdefrag.client._mirror import Mirror
 from kvdefrag.common import mapping_digest
-from kvdefrag.server import Engine
+from kvdefrag.server import Engine, EngineConfig
 
 
 def events(**kwargs: Any) -> StepEvents:
@@ -190,11 +190,11 @@ def test_from_tables_refuses_inconsistent_tables(
     [
         ({"finished": "req-a"}, "finished: expected a collection of request ids"),
         ({"finished": [3]}, "finished: request id must be a str, got 3"),
-        ({"new_blocks": {"a": [1, "x"]}}, r"new_blocks\['a'\]: block ids must be integers"),
+        ({"new_blocks": {"a": [1, "x"]}}, r"new_blocks\['a'\]: block id .* is not an integer"),
         ({"new_blocks": {7: [1]}}, "new_blocks: request id must be a str, got 7"),
         ({"new_blocks": [("a", [1])]}, "new_blocks: expected a mapping"),
         ({"resumed": {"a": [1 << 63]}}, r"resumed\['a'\]\[0\]: block id .* is not an int64"),
-        ({"fresh": [None]}, "fresh: block ids must be integers"),
+        ({"fresh": [None]}, "fresh: block id .* is not an integer"),
         ({"evicted": "12"}, "evicted: expected a sequence of block ids"),
     ],
 )
@@ -217,7 +217,13 @@ def test_mirror_follows_the_engine_step_by_step(
 ) -> None:
     num_blocks = 40
     kv = SignedKv.create(num_blocks, block_size=2)
-    engine = Engine(kv.kv_caches, 2, threshold, prefix_caching, max_moves_per_step=max_moves)
+    engine = Engine(
+        kv.kv_caches,
+        2,
+        config=EngineConfig(
+            threshold=threshold, prefix_caching=prefix_caching, max_moves_per_step=max_moves
+        ),
+    )
     mirror = Mirror(num_blocks)
     workload = RandomWorkload(num_blocks, prefix_caching, seed)
 

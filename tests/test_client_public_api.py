@@ -29,6 +29,7 @@ def test_client_exports_are_pinned() -> None:
         "SessionInfo",
         "StepEvents",
         "StepReply",
+        "Totals",
     ]
     for name in kvdefrag.client.__all__:
         assert getattr(kvdefrag.client, name).__module__.startswith("kvdefrag."), name

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kvdefrag.common import InvalidArgument
-from kvdefrag.server import Config, Engine, load_config
+from kvdefrag.server import Engine, EngineConfig, ServiceConfig, load_config
 
 
 @pytest.mark.parametrize(
@@ -20,12 +20,31 @@ from kvdefrag.server import Config, Engine, load_config
 )
 def test_bad_options_name_the_option(options: dict[str, object], message: str) -> None:
     with pytest.raises(InvalidArgument, match=message.replace("(", r"\(")):
-        Config(**options)  # type: ignore[arg-type]
+        EngineConfig(**options)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"max_message_bytes": 10}, "max_message_bytes must be >= 1024, got 10"),
+        ({"replay_cache_size": 0}, "replay_cache_size must be >= 1, got 0"),
+        ({"insecure": "yes"}, "insecure must be a bool, got 'yes'"),
+    ],
+)
+def test_bad_service_options_name_the_option(options: dict[str, object], message: str) -> None:
+    with pytest.raises(InvalidArgument, match=message):
+        ServiceConfig(**options)  # type: ignore[arg-type]
+
+
+def test_each_option_belongs_to_one_config() -> None:
+    engine_config, service_config = load_config({"threshold": 8, "replay_cache_size": 4}, {})
+    assert engine_config == EngineConfig(threshold=8)
+    assert service_config == ServiceConfig(replay_cache_size=4)
 
 
 def test_environment_is_below_explicit_options() -> None:
     environ = {"KVDEFRAG_THRESHOLD": "64", "KVDEFRAG_PREFIX_CACHING": "true"}
-    config = load_config({"threshold": 8}, environ)
+    config, _ = load_config({"threshold": 8}, environ)
     assert (config.threshold, config.prefix_caching) == (8, True)
     with pytest.raises(InvalidArgument, match="KVDEFRAG_THRESHOLD must be int"):
         load_config({}, {"KVDEFRAG_THRESHOLD": "many"})
@@ -34,7 +53,7 @@ def test_environment_is_below_explicit_options() -> None:
 
 
 def test_block_lists_must_be_a_mapping_and_nothing_changes() -> None:
-    engine = Engine([(torch.zeros(64 * 4, 2), None)], 4, threshold=0)
+    engine = Engine([(torch.zeros(64 * 4, 2), None)], 4, config=EngineConfig(threshold=0))
     engine.step(new_blocks={"a": [9, 10]})
     before = (engine.stats(), engine.digest, engine.resolve(list(range(64))).tolist())
     with pytest.raises(InvalidArgument, match="new_blocks: expected a mapping"):

@@ -6,7 +6,6 @@ Real tools: promtool (Debian package ``prometheus``, installed by ``.ci/run``), 
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.metadata
 import json
 import re
@@ -27,7 +26,7 @@ from prometheus_client import CollectorRegistry
 
 from kvdefrag.server import Engine
 from kvdefrag.server.__main__ import parse_args
-from kvdefrag.server.config import ENV_PREFIX, Config, load_config
+from kvdefrag.server.config import ENV_PREFIX, load_config, option_names
 from kvdefrag.server.metrics import Metrics
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -189,7 +188,7 @@ def test_cpu_image_runs_the_documented_server_command() -> None:
     assert command == IMAGE_COMMAND
     (script,) = importlib.metadata.entry_points(group="console_scripts", name=command[0])
     assert script.value == "kvdefrag.server.__main__:main"
-    config = parse_args(command[1:], environ={}).config
+    config = parse_args(command[1:], environ={}).service_config
     assert (config.address, config.insecure, config.metrics_port, config.metrics_host) == (
         "0.0.0.0:50051", True, 9464, "0.0.0.0",
     )  # fmt: skip
@@ -207,7 +206,7 @@ def test_gaudi_image_keeps_the_base_torch() -> None:
     env_lines = " ".join(arguments for name, arguments in instructions if name == "ENV")
     settings = dict(re.findall(r"(KVDEFRAG_[A-Z_]+)=(\S+)", env_lines))
     assert_known_options(settings)
-    config = load_config(environ=settings)
+    _, config = load_config(environ=settings)
     assert (config.address, config.metrics_port) == ("unix:/run/kvdefrag/kvdefrag.sock", 9464)
 
 
@@ -219,7 +218,7 @@ def test_dockerfiles_pass_hadolint(name: str) -> None:
 
 def assert_known_options(environ: dict[str, str]) -> None:
     """Every KVDEFRAG_* variable names a Config field (a typo would be silently ignored)."""
-    known = {ENV_PREFIX + field.name.upper() for field in dataclasses.fields(Config)}
+    known = {ENV_PREFIX + name.upper() for name in option_names()}
     given = {name for name in environ if name.startswith(ENV_PREFIX)}
     assert given and given - known == set()
 
@@ -239,7 +238,7 @@ def test_worker_pod_wires_socket_metrics_and_probe_together() -> None:
     vllm = pod["spec"]["containers"][0]
     settings = {item["name"]: item["value"] for item in vllm["env"]}
     assert_known_options(settings)
-    config = load_config(environ=settings)
+    _, config = load_config(environ=settings)
     socket_path = config.address.removeprefix("unix:")
     mounts = {mount["name"]: mount["mountPath"] for mount in vllm["volumeMounts"]}
     shared = [v["name"] for v in pod["spec"]["volumes"] if "emptyDir" in v]

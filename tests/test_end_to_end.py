@@ -21,7 +21,7 @@ from random_workload import RandomWorkload
 from test_server_listen import make_certificates
 
 from kvdefrag.client import DefragClient, ServiceUnavailable
-from kvdefrag.server import Engine, serve_in_process
+from kvdefrag.server import Engine, EngineConfig, serve_in_process
 
 NUM_BLOCKS = 48
 BLOCK_SIZE = 2
@@ -88,7 +88,7 @@ def test_every_live_block_reads_its_own_data_through_the_client(
             assert report.is_consistent, report.describe()
             stats = client.stats()
             assert stats.next_seq == NUM_STEPS + 1
-            assert stats.stats.num_steps == NUM_STEPS
+            assert stats.stats.totals.num_steps == NUM_STEPS
     finally:
         handle.stop(1.0)
 
@@ -99,7 +99,11 @@ def test_the_workloads_exercise_moves_placements_and_every_event_kind() -> None:
     totals = {"moves": 0, "two_way": 0, "placed": 0, "unknown": 0, "resumed": 0, "evicted": 0}
     readmitted = 0
     for seed in range(6):
-        engine = Engine(signed.kv_caches, BLOCK_SIZE, threshold=2, prefix_caching=seed % 2 == 1)
+        engine = Engine(
+            signed.kv_caches,
+            BLOCK_SIZE,
+            config=EngineConfig(threshold=2, prefix_caching=seed % 2 == 1),
+        )
         workload = RandomWorkload(NUM_BLOCKS, seed % 2 == 1, seed)
         for _ in range(NUM_STEPS):
             events, _ = workload.next_step()

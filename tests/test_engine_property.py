@@ -29,7 +29,7 @@ from reference_model import (
 )
 
 from kvdefrag.common import InvalidArgument
-from kvdefrag.server import Engine
+from kvdefrag.server import Engine, EngineConfig
 
 BLOCK_SIZE = 2
 EXAMPLES_PER_MODE = 200  # 400 sequences in all
@@ -82,10 +82,12 @@ class Run:
         self.engine = Engine(
             self.kv.kv_caches,
             BLOCK_SIZE,
-            self.threshold,
-            prefix_caching,
-            max_moves_per_step=self.max_moves,
-            enable_placement=self.enable_placement,
+            config=EngineConfig(
+                threshold=self.threshold,
+                prefix_caching=prefix_caching,
+                max_moves_per_step=self.max_moves,
+                enable_placement=self.enable_placement,
+            ),
         )
         self.model = ReferenceModel(self.num_blocks, prefix_caching)
         self.preempted: list[str] = []

@@ -14,14 +14,13 @@ import torch
 from kv import SignedKv, make_kv_caches
 from reference_model import (
     ReferenceModel,
-    StepEvents,
     assert_engine_agrees,
     assert_step_result,
     physical_layout,
 )
 
-from kvdefrag.common import InvalidArgument, NotFound, mapping_digest
-from kvdefrag.server import Engine, Move, MoveReport, StepResult, make_executor
+from kvdefrag.common import InvalidArgument, NotFound, StepEvents, mapping_digest
+from kvdefrag.server import Engine, EngineConfig, Move, MoveReport, StepResult, make_executor
 
 BLOCK_SIZE = 4
 NO_TRIGGER = 10_000  # a threshold compaction never reaches in these small pools
@@ -49,6 +48,7 @@ class Harness:
         *,
         threshold: int = NO_TRIGGER,
         prefix_caching: bool = False,
+        kv_lock: threading.Lock | None = None,
         **options: Any,
     ) -> None:
         self.kv = SignedKv.create(num_blocks, block_size=BLOCK_SIZE)
@@ -56,10 +56,9 @@ class Harness:
         self.engine = Engine(
             self.kv.kv_caches,
             BLOCK_SIZE,
-            threshold,
-            prefix_caching,
+            EngineConfig(threshold=threshold, prefix_caching=prefix_caching, **options),
             executor=self.executor,
-            **options,
+            kv_lock=kv_lock,
         )
         self.model = ReferenceModel(num_blocks, prefix_caching)
 
@@ -173,7 +172,7 @@ def test_unknown_finished_ids_are_tolerated_and_counted() -> None:
     assert result.num_unknown_finished == 2  # "ghost", and "a" a second time
     assert h.engine.list_requests() == {}
     h.step(finished=["ghost"])
-    assert h.engine.stats().num_unknown_finished == 3
+    assert h.engine.stats().totals.num_unknown_finished == 3
 
 
 # --- validation: all-or-nothing --------------------------------------------------------
@@ -275,7 +274,7 @@ def test_trigger_boundary_holes_equal_to_threshold_do_not_trigger() -> None:
     assert result.stats.holes == 0
     assert result.stats.max_live == 15
     assert result.num_bytes_moved == 5 * h.executor._inner.bytes_per_block  # type: ignore[attr-defined]
-    assert h.engine.stats().num_defrag_runs == 1
+    assert h.engine.stats().totals.num_defrag_runs == 1
 
 
 def test_zero_threshold_triggers_on_a_single_hole() -> None:
@@ -298,7 +297,7 @@ def test_move_cap_and_convergence_over_several_steps() -> None:
         holes.append(result.stats.holes)
     assert holes == [7, 4, 1, 0, 0]
     assert h.engine.stats().max_live == 10
-    assert h.engine.stats().num_moves == 10
+    assert h.engine.stats().totals.num_moves == 10
 
 
 def test_moves_go_down_and_pair_highest_live_with_lowest_free() -> None:
@@ -349,7 +348,7 @@ def test_moves_swap_with_cached_targets_and_copy_one_way_onto_evicted_ones() -> 
     assert h.model.cached == {1, 3}
     assert h.engine.resolve([1, 2, 3, 8, 7, 6]).tolist() == [8, 7, 6, 1, 2, 3]
     stats = h.engine.stats()
-    assert (stats.num_moves, stats.num_two_way_moves) == (3, 2)
+    assert (stats.totals.num_moves, stats.totals.num_two_way_moves) == (3, 2)
     bytes_per_block = h.executor._inner.bytes_per_block  # type: ignore[attr-defined]
     assert result.num_bytes_moved == 5 * bytes_per_block
 
@@ -358,7 +357,7 @@ def test_cached_blocks_survive_compaction_and_are_reused_as_prefix_hits() -> Non
     h = Harness(threshold=0, prefix_caching=True)
     h.step(new_blocks={"a": [1, 2, 3], "b": [4, 5, 6]}, fresh=range(1, 7))
     h.step(finished=["a"])  # cached 1..3 below live 4..6: two-way swaps
-    assert h.engine.stats().num_two_way_moves == 3
+    assert h.engine.stats().totals.num_two_way_moves == 3
     h.step(new_blocks={"c": [1, 2, 9]}, fresh=[9])  # prefix-cache hit on 1, 2
     assert h.engine.request_blocks("c") == [1, 2, 9]
 
@@ -375,7 +374,7 @@ def test_fresh_blocks_are_placed_without_copying() -> None:
     assert h.engine.resolve([20, 5, 6]).tolist() == [4, 5, 6]
     assert result.num_placed == 1
     assert h.executor.batches == []  # placement is a mapping change only
-    assert h.engine.stats().num_placements == 4
+    assert h.engine.stats().totals.num_placements == 4
 
 
 def test_without_placement_fresh_blocks_are_compacted_by_copying() -> None:
@@ -461,7 +460,8 @@ def test_same_events_give_the_same_moves_and_mapping() -> None:
     stream = random_events(seed=7, num_blocks=64, num_steps=80)
     kv_a = make_kv_caches(64, block_size=BLOCK_SIZE)
     kv_b = make_kv_caches(64, block_size=BLOCK_SIZE, dtype=torch.bfloat16, mla=True)
-    engines = [Engine(kv, BLOCK_SIZE, threshold=3, max_moves_per_step=4) for kv in (kv_a, kv_b)]
+    config = EngineConfig(threshold=3, max_moves_per_step=4)
+    engines = [Engine(kv, BLOCK_SIZE, config) for kv in (kv_a, kv_b)]
     num_moves = 0
     for events in stream:
         assert events.fresh is None
@@ -472,13 +472,15 @@ def test_same_events_give_the_same_moves_and_mapping() -> None:
                 r.moves,
                 r.num_placed,
                 r.digest,
-                dataclasses.replace(r.stats, num_bytes_moved=0),
+                dataclasses.replace(
+                    r.stats, totals=dataclasses.replace(r.stats.totals, num_bytes_moved=0)
+                ),
             )
             for r in results
         )
         assert first == second
         num_moves += len(results[0].moves)
-    assert num_moves > 0 and engines[0].stats().num_placements > 0
+    assert num_moves > 0 and engines[0].stats().totals.num_placements > 0
     assert physical_layout(engines[0]).tolist() == physical_layout(engines[1]).tolist()
 
 
@@ -546,25 +548,32 @@ def test_block_mapping_covers_every_newly_referenced_or_moved_id() -> None:
         ({"pad_buckets": (16, 8)}, "pad_buckets", "(16, 8)"),
         ({"pad_buckets": (0, 8)}, "pad_buckets", "(0, 8)"),
         ({"pad_buckets": (8, 8)}, "pad_buckets", "(8, 8)"),
-        ({"block_size": 0}, "block_size", "0"),
     ],
 )
 def test_bad_configuration_is_refused(options: dict[str, Any], field: str, value: str) -> None:
-    kv = make_kv_caches(8, block_size=BLOCK_SIZE)
-    arguments = {"block_size": BLOCK_SIZE, **options}
     with pytest.raises(InvalidArgument, match=field) as info:
-        Engine(kv, **arguments)
+        EngineConfig(**options)
     assert value in str(info.value)
+
+
+def test_a_bad_block_size_is_refused() -> None:
+    kv = make_kv_caches(8, block_size=BLOCK_SIZE)
+    with pytest.raises(InvalidArgument, match="block_size") as info:
+        Engine(kv, 0)
+    assert "0" in str(info.value)
 
 
 def test_engine_takes_the_documented_positional_and_keyword_arguments() -> None:
     kv = make_kv_caches(8, block_size=16)
-    engine = Engine(kv, 16, 32, False)
+    engine = Engine(kv, 16, EngineConfig(threshold=32))
     assert (engine.num_blocks, engine.block_size, engine.config.threshold) == (8, 16, 32)
+    assert engine.config == EngineConfig()
     assert engine.config.max_moves_per_step == 512
     assert engine.config.pad_buckets == (8, 16, 32, 64, 128, 256, 512)
     with pytest.raises(TypeError):
-        Engine(kv, 16, 32, False, 512)  # type: ignore[misc]
+        Engine(kv, 16, EngineConfig(), None)  # type: ignore[misc]
+    with pytest.raises(InvalidArgument, match="EngineConfig"):
+        Engine(kv, 16, 32)  # type: ignore[arg-type]
 
 
 def _tensor(slots: int) -> torch.Tensor:

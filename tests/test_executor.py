@@ -14,7 +14,7 @@ import torch
 from kv import SignedKv, make_kv_caches
 
 from kvdefrag.common import EngineUnhealthy, InvalidArgument, mapping_digest
-from kvdefrag.server import Engine, Move, MoveReport, make_executor
+from kvdefrag.server import Engine, EngineConfig, Move, MoveReport, make_executor
 from kvdefrag.server._executor import TorchSwapExecutor, pad_to_bucket
 
 BLOCK_SIZE = 4
@@ -159,11 +159,11 @@ def test_the_hpu_backend_is_not_imported_for_cpu_tensors() -> None:
         """
         import sys
         import torch
-        from kvdefrag.server import Engine
+        from kvdefrag.server import Engine, EngineConfig
 
-        engine = Engine([(torch.zeros(64, 2), None)], 4, threshold=0)
+        engine = Engine([(torch.zeros(64, 2), None)], 4, EngineConfig(threshold=0))
         engine.step(new_blocks={"a": [5, 9]}, fresh=[])
-        assert engine.stats().num_moves == 2
+        assert engine.stats().totals.num_moves == 2
         print(sorted(m for m in sys.modules
                      if m.startswith("habana_frameworks") or m.endswith("_executor_hpu")))
         """
@@ -218,7 +218,7 @@ def check_failed_engine(engine: Engine, kv: SignedKv, mapping_before: list[int])
 def test_a_failed_move_commits_nothing_and_leaves_the_engine_unhealthy(num_done: int) -> None:
     kv = SignedKv.create(32, block_size=BLOCK_SIZE)
     executor = PartialExecutor(kv, lambda moves: moves[:num_done])
-    engine = Engine(kv.kv_caches, BLOCK_SIZE, threshold=2, executor=executor)
+    engine = Engine(kv.kv_caches, BLOCK_SIZE, config=EngineConfig(threshold=2), executor=executor)
     engine.step(new_blocks={"a": list(range(1, 7)), "b": list(range(7, 13))})
     kv.write_fresh(engine, range(1, 13))
     mapping_before = engine.resolve(np.arange(32)).tolist()
@@ -241,8 +241,8 @@ def test_a_failed_move_keeps_the_placement_of_its_own_step() -> None:
     """The failed step's events and placement stand; only its compaction is dropped."""
     kv, twin_kv = (SignedKv.create(32, block_size=BLOCK_SIZE) for _ in range(2))
     executor = PartialExecutor(kv, lambda moves: moves)
-    engine = Engine(kv.kv_caches, BLOCK_SIZE, threshold=2, executor=executor)
-    twin = Engine(twin_kv.kv_caches, BLOCK_SIZE, threshold=10_000)
+    engine = Engine(kv.kv_caches, BLOCK_SIZE, config=EngineConfig(threshold=2), executor=executor)
+    twin = Engine(twin_kv.kv_caches, BLOCK_SIZE, config=EngineConfig(threshold=10_000))
     steps: list[tuple[dict[str, Any], list[int]]] = [
         ({"new_blocks": {"a": [1, 2, 3], "b": [4, 5], "c": [6, 7, 8]}}, list(range(1, 9))),
         ({"finished": ["b"], "new_blocks": {"a": [20]}}, [20]),
@@ -251,7 +251,7 @@ def test_a_failed_move_keeps_the_placement_of_its_own_step() -> None:
         for each_engine, each_kv in ((engine, kv), (twin, twin_kv)):
             each_engine.step(**events)
             each_kv.write_fresh(each_engine, fresh)
-    assert engine.stats().num_moves == twin.stats().num_moves == 0
+    assert engine.stats().totals.num_moves == twin.stats().totals.num_moves == 0
     failing_step: dict[str, Any] = {"finished": ["a"], "new_blocks": {"d": [30, 31]}}
     with pytest.raises(EngineUnhealthy):
         engine.step(**failing_step)  # 30, 31 placed low; three holes left above threshold
@@ -265,7 +265,12 @@ def test_a_failed_move_with_prefix_caching_keeps_live_and_cached_blocks() -> Non
     """The one-way moves ran, then the failure: no live or cached block is lost."""
     kv = SignedKv.create(32, block_size=BLOCK_SIZE)
     executor = PartialExecutor(kv, lambda moves: [m for m in moves if not m.is_two_way])
-    engine = Engine(kv.kv_caches, BLOCK_SIZE, threshold=2, prefix_caching=True, executor=executor)
+    engine = Engine(
+        kv.kv_caches,
+        BLOCK_SIZE,
+        config=EngineConfig(threshold=2, prefix_caching=True),
+        executor=executor,
+    )
     engine.step(new_blocks={"a": [1, 2, 3, 4], "b": [5, 6, 7, 8, 9]}, fresh=range(1, 10))
     kv.write_fresh(engine, range(1, 10))
     mapping_before = engine.resolve(np.arange(32)).tolist()
@@ -290,14 +295,13 @@ def test_a_failure_inside_the_swap_executor_keeps_every_block(fail_at_call: int)
 
     caches = make_kv_caches(32, block_size=BLOCK_SIZE, num_layers=3)
     kv = SignedKv(caches, BLOCK_SIZE)
-    engine = Engine(kv.kv_caches, BLOCK_SIZE, threshold=2, prefix_caching=True)
+    engine = Engine(kv.kv_caches, BLOCK_SIZE, config=EngineConfig(threshold=2, prefix_caching=True))
     key, value = caches[1]
     # The middle layer's key: index_copy_ call 1 is the one-way pass, 2 and 3 the swap.
     failing = Engine(
         [caches[0], (key.as_subclass(FailingTensor), value), caches[2]],
         BLOCK_SIZE,
-        threshold=2,
-        prefix_caching=True,
+        config=EngineConfig(threshold=2, prefix_caching=True),
     )
     for each in (engine, failing):
         each.step(new_blocks={"a": [1, 2, 3, 4], "b": [5, 6, 7, 8, 9]}, fresh=range(1, 10))

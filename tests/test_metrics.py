@@ -11,7 +11,7 @@ import torch
 from prometheus_client import REGISTRY, CollectorRegistry
 
 from kvdefrag.common import EngineUnhealthy
-from kvdefrag.server import Engine, Move, MoveReport
+from kvdefrag.server import Engine, EngineConfig, Move, MoveReport
 from kvdefrag.server._executor import TorchSwapExecutor, pad_to_bucket
 from kvdefrag.server.metrics import DURATION_BUCKETS_S, Metrics, serve_metrics
 
@@ -43,7 +43,10 @@ def make_engine(
 ) -> tuple[Engine, Metrics, list[tuple[torch.Tensor, torch.Tensor]]]:
     metrics = Metrics(registry)
     kv_caches = make_kv_caches(num_blocks)
-    engine = Engine(kv_caches, block_size=BLOCK_SIZE, observer=metrics, **options)
+    executor = options.pop("executor", None)
+    engine = Engine(
+        kv_caches, BLOCK_SIZE, EngineConfig(**options), observer=metrics, executor=executor
+    )
     metrics.bind_engine(engine)
     return engine, metrics, kv_caches
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from kvdefrag.server import Engine
+from kvdefrag.server import Engine, EngineConfig
 from kvdefrag.server.metrics import Metrics, MetricsServer, serve_metrics
 
 BLOCK_SIZE = 4
@@ -40,7 +40,12 @@ def prometheus_binary() -> str:
 def make_engine(registry: CollectorRegistry, num_blocks: int) -> Engine:
     metrics = Metrics(registry)
     key = torch.arange(num_blocks * BLOCK_SIZE, dtype=torch.float32).unsqueeze(1)
-    engine = Engine([(key, key.clone())], block_size=BLOCK_SIZE, threshold=0, observer=metrics)
+    engine = Engine(
+        [(key, key.clone())],
+        config=EngineConfig(threshold=0),
+        block_size=BLOCK_SIZE,
+        observer=metrics,
+    )
     metrics.bind_engine(engine)
     return engine
 

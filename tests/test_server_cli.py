@@ -14,22 +14,22 @@ import pytest
 import torch
 
 from kvdefrag.server.__main__ import CacheShape, make_kv_caches, parse_args
-from kvdefrag.server.config import Config
+from kvdefrag.server.config import EngineConfig, ServiceConfig
 from kvdefrag.v1 import defrag_pb2 as pb
 from kvdefrag.v1 import defrag_pb2_grpc as pb_grpc
 
 
 def test_defaults_come_from_config() -> None:
     options = parse_args([], environ={})
-    assert options.config == Config()
+    assert (options.engine_config, options.service_config) == (EngineConfig(), ServiceConfig())
     assert options.cache == CacheShape(2, 1024, 16, 4, 64, torch.float16)
 
 
 def test_flags_override_env_which_overrides_defaults() -> None:
     environ = {"KVDEFRAG_THRESHOLD": "7", "KVDEFRAG_MAX_MOVES_PER_STEP": "64"}
-    config = parse_args(["--threshold", "3"], environ=environ).config
+    config = parse_args(["--threshold", "3"], environ=environ).engine_config
     assert (config.threshold, config.max_moves_per_step) == (3, 64)
-    config = parse_args([], environ={"KVDEFRAG_ENABLE_PLACEMENT": "0"}).config
+    config = parse_args([], environ={"KVDEFRAG_ENABLE_PLACEMENT": "0"}).engine_config
     assert not config.enable_placement
 
 
@@ -44,12 +44,14 @@ def test_every_flag_reaches_its_field() -> None:
     ]  # fmt: skip
     options = parse_args(argv, environ={})
     assert options.cache == CacheShape(3, 128, 8, 2, 32, torch.bfloat16)
-    assert options.config == Config(
+    assert options.engine_config == EngineConfig(
         threshold=5,
         max_moves_per_step=16,
         pad_buckets=(8, 16),
         enable_placement=False,
         prefix_caching=True,
+    )
+    assert options.service_config == ServiceConfig(
         address="10.0.0.1:7000",
         metrics_port=9464,
         insecure=True,

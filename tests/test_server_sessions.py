@@ -19,9 +19,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kv import SignedKv
 
 from kvdefrag.server import ServerHandle, serve_in_process
-from kvdefrag.server._convert import max_step_response_bytes, step_args
+from kvdefrag.server._convert import max_step_response_bytes, step_events
 from kvdefrag.server._executor import TorchSwapExecutor
-from kvdefrag.server._planner import Move
+from kvdefrag.server._policy import Move
 from kvdefrag.v1 import defrag_pb2 as pb
 from kvdefrag.v1 import defrag_pb2_grpc as pb_grpc
 
@@ -459,7 +459,7 @@ def test_every_live_block_keeps_its_data_through_the_wire(harness: Harness) -> N
             new_blocks=[blocks(rid, ids) for rid, ids in new_blocks.items()],
         )
         reply = stub.Step(request)
-        assert reply.ByteSize() <= max_step_response_bytes(step_args(request), 128, 8)
+        assert reply.ByteSize() <= max_step_response_bytes(step_events(request), 128, 8)
         pairs = zip(reply.logical_block_ids, reply.physical_block_ids, strict=True)
         for logical_id, physical_id in pairs:
             mirror[logical_id] = physical_id

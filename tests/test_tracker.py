@@ -3,7 +3,9 @@
 import random
 
 from kvdefrag.common import pair_digest
+from kvdefrag.server._policy import plan_compaction
 from kvdefrag.server._tracker import BlockTracker, pair_digests
+from kvdefrag.server.config import EngineConfig
 
 
 def test_batch_digest_equals_the_scalar_digest_on_both_paths() -> None:
@@ -21,7 +23,9 @@ def test_fwd_array_follows_fwd_after_flush() -> None:
     live = rng.sample(range(2048, 4096), 600)
     for logical_id in live:
         tracker.acquire(logical_id)
-    src_ids, dst_ids = tracker.take_compaction_pairs(512)
+    moves = plan_compaction(tracker, EngineConfig(max_moves_per_step=512))
+    src_ids = [move.src_physical_id for move in moves]
+    dst_ids = [move.dst_physical_id for move in moves]
     assert len(src_ids) == 512 and all(dst < src for src, dst in zip(src_ids, dst_ids, strict=True))
     tracker.move_live_blocks(src_ids, dst_ids)
     assert tracker.fwd_array.tolist() != tracker.fwd  # not synced until flush()

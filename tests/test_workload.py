@@ -18,7 +18,7 @@ from kvdefrag.client.workload import (
     generate_steps,
 )
 from kvdefrag.common import InvalidArgument
-from kvdefrag.server import Engine
+from kvdefrag.server import Engine, EngineConfig
 
 
 def small_config(**overrides: object) -> WorkloadConfig:
@@ -275,10 +275,8 @@ def test_engine_keeps_every_block_intact_under_the_workload(prefix_caching: bool
     kv = SignedKv.create(config.num_blocks, block_size=config.block_size, num_layers=1)
     engine = Engine(
         kv.kv_caches,
+        config=EngineConfig(threshold=4, prefix_caching=prefix_caching, max_moves_per_step=16),
         block_size=config.block_size,
-        threshold=4,
-        prefix_caching=prefix_caching,
-        max_moves_per_step=16,
     )
     workload = SyntheticWorkload(config)
     num_moves = 0

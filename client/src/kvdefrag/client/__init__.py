@@ -10,14 +10,7 @@ The vLLM glue lives in ``kvdefrag.client.vllm``.
 """
 
 from kvdefrag.client._client import DefragClient
-from kvdefrag.client._types import (
-    AuditReport,
-    PoolStats,
-    ServiceStats,
-    SessionInfo,
-    StepEvents,
-    StepReply,
-)
+from kvdefrag.client._types import AuditReport, ServiceStats, SessionInfo, StepReply
 from kvdefrag.common import (
     DefragError,
     EngineUnhealthy,
@@ -27,8 +20,11 @@ from kvdefrag.common import (
     MirrorDiverged,
     NotFound,
     OutOfOrder,
+    PoolStats,
     ServiceUnavailable,
     SessionConflict,
+    StepEvents,
+    Totals,
 )
 
 __all__ = [
@@ -49,4 +45,5 @@ __all__ = [
     "SessionInfo",
     "StepEvents",
     "StepReply",
+    "Totals",
 ]

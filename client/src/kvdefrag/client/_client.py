@@ -28,9 +28,9 @@ import grpc
 from kvdefrag.client import _convert
 from kvdefrag.client._channel import call_unary, open_channel
 from kvdefrag.client._session import StepSession
-from kvdefrag.client._types import AuditReport, ServiceStats, StepEvents, StepReply
+from kvdefrag.client._types import AuditReport, ServiceStats, StepReply
 from kvdefrag.client.record import StepRecorder
-from kvdefrag.common import DefragError, InvalidArgument, MirrorDiverged
+from kvdefrag.common import DefragError, InvalidArgument, MirrorDiverged, StepEvents
 
 DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 
@@ -214,10 +214,6 @@ class DefragClient:
             fresh=fresh,
             evicted=evicted,
         )
-        return self.step_events(events)
-
-    def step_events(self, events: StepEvents) -> StepReply:
-        """``step()`` with the events already built (see ``kvdefrag.client.vllm``)."""
         with self._lock:
             self._check_usable()
             deadline = self._deadline()
@@ -231,7 +227,7 @@ class DefragClient:
     def _record(self, events: StepEvents) -> None:
         """Appends a step the server applied to the trace, when recording."""
         if self._recorder is not None:
-            self._recorder.record_events(events)
+            self._recorder.record(events)
 
     def _check_usable(self) -> None:
         self._check_open()

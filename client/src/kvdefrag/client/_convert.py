@@ -13,28 +13,14 @@ from typing import Any
 
 import grpc
 
-from kvdefrag.client._types import PoolStats, ServiceStats, SessionInfo, StepEvents, StepReply
-from kvdefrag.common import errors
+from kvdefrag.client._types import ServiceStats, SessionInfo, StepReply
+from kvdefrag.common import ERROR_METADATA_KEY, WIRE_ERRORS, PoolStats, StepEvents, Totals, errors
 from kvdefrag.v1 import defrag_pb2 as pb
 from kvdefrag.v1 import defrag_pb2_grpc as pb_grpc
 
 # The proto messages are generated code without type information for mypy.
 Message = Any
 
-ERROR_METADATA_KEY = "kvdefrag-error"
-
-_ERRORS_BY_NAME: dict[str, type[errors.DefragError]] = {
-    cls.__name__: cls
-    for cls in (
-        errors.InvalidArgument,
-        errors.OutOfOrder,
-        errors.SessionConflict,
-        errors.EpochMismatch,
-        errors.EngineUnhealthy,
-        errors.MessageTooLarge,
-        errors.NotFound,
-    )
-}
 
 # NOTE: FAILED_PRECONDITION without metadata could be any of three classes, so it maps
 # to the base class; UNAVAILABLE without metadata is a transport failure (the server
@@ -47,7 +33,8 @@ _ERRORS_BY_CODE: dict[grpc.StatusCode, type[errors.DefragError]] = {
     grpc.StatusCode.DEADLINE_EXCEEDED: errors.ServiceUnavailable,
 }
 
-_POOL_STATS_FIELDS = tuple(field.name for field in dataclasses.fields(PoolStats))
+_GAUGES = PoolStats.gauge_names()
+_TOTALS = tuple(field.name for field in dataclasses.fields(Totals))
 
 
 def _status(err: grpc.RpcError) -> tuple[grpc.StatusCode | None, str, str | None]:
@@ -77,13 +64,13 @@ def describe(err: BaseException | None) -> str:
 
 def error_class(err: grpc.RpcError) -> type[errors.DefragError] | None:
     """Returns the kvdefrag error class the server named (metadata), else None."""
-    return _ERRORS_BY_NAME.get(_status(err)[2] or "")
+    return WIRE_ERRORS.get(_status(err)[2] or "")
 
 
 def is_transport_failure(err: grpc.RpcError) -> bool:
     """True when the call broke without a kvdefrag error: worth reconnecting for."""
     code, _, name = _status(err)
-    if name in _ERRORS_BY_NAME:
+    if name in WIRE_ERRORS:
         return False
     return code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
 
@@ -96,7 +83,7 @@ def defrag_error(err: grpc.RpcError, context: str = "") -> errors.DefragError:
         context: What the client was doing, prefixed to the message.
     """
     code, details, name = _status(err)
-    cls = _ERRORS_BY_NAME.get(name or "") or _ERRORS_BY_CODE.get(code)  # type: ignore[arg-type]
+    cls = WIRE_ERRORS.get(name or "") or _ERRORS_BY_CODE.get(code)  # type: ignore[arg-type]
     code_name = code.name if code is not None else "no status"
     prefix = f"{context}: " if context else ""
     if cls is None:
@@ -173,7 +160,10 @@ def defragment_request() -> Message:
 # --- replies --------------------------------------------------------------------------
 def pool_stats(message: Message) -> PoolStats:
     """Converts a Stats message."""
-    return PoolStats(**{name: getattr(message, name) for name in _POOL_STATS_FIELDS})
+    return PoolStats(
+        **{name: getattr(message, name) for name in _GAUGES},
+        totals=Totals(**{name: getattr(message, name) for name in _TOTALS}),
+    )
 
 
 def stream_reply(response: Message) -> tuple[str | None, Message]:

@@ -16,10 +16,7 @@ from __future__ import annotations
 import operator
 from collections.abc import Iterable, Mapping, Sequence
 
-from kvdefrag.client._types import StepEvents
-from kvdefrag.common import InvalidArgument, pair_digest
-
-NULL_BLOCK_ID = 0
+from kvdefrag.common import NULL_BLOCK_ID, InvalidArgument, StepEvents, pair_digest
 
 
 class Mirror:

@@ -22,7 +22,7 @@ from kvdefrag.client._channel import BACKOFF_MAX_S, BACKOFF_START_S
 from kvdefrag.client._mirror import Mirror
 from kvdefrag.client._rebuild import fetch_mirror
 from kvdefrag.client._stream import ReplyTimeout, Stream, StreamEnded
-from kvdefrag.client._types import SessionInfo, StepEvents, StepReply
+from kvdefrag.client._types import SessionInfo, StepReply
 from kvdefrag.common import (
     DefragError,
     EpochMismatch,
@@ -31,6 +31,7 @@ from kvdefrag.common import (
     MirrorDiverged,
     ServiceUnavailable,
     SessionConflict,
+    StepEvents,
 )
 
 _LOGGER = logging.getLogger(__name__)

@@ -1,142 +1,14 @@
-"""The client's value types: what its calls return (plain frozen dataclasses, no protobuf)."""
+"""The client's value types: what its calls return (plain frozen dataclasses, no protobuf).
+
+The step (``StepEvents``) and pool statistics (``PoolStats``) are ``kvdefrag.common``'s.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-import operator
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
 
-from kvdefrag.common import InvalidArgument
-
-_INT64_MIN = -(1 << 63)
-_INT64_MAX = (1 << 63) - 1
-
-
-def _block_ids(field: str, ids: Iterable[int]) -> list[int]:
-    if isinstance(ids, (str, bytes)):
-        raise InvalidArgument(f"{field}: expected a sequence of block ids, got {ids!r}")
-    try:
-        checked = [operator.index(block_id) for block_id in ids]
-    except TypeError as err:
-        raise InvalidArgument(f"{field}: block ids must be integers ({err})") from err
-    for position, block_id in enumerate(checked):
-        if not _INT64_MIN <= block_id <= _INT64_MAX:
-            raise InvalidArgument(f"{field}[{position}]: block id {block_id} is not an int64")
-    return checked
-
-
-def _request_id(field: str, request_id: object) -> str:
-    if not isinstance(request_id, str):
-        raise InvalidArgument(f"{field}: request id must be a str, got {request_id!r}")
-    return request_id
-
-
-def _block_lists(field: str, lists: Mapping[str, Sequence[int]] | None) -> dict[str, list[int]]:
-    if lists is None:
-        return {}
-    if not isinstance(lists, Mapping):
-        raise InvalidArgument(
-            f"{field}: expected a mapping of request id -> block ids, got {type(lists).__name__}"
-        )
-    return {
-        _request_id(field, request_id): _block_ids(f"{field}[{request_id!r}]", ids)
-        for request_id, ids in lists.items()
-    }
-
-
-@dataclasses.dataclass(frozen=True)
-class StepEvents:
-    """One scheduling iteration's block events, as the keywords of ``DefragClient.step``.
-
-    Attributes:
-        finished: Request ids whose blocks are released (finished or preempted).
-        new_blocks: Request id -> logical block ids appended this step.
-        resumed: Request id -> the full new block list of a resumed request (replaces).
-        fresh: Logical ids among the new/resumed ones that hold no data yet; None lets
-            the server decide (every newly live block without prefix caching, none with).
-        evicted: Logical ids dropped from the prefix cache.
-    """
-
-    finished: tuple[str, ...] = ()
-    new_blocks: dict[str, list[int]] = dataclasses.field(default_factory=dict)
-    resumed: dict[str, list[int]] = dataclasses.field(default_factory=dict)
-    fresh: list[int] | None = None
-    evicted: list[int] = dataclasses.field(default_factory=list)
-
-    @classmethod
-    def build(
-        cls,
-        *,
-        finished: Iterable[str] = (),
-        new_blocks: Mapping[str, Sequence[int]] | None = None,
-        resumed: Mapping[str, Sequence[int]] | None = None,
-        fresh: Iterable[int] | None = None,
-        evicted: Iterable[int] = (),
-    ) -> StepEvents:
-        """Checks types and copies the events (ranges are the server's to check).
-
-        Raises:
-            InvalidArgument: A request id is not a str, or a block id not an int64.
-        """
-        if isinstance(finished, (str, bytes)):
-            raise InvalidArgument(
-                f"finished: expected a collection of request ids, got {finished!r}"
-            )
-        return cls(
-            finished=tuple(_request_id("finished", request_id) for request_id in finished),
-            new_blocks=_block_lists("new_blocks", new_blocks),
-            resumed=_block_lists("resumed", resumed),
-            fresh=None if fresh is None else _block_ids("fresh", fresh),
-            evicted=_block_ids("evicted", evicted),
-        )
-
-    def as_kwargs(self) -> dict[str, Any]:
-        """Returns the events as ``DefragClient.step`` (or ``Engine.step``) keywords."""
-        return {
-            "finished": list(self.finished),
-            "new_blocks": self.new_blocks,
-            "resumed": self.resumed,
-            "fresh": self.fresh,
-            "evicted": self.evicted,
-        }
-
-
-@dataclasses.dataclass(frozen=True)
-class PoolStats:
-    """Pool statistics as the server reported them (the engine's ``EngineStats``).
-
-    Attributes:
-        num_blocks: Blocks in the pool, null block included.
-        num_live: Blocks referenced by at least one request.
-        max_live: Highest live physical id (0 when nothing is live).
-        holes: ``max_live - num_live``.
-        num_requests: Requests holding blocks.
-        fragmentation_ratio: ``max_live / num_live``; 1.0 is packed.
-        is_healthy: False after a failed KV move, until a reset.
-        num_steps: Steps applied in this epoch's engine.
-        num_moves: Blocks moved by compaction.
-        num_two_way_moves: Moves that swapped contents with a cached free block.
-        num_placements: Fresh blocks re-pointed to a lower slot without a copy.
-        num_defrag_runs: Compaction passes that moved at least one block.
-        num_bytes_moved: Bytes written to the KV tensors by moves.
-        num_unknown_finished: Finished request ids the engine did not know.
-    """
-
-    num_blocks: int = 0
-    num_live: int = 0
-    max_live: int = 0
-    holes: int = 0
-    num_requests: int = 0
-    fragmentation_ratio: float = 1.0
-    is_healthy: bool = True
-    num_steps: int = 0
-    num_moves: int = 0
-    num_two_way_moves: int = 0
-    num_placements: int = 0
-    num_defrag_runs: int = 0
-    num_bytes_moved: int = 0
-    num_unknown_finished: int = 0
+from kvdefrag.common import PoolStats
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,12 +26,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from types import TracebackType
 from typing import Any, TextIO
 
-from kvdefrag.client._types import StepEvents
-from kvdefrag.common import InvalidArgument
+from kvdefrag.common import InvalidArgument, StepEvents
 
 __all__ = [
     "STEP_KEYS",
@@ -44,7 +43,7 @@ __all__ = [
 ]
 
 TRACE_VERSION = 1
-STEP_KEYS = ("finished", "new_blocks", "resumed", "fresh", "evicted")
+STEP_KEYS = StepEvents.field_names()
 _HEADER_KEY = "kvdefrag_trace"
 
 
@@ -149,32 +148,8 @@ class StepRecorder:
             raise InvalidArgument("StepRecorder is closed")
         self._file.write(json.dumps(value, separators=(",", ":")) + "\n")
 
-    def record(
-        self,
-        *,
-        finished: Iterable[str] = (),
-        new_blocks: Mapping[str, Sequence[int]] | None = None,
-        resumed: Mapping[str, Sequence[int]] | None = None,
-        fresh: Iterable[int] | None = None,
-        evicted: Iterable[int] = (),
-    ) -> None:
-        """Appends one step (the keywords of ``DefragClient.step``).
-
-        Raises:
-            InvalidArgument: A request id is not a str or a block id not an integer.
-        """
-        self.record_events(
-            StepEvents.build(
-                finished=finished,
-                new_blocks=new_blocks,
-                resumed=resumed,
-                fresh=fresh,
-                evicted=evicted,
-            )
-        )
-
-    def record_events(self, events: StepEvents) -> None:
-        """Appends one step given as ``StepEvents``."""
+    def record(self, events: StepEvents) -> None:
+        """Appends one step (build it with ``StepEvents.build``, which checks types)."""
         self._write(events.as_kwargs())
         self.num_steps += 1
 

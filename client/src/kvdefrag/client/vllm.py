@@ -30,8 +30,8 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from kvdefrag.client._client import DefragClient
-from kvdefrag.client._types import StepEvents, StepReply
-from kvdefrag.common import InvalidArgument
+from kvdefrag.client._types import StepReply
+from kvdefrag.common import NULL_BLOCK_ID, InvalidArgument, StepEvents
 
 __all__ = [
     "StepEvents",
@@ -39,8 +39,6 @@ __all__ = [
     "copy_pairs",
     "events_from_scheduler_output",
 ]
-
-NULL_BLOCK_ID = 0
 
 
 def _flatten(block_ids: Iterable[Sequence[int]] | None) -> list[int]:
@@ -138,7 +136,7 @@ class VllmDefragAdapter:
 
     def on_scheduler_output(self, output: Any) -> StepReply:
         """Sends the output's block events as one step; returns the reply."""
-        return self.client.step_events(events_from_scheduler_output(output, self.block_size))
+        return self.client.step(**events_from_scheduler_output(output, self.block_size).as_kwargs())
 
     def resolve_tables(self, tables: Iterable[Iterable[int]]) -> list[list[int]]:
         """Maps the scheduler's block tables to physical ids (locally)."""

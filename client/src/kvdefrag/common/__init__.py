@@ -1,11 +1,15 @@
-"""The wire contract shared by the kvdefrag server and client: errors and the mapping digest.
+"""The wire vocabulary shared by the kvdefrag server and client.
 
-Shipped in the torch-free ``kvdefrag-client`` distribution so both sides import the same
-definitions.
+One definition of each concept both sides speak: the step (``StepEvents``), pool
+statistics (``PoolStats``, ``Totals``), errors and their wire names, the null block id,
+and the mapping digest. Shipped in the torch-free ``kvdefrag-client`` distribution so
+both sides import the same definitions.
 """
 
 from kvdefrag.common.digest import mapping_digest, pair_digest
 from kvdefrag.common.errors import (
+    ERROR_METADATA_KEY,
+    WIRE_ERRORS,
     DefragError,
     EngineUnhealthy,
     EpochMismatch,
@@ -17,18 +21,26 @@ from kvdefrag.common.errors import (
     ServiceUnavailable,
     SessionConflict,
 )
+from kvdefrag.common.events import NULL_BLOCK_ID, StepEvents
+from kvdefrag.common.stats import PoolStats, Totals
 
 __all__ = [
     "DefragError",
+    "ERROR_METADATA_KEY",
     "EngineUnhealthy",
     "EpochMismatch",
     "InvalidArgument",
     "MessageTooLarge",
     "MirrorDiverged",
+    "NULL_BLOCK_ID",
     "NotFound",
     "OutOfOrder",
+    "PoolStats",
     "ServiceUnavailable",
     "SessionConflict",
+    "StepEvents",
+    "Totals",
+    "WIRE_ERRORS",
     "mapping_digest",
     "pair_digest",
 ]

@@ -5,6 +5,9 @@ client maps the status back, so ``except InvalidArgument`` works the same in pro
 over gRPC.
 """
 
+# The trailing-metadata key under which the server names the error class of a failed call.
+ERROR_METADATA_KEY = "kvdefrag-error"
+
 
 class DefragError(Exception):
     """Base class of every error kvdefrag reports to its caller."""
@@ -50,3 +53,19 @@ class ServiceUnavailable(DefragError):
 
     Raised by the client only, for transport failures that carry no kvdefrag error.
     """
+
+
+# Every class the server may name in ``ERROR_METADATA_KEY`` (the client-only classes,
+# MirrorDiverged and ServiceUnavailable, never cross the wire).
+WIRE_ERRORS: dict[str, type[DefragError]] = {
+    cls.__name__: cls
+    for cls in (
+        InvalidArgument,
+        OutOfOrder,
+        SessionConflict,
+        EpochMismatch,
+        EngineUnhealthy,
+        MessageTooLarge,
+        NotFound,
+    )
+}

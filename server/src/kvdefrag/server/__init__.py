@@ -3,22 +3,26 @@
 Runs inside the vLLM worker process, next to the KV tensors it moves.
 """
 
-from kvdefrag.server._engine import Engine, EngineStats, StepObserver, StepResult
+from kvdefrag.common import PoolStats, StepEvents, Totals
+from kvdefrag.server._engine import Engine, StepObserver, StepResult
 from kvdefrag.server._executor import MoveReport, SwapExecutor, make_executor
-from kvdefrag.server._planner import Move
+from kvdefrag.server._policy import Move
 from kvdefrag.server._server import ServerHandle, serve_in_process
-from kvdefrag.server.config import Config, load_config
+from kvdefrag.server.config import EngineConfig, ServiceConfig, load_config
 
 __all__ = [
-    "Config",
     "Engine",
-    "EngineStats",
+    "EngineConfig",
     "Move",
     "MoveReport",
+    "PoolStats",
     "ServerHandle",
+    "ServiceConfig",
+    "StepEvents",
     "StepObserver",
     "StepResult",
     "SwapExecutor",
+    "Totals",
     "load_config",
     "make_executor",
     "serve_in_process",

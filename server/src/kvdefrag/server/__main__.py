@@ -24,7 +24,7 @@ import torch
 
 from kvdefrag.common import InvalidArgument
 from kvdefrag.server._server import serve_in_process
-from kvdefrag.server.config import Config, load_config
+from kvdefrag.server.config import EngineConfig, ServiceConfig, load_config
 
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -53,7 +53,8 @@ class Options:
     """Everything the command line asks for."""
 
     cache: CacheShape
-    config: Config
+    engine_config: EngineConfig
+    service_config: ServiceConfig
     grace_s: float
 
 
@@ -132,10 +133,10 @@ def parse_args(
     )
     grace_s = args.pop("grace_s")
     try:
-        config = load_config(args, environ)
+        engine_config, service_config = load_config(args, environ)
     except InvalidArgument as err:
         parser.error(str(err))
-    return Options(cache=cache, config=config, grace_s=grace_s)
+    return Options(cache, engine_config, service_config, grace_s)
 
 
 def make_kv_caches(shape: CacheShape) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -186,7 +187,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         handle = serve_in_process(
             make_kv_caches(shape),
             shape.block_size,
-            **dataclasses.asdict(options.config),
+            **dataclasses.asdict(options.engine_config),
+            **dataclasses.asdict(options.service_config),
         )
     except (InvalidArgument, OSError) as err:
         print(f"kvdefrag-server: {err}", file=sys.stderr)
@@ -199,7 +201,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     if handle.metrics_port is not None:
         print(
-            f"kvdefrag-server metrics on http://{options.config.metrics_host}:"
+            f"kvdefrag-server metrics on http://{options.service_config.metrics_host}:"
             f"{handle.metrics_port}/metrics",
             flush=True,
         )

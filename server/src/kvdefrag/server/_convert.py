@@ -13,8 +13,8 @@ from typing import Any
 
 import grpc
 
-from kvdefrag.common import InvalidArgument
-from kvdefrag.server._engine import EngineStats, StepResult
+from kvdefrag.common import InvalidArgument, PoolStats, StepEvents
+from kvdefrag.server._engine import StepResult
 from kvdefrag.v1 import defrag_pb2 as pb
 from kvdefrag.v1 import defrag_pb2_grpc as pb_grpc
 
@@ -27,27 +27,6 @@ SERVICE_NAME: str = pb.DESCRIPTOR.services_by_name["DefragService"].full_name
 def add_service(servicer: object, server: grpc.Server) -> None:
     """Registers a DefragService servicer (methods named as the RPCs) on a server."""
     pb_grpc.add_DefragServiceServicer_to_server(servicer, server)
-
-
-@dataclasses.dataclass(frozen=True)
-class StepArgs:
-    """One StepRequest as the keyword arguments of ``Engine.step``."""
-
-    finished: list[str]
-    resumed: dict[str, list[int]]
-    new_blocks: dict[str, list[int]]
-    fresh: list[int] | None
-    evicted: list[int]
-
-    def as_kwargs(self) -> dict[str, Any]:
-        """Returns the fields as ``Engine.step`` keywords."""
-        return {
-            "finished": self.finished,
-            "resumed": self.resumed,
-            "new_blocks": self.new_blocks,
-            "fresh": self.fresh,
-            "evicted": self.evicted,
-        }
 
 
 def _block_lists(field: str, entries: Iterable[Message]) -> dict[str, list[int]]:
@@ -86,14 +65,14 @@ def open_args(request: Message) -> OpenArgs:
     )
 
 
-def step_args(request: Message) -> StepArgs:
+def step_events(request: Message) -> StepEvents:
     """Converts a StepRequest (seq and epoch are the servicer's business).
 
     Raises:
         InvalidArgument: A request id appears twice in ``resumed`` or ``new_blocks``.
     """
-    return StepArgs(
-        finished=list(request.finished_request_ids),
+    return StepEvents(
+        finished=tuple(request.finished_request_ids),
         resumed=_block_lists("resumed", request.resumed),
         new_blocks=_block_lists("new_blocks", request.new_blocks),
         fresh=list(request.fresh.block_ids) if request.HasField("fresh") else None,
@@ -106,21 +85,22 @@ def step_args(request: Message) -> StepArgs:
 _STEP_RESPONSE_OVERHEAD_BYTES = 320
 
 
-def max_step_response_bytes(args: StepArgs, num_blocks: int, max_moves_per_step: int) -> int:
-    """An upper bound of the size of the StepResponse that applying ``args`` produces.
+def max_step_response_bytes(events: StepEvents, num_blocks: int, max_moves_per_step: int) -> int:
+    """An upper bound of the size of the StepResponse that applying ``events`` produces.
 
     Every logical id a step lists can add two mapping entries (itself, and the free
     block its placement displaces), and every compaction move two more.
     """
-    num_ids = sum(len(ids) for ids in (*args.resumed.values(), *args.new_blocks.values()))
+    num_ids = sum(len(ids) for ids in (*events.resumed.values(), *events.new_blocks.values()))
     num_entries = 2 * num_ids + 2 * max_moves_per_step
     id_bytes = max(1, ((num_blocks - 1).bit_length() + 6) // 7)  # varint length
     return num_entries * 2 * id_bytes + _STEP_RESPONSE_OVERHEAD_BYTES
 
 
-def stats_message(stats: EngineStats) -> Message:
-    """Converts EngineStats to a Stats message (same field names)."""
-    return pb.Stats(**dataclasses.asdict(stats))
+def stats_message(stats: PoolStats) -> Message:
+    """Converts PoolStats to a Stats message (the gauges and totals by field name)."""
+    fields = {name: getattr(stats, name) for name in PoolStats.gauge_names()}
+    return pb.Stats(**fields, **dataclasses.asdict(stats.totals))
 
 
 def step_response(result: StepResult, seq: int, epoch: int) -> Message:
@@ -197,7 +177,7 @@ def get_stats_response(
     next_seq: int,
     is_session_open: bool,
     digest: int,
-    stats: EngineStats,
+    stats: PoolStats,
     unhealthy_reason: str | None,
 ) -> Message:
     """Builds a GetStatsResponse."""

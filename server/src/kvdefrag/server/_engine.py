@@ -23,56 +23,29 @@ from typing import Any, Protocol
 import numpy as np
 import numpy.typing as npt
 
-from kvdefrag.common import EngineUnhealthy, InvalidArgument, NotFound
+from kvdefrag.common import (
+    NULL_BLOCK_ID,
+    EngineUnhealthy,
+    InvalidArgument,
+    NotFound,
+    PoolStats,
+    StepEvents,
+    Totals,
+)
+from kvdefrag.server import _policy
 from kvdefrag.server._executor import KvCaches, MoveReport, SwapExecutor, make_executor
-from kvdefrag.server._planner import Move, plan_compaction
-from kvdefrag.server._tracker import NULL_BLOCK_ID, BlockTracker
-from kvdefrag.server._validate import StepInput, validate_step
-from kvdefrag.server.config import DEFAULT_PAD_BUCKETS, Config
+from kvdefrag.server._policy import Move
+from kvdefrag.server._tracker import BlockTracker
+from kvdefrag.server._validate import validate_step
+from kvdefrag.server.config import EngineConfig
 
 _LOGGER = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
-class EngineStats:
-    """A snapshot of the pool and of what the engine has done since it started.
-
-    Attributes:
-        num_blocks: Blocks in the pool, null block included.
-        num_live: Blocks referenced by at least one request.
-        max_live: Highest live physical id (0 when nothing is live).
-        holes: ``max_live - num_live``: free slots below the highest live one.
-        num_requests: Requests holding blocks.
-        fragmentation_ratio: ``max_live / num_live``; 1.0 is packed (and when empty).
-        is_healthy: False after a failed KV move, until ``reset()``.
-        num_steps: Steps applied.
-        num_moves: Blocks moved by compaction (one-way and two-way).
-        num_two_way_moves: Moves that swapped contents with a cached free block.
-        num_placements: Fresh blocks re-pointed to a lower slot without a copy.
-        num_defrag_runs: Compaction passes that moved at least one block.
-        num_bytes_moved: Bytes written to the KV tensors by moves.
-        num_unknown_finished: Finished request ids the engine did not know.
-    """
-
-    num_blocks: int
-    num_live: int
-    max_live: int
-    holes: int
-    num_requests: int
-    fragmentation_ratio: float
-    is_healthy: bool
-    num_steps: int = 0
-    num_moves: int = 0
-    num_two_way_moves: int = 0
-    num_placements: int = 0
-    num_defrag_runs: int = 0
-    num_bytes_moved: int = 0
-    num_unknown_finished: int = 0
-
-
-@dataclasses.dataclass(frozen=True)
 class StepResult:
-    """What one step did.
+    """What one step did. Every figure here is this step's; ``stats`` is the pool after it
+    (with the engine's cumulative ``stats.totals``).
 
     Attributes:
         block_mapping: Physical id of every logical id newly referenced or moved this
@@ -95,26 +68,30 @@ class StepResult:
     num_bytes_moved: int
     swap_duration_s: float
     digest: int
-    stats: EngineStats
+    stats: PoolStats
 
 
 class StepObserver(Protocol):
-    """Told about every step and failure (the metrics layer implements it)."""
+    """Told about every step, failure and reset (metrics and health implement it).
+
+    Called outside the engine lock, after the change is committed; an observer that
+    raises is logged and otherwise ignored.
+    """
 
     def on_step(self, result: StepResult, duration_s: float) -> None: ...
 
     def on_move_failure(self) -> None: ...
 
+    def on_reset(self) -> None: ...
 
-@dataclasses.dataclass
-class _Counters:
-    num_steps: int = 0
-    num_moves: int = 0
-    num_two_way_moves: int = 0
-    num_placements: int = 0
-    num_defrag_runs: int = 0
-    num_bytes_moved: int = 0
-    num_unknown_finished: int = 0
+
+@dataclasses.dataclass(frozen=True)
+class _Published:
+    """What lock-free readers see: replaced whole at the end of each step or reset."""
+
+    fwd: npt.NDArray[np.int64]
+    digest: int
+    stats: PoolStats
 
 
 class Engine:
@@ -124,14 +101,21 @@ class Engine:
     ``resolve(0) == 0``; the KV data of every live block (and, with prefix caching, of
     every cached free block) sits at ``resolve(logical_id)``.
 
-    Thread-safe: one lock serialises steps, resets and reads. On CPU the executor also
-    takes ``kv_lock``, which the worker must hold during its forward pass.
+    Locks, always taken in this order (see docs/design.md §9)::
+
+        servicer lock  ->  engine lock (_lock)  ->  kv_lock
+
+    ``_lock`` serialises steps, resets and the request reads. ``kv_lock`` is the worker's:
+    it holds it during its forward pass, and the engine takes it (inside ``_lock``) to
+    move KV data and publish the new mapping. ``resolve``, ``resolve_tables``, ``stats``
+    and ``digest`` take no lock: they read the mapping published by the last step, so a
+    worker may call them while it holds ``kv_lock``.
 
     Example:
         >>> import torch
-        >>> from kvdefrag.server import Engine
+        >>> from kvdefrag.server import Engine, EngineConfig
         >>> kv = [(torch.zeros(64 * 16, 8), torch.zeros(64 * 16, 8))]
-        >>> engine = Engine(kv, block_size=16, threshold=0)
+        >>> engine = Engine(kv, block_size=16, config=EngineConfig(threshold=0))
         >>> result = engine.step(new_blocks={"req-a": [5, 9]})
         >>> result.block_mapping  # fresh blocks placed at the bottom, free ones swapped up
         {5: 1, 9: 2, 1: 5, 2: 9}
@@ -143,52 +127,36 @@ class Engine:
         self,
         kv_caches: KvCaches,
         block_size: int = 16,
-        threshold: int = 32,
-        prefix_caching: bool = False,
+        config: EngineConfig | None = None,
         *,
-        max_moves_per_step: int = 512,
-        pad_buckets: Sequence[int] = DEFAULT_PAD_BUCKETS,
-        enable_placement: bool = True,
         executor: SwapExecutor | None = None,
         stream: Any = None,
         observer: StepObserver | None = None,
         kv_lock: threading.Lock | None = None,
     ) -> None:
-        self.config = Config(
-            threshold=threshold,
-            max_moves_per_step=max_moves_per_step,
-            pad_buckets=tuple(pad_buckets),
-            enable_placement=enable_placement,
-            prefix_caching=prefix_caching,
-        )
+        self.config = config if config is not None else EngineConfig()
+        if not isinstance(self.config, EngineConfig):
+            raise InvalidArgument(
+                f"config must be an EngineConfig, got {type(self.config).__name__}"
+            )
         self.block_size = block_size
         self._executor = executor or make_executor(
             kv_caches, block_size, stream=stream, pad_buckets=self.config.pad_buckets
         )
         self.num_blocks = self._executor.num_blocks
         self.kv_lock = kv_lock or threading.Lock()
-        self._observer = observer
+        self._observers: list[StepObserver] = [] if observer is None else [observer]
         self._lock = threading.Lock()
-        self._tracker = BlockTracker(self.num_blocks, prefix_caching)
-        self._counters = _Counters()
+        self._tracker = BlockTracker(self.num_blocks, self.config.prefix_caching)
+        self._totals = Totals()
         self._unhealthy_reason: str | None = None
         self._force_defrag = False
+        self._published = self._publish_locked(is_new_tracker=True)
 
-    @classmethod
-    def from_config(
-        cls, kv_caches: KvCaches, block_size: int, config: Config, **options: Any
-    ) -> Engine:
-        """Builds an engine with the engine fields of a service Config."""
-        return cls(
-            kv_caches,
-            block_size,
-            config.threshold,
-            config.prefix_caching,
-            max_moves_per_step=config.max_moves_per_step,
-            pad_buckets=config.pad_buckets,
-            enable_placement=config.enable_placement,
-            **options,
-        )
+    def add_observer(self, observer: StepObserver) -> None:
+        """Adds an observer told about every later step, move failure and reset."""
+        with self._lock:
+            self._observers = [*self._observers, observer]
 
     # --- the step ---------------------------------------------------------------------
     def step(
@@ -202,14 +170,8 @@ class Engine:
     ) -> StepResult:
         """Applies one scheduling iteration's block events, then compacts if needed.
 
-        Args:
-            finished: Request ids that finished (or were preempted): their blocks are
-                released. Unknown ids are tolerated and counted.
-            new_blocks: Request id -> logical ids appended this step.
-            resumed: Request id -> the request's full new block list (replaces the old).
-            fresh: Logical ids among the new/resumed ones that hold no data yet. None:
-                every newly live block without prefix caching, none with it.
-            evicted: Logical ids dropped from the prefix cache (content no longer needed).
+        The keywords are the fields of ``kvdefrag.common.StepEvents`` (see there); a
+        ``StepEvents`` value is sent with ``engine.step(**events.as_kwargs())``.
 
         Returns:
             The new or changed mapping entries, the moves executed and statistics.
@@ -218,28 +180,37 @@ class Engine:
             InvalidArgument: A field is malformed; nothing changed.
             EngineUnhealthy: A previous KV move failed, or this one did.
         """
+        events = StepEvents.build(
+            finished=finished, new_blocks=new_blocks, resumed=resumed, fresh=fresh, evicted=evicted
+        )
         started = time.perf_counter()
         with self._lock:
             if self._unhealthy_reason is not None:
                 raise EngineUnhealthy(self._unhealthy_reason)
-            step_input = validate_step(self._tracker, finished, new_blocks, resumed, fresh, evicted)
+            validate_step(self._tracker, events)
             try:
-                result = self._apply(step_input)
+                result = self._apply(events)
+            except EngineUnhealthy:
+                failed = True
+                raise
+            else:
+                failed = False
             finally:
-                self._tracker.flush()
+                self._published = self._publish_locked()
+                if failed:
+                    self._notify("on_move_failure")
         self._notify("on_step", result, time.perf_counter() - started)
         return result
 
     def _notify(self, event: str, *args: Any) -> None:
-        """Tells the observer; its failure is logged, never raised."""
-        if self._observer is None:
-            return
-        try:
-            getattr(self._observer, event)(*args)
-        except Exception:
-            # NOTE: the step is committed by now; raising would make the client resend
-            # a step the engine already applied.
-            _LOGGER.exception("step observer failed in %s", event)
+        """Tells the observers; their failures are logged, never raised."""
+        for observer in self._observers:
+            try:
+                getattr(observer, event)(*args)
+            except Exception:
+                # NOTE: the change is committed by now; raising would make the client
+                # resend a step the engine already applied.
+                _LOGGER.exception("step observer failed in %s", event)
 
     def schedule_defragment(self) -> None:
         """Makes the next step compact the pool whatever the threshold.
@@ -251,29 +222,35 @@ class Engine:
         with self._lock:
             self._force_defrag = True
 
-    def _apply(self, step: StepInput) -> StepResult:
+    def _apply(self, events: StepEvents) -> StepResult:
         tracker = self._tracker
-        counters = self._counters
-        num_unknown = sum(not tracker.drop_request(rid) for rid in step.finished)
-        for request_id in step.resumed:
+        num_unknown = sum(not tracker.drop_request(rid) for rid in events.finished)
+        for request_id in events.resumed:
             tracker.drop_request(request_id)
-        for logical_id in step.evicted:
+        for logical_id in events.evicted:
             tracker.evict(logical_id)
         touched: list[int] = []
         newly_live: list[int] = []
-        for lists in (step.resumed, step.new_blocks):
+        for lists in (events.resumed, events.new_blocks):
             for request_id, logical_ids in lists.items():
                 newly_live += tracker.append_blocks(request_id, logical_ids)
                 touched += logical_ids
-        fresh = step.fresh
+        fresh = events.fresh
         if fresh is None:
             fresh = [] if tracker.prefix_caching else newly_live
         num_placed = self._place(fresh, touched) if self.config.enable_placement else 0
         moves, report, swap_s = self._compact(touched)
-        counters.num_steps += 1
-        counters.num_placements += num_placed
-        counters.num_unknown_finished += num_unknown
-        stats = self._stats_locked()
+        totals = self._totals
+        self._totals = dataclasses.replace(
+            totals,
+            num_steps=totals.num_steps + 1,
+            num_placements=totals.num_placements + num_placed,
+            num_unknown_finished=totals.num_unknown_finished + num_unknown,
+            num_defrag_runs=totals.num_defrag_runs + bool(moves),
+            num_moves=totals.num_moves + len(moves),
+            num_two_way_moves=totals.num_two_way_moves + sum(m.is_two_way for m in moves),
+            num_bytes_moved=totals.num_bytes_moved + report.num_bytes,
+        )
         fwd = tracker.fwd
         return StepResult(
             block_mapping={i: fwd[i] for i in touched if i != NULL_BLOCK_ID},
@@ -284,17 +261,17 @@ class Engine:
             num_bytes_moved=report.num_bytes,
             swap_duration_s=swap_s,
             digest=tracker.digest,
-            stats=stats,
+            stats=self._stats_locked(),
         )
 
     def _place(self, fresh: list[int], touched: list[int]) -> int:
-        """Re-points each fresh block to the lowest expendable free slot below it."""
+        """Re-points each fresh block to the slot the policy picks (no copy)."""
         tracker = self._tracker
         num_placed = 0
         for logical_id in dict.fromkeys(fresh):
             physical_id = tracker.fwd[logical_id]
-            target = tracker.lowest_expendable()
-            if target is None or target > physical_id:
+            target = _policy.placement_target(tracker, physical_id)
+            if target is None:
                 continue
             touched += tracker.swap_slots(physical_id, target)
             num_placed += 1
@@ -302,40 +279,47 @@ class Engine:
 
     def _compact(self, touched: list[int]) -> tuple[list[Move], MoveReport, float]:
         tracker = self._tracker
-        holes = tracker.max_live - tracker.num_live
-        if holes <= self.config.threshold and not self._force_defrag:
+        if not _policy.should_compact(tracker, self.config, is_forced=self._force_defrag):
             return [], MoveReport(0, 0, 0), 0.0
         self._force_defrag = False
-        moves = plan_compaction(tracker, self.config.max_moves_per_step)
+        moves = _policy.plan_compaction(tracker, self.config)
         if not moves:
             return [], MoveReport(0, 0, 0), 0.0
         started = time.perf_counter()
-        try:
-            with self.kv_lock:
+        with self.kv_lock:
+            try:
                 report = self._executor.execute(moves)
-        except Exception as err:
-            tracker.restore_slots([slot for move in moves for slot in move[:2]])
-            self._unhealthy_reason = (
-                f"KV move of {len(moves)} blocks failed ({type(err).__name__}: {err}); "
-                "the mapping was not changed, so live blocks resolve to their old slots; "
-                "cached free blocks in the batch may be lost. reset() is required."
+            except Exception as err:
+                tracker.restore_slots([slot for move in moves for slot in move[:2]])
+                self._unhealthy_reason = (
+                    f"KV move of {len(moves)} blocks failed ({type(err).__name__}: {err}); "
+                    "the mapping was not changed, so live blocks resolve to their old "
+                    "slots; cached free blocks in the batch may be lost. reset() is required."
+                )
+                raise EngineUnhealthy(self._unhealthy_reason) from err
+            swap_s = time.perf_counter() - started
+            touched += tracker.move_live_blocks(
+                [move.src_physical_id for move in moves], [move.dst_physical_id for move in moves]
             )
-            self._notify("on_move_failure")
-            raise EngineUnhealthy(self._unhealthy_reason) from err
-        swap_s = time.perf_counter() - started
-        touched += tracker.move_live_blocks(
-            [move.src_physical_id for move in moves], [move.dst_physical_id for move in moves]
-        )
-        counters = self._counters
-        counters.num_defrag_runs += 1
-        counters.num_moves += len(moves)
-        counters.num_two_way_moves += sum(move.is_two_way for move in moves)
-        counters.num_bytes_moved += report.num_bytes
+            # NOTE: published before kv_lock is released: a worker that takes kv_lock
+            # next must resolve to where the data now is.
+            self._published = self._publish_locked()
         return moves, report, swap_s
+
+    def _publish_locked(self, *, is_new_tracker: bool = False) -> _Published:
+        """Snapshots the mapping for lock-free readers (copy-on-write of the fwd array)."""
+        tracker = self._tracker
+        if is_new_tracker or tracker.has_unflushed_changes():
+            tracker.flush()
+            fwd = tracker.fwd_array.copy()
+            fwd.flags.writeable = False
+        else:
+            fwd = self._published.fwd
+        return _Published(fwd=fwd, digest=tracker.digest, stats=self._stats_locked())
 
     # --- reads ------------------------------------------------------------------------
     def resolve(self, logical_ids: Sequence[int] | npt.ArrayLike) -> npt.NDArray[np.int64]:
-        """Maps logical ids to physical ids (vectorised).
+        """Maps logical ids to physical ids (vectorised, lock-free).
 
         Raises:
             InvalidArgument: An id is not an integer or is outside ``[0, num_blocks)``.
@@ -347,8 +331,7 @@ class Engine:
         if ids.size and (ids.min() < 0 or ids.max() >= self.num_blocks):
             bad = int(ids[(ids < 0) | (ids >= self.num_blocks)][0])
             raise InvalidArgument(f"resolve: block id {bad} is outside [0, {self.num_blocks})")
-        with self._lock:
-            physical_ids: npt.NDArray[np.int64] = self._tracker.fwd_array[ids]
+        physical_ids: npt.NDArray[np.int64] = self._published.fwd[ids]
         return physical_ids
 
     def resolve_tables(self, tables: Sequence[Sequence[int]]) -> list[list[int]]:
@@ -361,15 +344,15 @@ class Engine:
             start += length
         return resolved
 
-    def stats(self) -> EngineStats:
-        with self._lock:
-            return self._stats_locked()
+    def stats(self) -> PoolStats:
+        """The pool as of the last step or reset (lock-free)."""
+        return self._published.stats
 
-    def _stats_locked(self) -> EngineStats:
+    def _stats_locked(self) -> PoolStats:
         tracker = self._tracker
         max_live = tracker.max_live
         num_live = tracker.num_live
-        return EngineStats(
+        return PoolStats(
             num_blocks=self.num_blocks,
             num_live=num_live,
             max_live=max_live,
@@ -377,13 +360,13 @@ class Engine:
             num_requests=len(tracker.requests),
             fragmentation_ratio=max_live / num_live if num_live else 1.0,
             is_healthy=self._unhealthy_reason is None,
-            **vars(self._counters),
+            totals=self._totals,
         )
 
     @property
     def digest(self) -> int:
-        with self._lock:
-            return self._tracker.digest
+        """Digest of the live mapping as of the last step or reset (lock-free)."""
+        return self._published.digest
 
     @property
     def unhealthy_reason(self) -> str | None:
@@ -408,7 +391,8 @@ class Engine:
             return {rid: list(ids) for rid, ids in self._tracker.requests.items()}
 
     def reset(self, *, prefix_caching: bool | None = None) -> None:
-        """Forgets every request and restores the identity mapping; healthy again.
+        """Forgets every request, restores the identity mapping and zeroes the totals;
+        healthy again.
 
         Args:
             prefix_caching: The mode to run in from now on; None keeps the current one.
@@ -420,5 +404,8 @@ class Engine:
             if prefix_caching is not None:
                 self.config = dataclasses.replace(self.config, prefix_caching=prefix_caching)
             self._tracker = BlockTracker(self.num_blocks, self.config.prefix_caching)
+            self._totals = Totals()
             self._unhealthy_reason = None
             self._force_defrag = False
+            self._published = self._publish_locked(is_new_tracker=True)
+        self._notify("on_reset")

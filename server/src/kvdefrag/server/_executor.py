@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from kvdefrag.common import InvalidArgument
-from kvdefrag.server._planner import Move
+from kvdefrag.server._policy import Move
 
 KvCaches = Sequence[tuple[torch.Tensor, torch.Tensor | None]]
 

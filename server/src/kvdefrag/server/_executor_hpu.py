@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from kvdefrag.server._executor import KvCaches, MoveReport, bind_kv_caches, pad_to_bucket
-from kvdefrag.server._planner import Move
+from kvdefrag.server._policy import Move
 from kvdefrag.server.config import DEFAULT_PAD_BUCKETS
 
 

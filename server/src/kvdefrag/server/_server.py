@@ -17,7 +17,6 @@ import os
 import socket
 import stat
 import threading
-from collections.abc import Callable
 from concurrent import futures
 from typing import Any
 
@@ -28,10 +27,10 @@ from prometheus_client import CollectorRegistry
 
 from kvdefrag.common import InvalidArgument
 from kvdefrag.server import _convert
-from kvdefrag.server._engine import Engine, StepObserver
+from kvdefrag.server._engine import Engine, StepObserver, StepResult
 from kvdefrag.server._executor import KvCaches, SwapExecutor
 from kvdefrag.server._servicer import DefragServicer, ServiceMetrics
-from kvdefrag.server.config import Config, load_config
+from kvdefrag.server.config import ServiceConfig, load_config
 from kvdefrag.server.metrics import Metrics, MetricsServer, serve_metrics
 
 _LOGGER = logging.getLogger(__name__)
@@ -126,7 +125,7 @@ def _read_file(option: str, path: str) -> bytes:
         raise InvalidArgument(f"{option} {path!r} cannot be read: {err.strerror}") from err
 
 
-def _server_credentials(config: Config) -> grpc.ServerCredentials | None:
+def _server_credentials(config: ServiceConfig) -> grpc.ServerCredentials | None:
     """TLS credentials from the config (mTLS with a client CA), None without TLS."""
     if config.tls_cert_file is None and config.tls_key_file is None:
         if config.tls_client_ca_file is not None:
@@ -148,7 +147,7 @@ def _server_credentials(config: Config) -> grpc.ServerCredentials | None:
     )
 
 
-def grpc_options(config: Config) -> list[tuple[str, Any]]:
+def grpc_options(config: ServiceConfig) -> list[tuple[str, Any]]:
     """Channel options of the server: message limits, no port sharing, keepalive."""
     return [
         ("grpc.max_send_message_length", config.max_message_bytes),
@@ -167,8 +166,9 @@ class ServerHandle:
 
     Attributes:
         address: Where it listens (with the real port when port 0 was asked for).
-        engine: The engine it serves (for a scheduler in the same process).
-        config: The configuration it was built from.
+        engine: The engine it serves (for a scheduler in the same process); its
+            ``config`` is the engine configuration in force (a Reset may change it).
+        service_config: The service configuration it was built from.
         registry: The Prometheus registry of its metrics.
     """
 
@@ -176,7 +176,7 @@ class ServerHandle:
         self,
         address: str,
         engine: Engine,
-        config: Config,
+        config: ServiceConfig,
         server: grpc.Server,
         servicer: DefragServicer,
         health_servicer: Any,
@@ -187,7 +187,7 @@ class ServerHandle:
     ) -> None:
         self.address = address
         self.engine = engine
-        self.config = config
+        self.service_config = config
         self._server = server
         self._servicer = servicer
         self._health = health_servicer
@@ -244,20 +244,37 @@ def _is_socket(path: str) -> bool:
         return False
 
 
-def _health_setter(health_servicer: Any) -> Callable[[bool], None]:
-    def set_serving(is_serving: bool) -> None:
+class _HealthReporter:
+    """The one owner of ``grpc.health.v1`` status: an engine observer.
+
+    NOT_SERVING after a failed KV move, whichever path the step came through (the
+    servicer or ``handle.engine.step()``); SERVING again after a reset. Once the server
+    stops, the health servicer's graceful shutdown keeps every name NOT_SERVING.
+    """
+
+    def __init__(self, health_servicer: Any) -> None:
+        self._health = health_servicer
+
+    def set_serving(self, is_serving: bool) -> None:
         status = (
             health_pb2.HealthCheckResponse.SERVING
             if is_serving
             else health_pb2.HealthCheckResponse.NOT_SERVING
         )
         for name in HEALTH_SERVICE_NAMES:
-            health_servicer.set(name, status)
+            self._health.set(name, status)
 
-    return set_serving
+    def on_step(self, result: StepResult, duration_s: float) -> None:
+        """Nothing to do: a step that returns leaves the engine healthy."""
+
+    def on_move_failure(self) -> None:
+        self.set_serving(False)
+
+    def on_reset(self) -> None:
+        self.set_serving(True)
 
 
-def _listen(server: grpc.Server, address: ListenAddress, config: Config) -> str:
+def _listen(server: grpc.Server, address: ListenAddress, config: ServiceConfig) -> str:
     """Binds the server's port and returns the address it listens on."""
     credentials = _server_credentials(config)
     if not address.is_loopback and credentials is None and not config.insecure:
@@ -313,10 +330,10 @@ def serve_in_process(
         registry: Where the default ``Metrics`` registers (a new registry if None);
             served on ``/metrics`` when ``metrics_port`` is set.
         max_workers: gRPC handler threads (a stream session holds one).
-        **config: ``Config`` fields (threshold, prefix_caching, max_moves_per_step,
-            pad_buckets, enable_placement, insecure, tls_*, max_message_bytes,
-            replay_cache_size, metrics_port, metrics_host); they override ``KVDEFRAG_*``
-            variables.
+        **config: Fields of ``EngineConfig`` (threshold, max_moves_per_step,
+            pad_buckets, enable_placement, prefix_caching) and of ``ServiceConfig``
+            (insecure, tls_*, max_message_bytes, replay_cache_size, metrics_port,
+            metrics_host); they override ``KVDEFRAG_*`` variables.
 
     Returns:
         The running server's handle; call ``stop()`` when the worker shuts down.
@@ -326,28 +343,29 @@ def serve_in_process(
             without TLS or ``insecure``.
         OSError: The address is taken (``errno.EADDRINUSE``).
     """
-    settings = load_config({**config, "address": address})
+    engine_config, service_config = load_config({**config, "address": address})
     registry = registry if registry is not None else CollectorRegistry()
     default_metrics = Metrics(registry)
     observer = observer if observer is not None else default_metrics
     metrics = metrics if metrics is not None else default_metrics
-    engine = Engine.from_config(
+    engine = Engine(
         kv_caches,
         block_size,
-        settings,
+        engine_config,
         executor=executor,
         stream=stream,
         kv_lock=kv_lock,
         observer=observer,
     )
-    listen_address = parse_address(settings.address)
+    listen_address = parse_address(service_config.address)
     thread_pool = futures.ThreadPoolExecutor(
         max_workers=max_workers, thread_name_prefix="kvdefrag-grpc"
     )
-    server = grpc.server(thread_pool, options=grpc_options(settings))
+    server = grpc.server(thread_pool, options=grpc_options(service_config))
     health_servicer = health.HealthServicer()
-    set_serving = _health_setter(health_servicer)
-    servicer = DefragServicer(engine, settings, on_health=set_serving, metrics=metrics)
+    health_reporter = _HealthReporter(health_servicer)
+    engine.add_observer(health_reporter)
+    servicer = DefragServicer(engine, service_config, metrics=metrics)
     _convert.add_service(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
@@ -356,20 +374,22 @@ def serve_in_process(
     default_metrics.bind_engine(engine)
     metrics_server: MetricsServer | None = None
     try:
-        bound_address = _listen(server, listen_address, settings)
-        if settings.metrics_port is not None:
-            metrics_server = serve_metrics(registry, settings.metrics_port, settings.metrics_host)
+        bound_address = _listen(server, listen_address, service_config)
+        if service_config.metrics_port is not None:
+            metrics_server = serve_metrics(
+                registry, service_config.metrics_port, service_config.metrics_host
+            )
     except BaseException:
         server.stop(None)
         thread_pool.shutdown(wait=False)
         raise
-    set_serving(True)
+    health_reporter.set_serving(True)
     server.start()
     _LOGGER.info("kvdefrag server listening on %s", bound_address)
     return ServerHandle(
         bound_address,
         engine,
-        settings,
+        service_config,
         server,
         servicer,
         health_servicer,

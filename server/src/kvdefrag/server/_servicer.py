@@ -27,6 +27,7 @@ from typing import Any, NoReturn, Protocol, TypeVar
 import grpc
 
 from kvdefrag.common import (
+    ERROR_METADATA_KEY,
     DefragError,
     EngineUnhealthy,
     EpochMismatch,
@@ -35,14 +36,13 @@ from kvdefrag.common import (
     NotFound,
     OutOfOrder,
     SessionConflict,
+    StepEvents,
 )
 from kvdefrag.server import _convert
 from kvdefrag.server._engine import Engine
-from kvdefrag.server.config import Config
+from kvdefrag.server.config import ServiceConfig
 
 _LOGGER = logging.getLogger(__name__)
-
-ERROR_METADATA_KEY = "kvdefrag-error"
 
 ERROR_CODES: dict[type[DefragError], grpc.StatusCode] = {
     InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
@@ -105,23 +105,19 @@ class DefragServicer:
     Args:
         engine: The engine to serve (the one owner of the pool state).
         config: Service options (``replay_cache_size``, ``max_message_bytes``).
-        on_health: Told ``True``/``False`` when the service becomes able/unable to serve
-            steps (the server wires it to ``grpc.health.v1``).
         metrics: Optional error and replay counters.
     """
 
     def __init__(
         self,
         engine: Engine,
-        config: Config,
+        config: ServiceConfig,
         *,
-        on_health: Callable[[bool], None] | None = None,
         metrics: ServiceMetrics | None = None,
     ) -> None:
         self._engine = engine
         self._replay_cache_size = config.replay_cache_size
         self._max_message_bytes = config.max_message_bytes
-        self._on_health = on_health
         self._metrics = metrics
         self._lock = threading.Lock()
         self._epoch = new_epoch()
@@ -303,13 +299,9 @@ class DefragServicer:
                 return _convert.replayed_response(cached)
             if seq > self._next_seq:
                 raise OutOfOrder(f"seq {seq} skips ahead: expected seq {self._next_seq}")
-            args = _convert.step_args(request)
-            self._check_reply_bound(args)
-            try:
-                result = engine.step(**args.as_kwargs())
-            except EngineUnhealthy:
-                self._set_health(False)
-                raise
+            events = _convert.step_events(request)
+            self._check_reply_bound(events)
+            result = engine.step(**events.as_kwargs())
             response = _convert.step_response(result, seq, self._epoch)
             self._replies[seq] = response
             while len(self._replies) > self._replay_cache_size:
@@ -368,8 +360,6 @@ class DefragServicer:
             self._next_seq = 1
             self._replies.clear()
             epoch = self._epoch
-            if not self._is_stopping:
-                self._set_health(True)
         _LOGGER.info("reset: new epoch %d (prefix_caching=%s)", epoch, request.prefix_caching)
         return _convert.reset_response(epoch)
 
@@ -383,7 +373,7 @@ class DefragServicer:
             )
         return response
 
-    def _check_reply_bound(self, args: _convert.StepArgs) -> None:
+    def _check_reply_bound(self, events: StepEvents) -> None:
         """Refuses a step whose reply might not fit in a message (before applying it).
 
         NOTE: a reply that gRPC cannot send would leave the step applied but its deltas
@@ -391,7 +381,7 @@ class DefragServicer:
         """
         engine = self._engine
         bound_bytes = _convert.max_step_response_bytes(
-            args, engine.num_blocks, engine.config.max_moves_per_step
+            events, engine.num_blocks, engine.config.max_moves_per_step
         )
         if bound_bytes > self._max_message_bytes:
             raise MessageTooLarge(
@@ -399,10 +389,6 @@ class DefragServicer:
                 f"{self._max_message_bytes}; send fewer blocks per step (or lower "
                 "max_moves_per_step)"
             )
-
-    def _set_health(self, is_serving: bool) -> None:
-        if self._on_health is not None:
-            self._on_health(is_serving)
 
     def _call(self, method: str, context: grpc.ServicerContext, call: Callable[[], _T]) -> _T:
         try:

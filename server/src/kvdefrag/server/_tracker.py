@@ -20,14 +20,13 @@ copy of ``fwd`` for vectorised resolve, brought up to date by ``flush`` in O(cha
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
 import numpy.typing as npt
 
-from kvdefrag.common import pair_digest
-
-NULL_BLOCK_ID = 0
+from kvdefrag.common import NULL_BLOCK_ID, pair_digest
+from kvdefrag.common.digest import DIGEST_INCREMENT, DIGEST_MULTIPLIER_1, DIGEST_MULTIPLIER_2
 
 
 def pair_digests(logical_ids: list[int], physical_ids: list[int]) -> list[int]:
@@ -38,9 +37,9 @@ def pair_digests(logical_ids: list[int], physical_ids: list[int]) -> list[int]:
         ]
     logical = np.asarray(logical_ids, dtype=np.uint64)
     physical = np.asarray(physical_ids, dtype=np.uint64)
-    z = (logical << np.uint64(32)) ^ physical ^ np.uint64(0x9E3779B97F4A7C15)
-    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    z = (logical << np.uint64(32)) ^ physical ^ np.uint64(DIGEST_INCREMENT)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(DIGEST_MULTIPLIER_1)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(DIGEST_MULTIPLIER_2)
     z ^= z >> np.uint64(31)
     digests: list[int] = z.tolist()
     return digests
@@ -140,35 +139,33 @@ class BlockTracker:
     def lowest_expendable(self) -> int | None:
         return self._expendable.top(self.is_expendable_slot)
 
-    def take_compaction_pairs(self, max_pairs: int) -> tuple[list[int], list[int]]:
-        """Takes up to ``max_pairs`` (highest live slot, lowest free slot) pairs, while the
-        free slot is below the live one. Both leave the heaps (see ``restore_slots``).
+    def pop_live_slots(self) -> Iterator[int]:
+        """Yields live slots, highest first; each yielded slot leaves the live index
+        (commit it with ``move_live_blocks`` or hand it back with ``restore_slots``).
 
-        NOTE: the hottest loop of a compaction step, so it works on the heaps directly.
+        NOTE: works on the heap directly: this and ``pop_free_slots`` are the hottest
+        loop of a compaction step.
         """
         refs, bwd = self.refs, self.bwd
-        live_heap, live_flags = self._live.heap, self._live.flags
-        free_heap, free_flags = self._free.heap, self._free.flags
-        heappop = heapq.heappop
-        src_ids: list[int] = []
-        dst_ids: list[int] = []
-        while len(src_ids) < max_pairs:
-            while live_heap and not refs[bwd[-live_heap[0]]]:  # stale: no longer live
-                live_flags[-heappop(live_heap)] = 0
-            while free_heap and refs[bwd[free_heap[0]]]:  # stale: live again
-                free_flags[heappop(free_heap)] = 0
-            if not live_heap or not free_heap or free_heap[0] > -live_heap[0]:
-                break
-            src = -heappop(live_heap)
-            dst = heappop(free_heap)
-            live_flags[src] = free_flags[dst] = 0
-            src_ids.append(src)
-            dst_ids.append(dst)
-        assert all(refs[bwd[dst]] == 0 for dst in dst_ids), "a compaction target is live"
-        return src_ids, dst_ids
+        heap, flags = self._live.heap, self._live.flags
+        while heap:
+            slot = -heapq.heappop(heap)
+            flags[slot] = 0
+            if refs[bwd[slot]]:  # else stale: no longer live
+                yield slot
+
+    def pop_free_slots(self) -> Iterator[int]:
+        """Yields free slots, lowest first, taking each out of the free index (as above)."""
+        refs, bwd = self.refs, self.bwd
+        heap, flags = self._free.heap, self._free.flags
+        while heap:
+            slot = heapq.heappop(heap)
+            flags[slot] = 0
+            if not refs[bwd[slot]]:  # else stale: live again
+                yield slot
 
     def restore_slots(self, physical_ids: Iterable[int]) -> None:
-        """Re-indexes slots taken by ``take_compaction_pairs`` (their state has not changed)."""
+        """Re-indexes slots taken by ``pop_*_slots`` (their state has not changed)."""
         for physical_id in physical_ids:
             self._index_slot(physical_id)
 
@@ -229,7 +226,8 @@ class BlockTracker:
 
     def move_live_blocks(self, src_ids: list[int], dst_ids: list[int]) -> list[int]:
         """Commits a compaction batch: live ``src_ids[i]`` and free ``dst_ids[i]`` trade
-        logical ids. The slots must have been taken by ``take_compaction_pairs``.
+        logical ids. The slots must have been taken by ``pop_live_slots`` and
+        ``pop_free_slots``.
 
         Returns:
             Every logical id whose slot changed.
@@ -255,6 +253,10 @@ class BlockTracker:
         changed = moved_ids + freed_ids
         self._remapped += changed
         return changed
+
+    def has_unflushed_changes(self) -> bool:
+        """True when ``fwd`` changed since the last ``flush``."""
+        return bool(self._remapped)
 
     def flush(self) -> None:
         """Brings ``fwd_array`` up to date with ``fwd`` (O(ids changed since last flush))."""

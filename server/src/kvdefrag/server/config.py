@@ -1,6 +1,9 @@
-"""kvdefrag's configuration: one frozen dataclass, filled from CLI flags > env > defaults.
+"""kvdefrag's configuration, split by owner: ``EngineConfig`` and ``ServiceConfig``.
 
-This is the only module that reads the environment (``KVDEFRAG_*`` variables).
+Both are frozen dataclasses holding the only copy of each default. The CLI flags, the
+``KVDEFRAG_<FIELD>`` environment variables and the keywords of ``serve_in_process`` all
+go through ``load_config``, which builds the pair (flags/keywords > env > defaults).
+This is the only module that reads the environment.
 """
 
 from __future__ import annotations
@@ -17,9 +20,19 @@ DEFAULT_ADDRESS = "unix:/tmp/kvdefrag.sock"
 ENV_PREFIX = "KVDEFRAG_"
 
 
+def _check_types(config: object, ints: tuple[str, ...], bools: tuple[str, ...]) -> None:
+    for name in ints:
+        value = getattr(config, name)
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise InvalidArgument(f"{name} must be an int, got {value!r}")
+    for name in bools:
+        if not isinstance(getattr(config, name), bool):
+            raise InvalidArgument(f"{name} must be a bool, got {getattr(config, name)!r}")
+
+
 @dataclasses.dataclass(frozen=True)
-class Config:
-    """Every knob of kvdefrag, engine and service alike.
+class EngineConfig:
+    """The engine's knobs: when and how it compacts. Owned by the ``Engine``.
 
     Attributes:
         threshold: Compaction runs when ``max_live - num_live`` exceeds this.
@@ -27,7 +40,36 @@ class Config:
         pad_buckets: Batch sizes a move batch is padded to on static-shape backends (HPU).
         enable_placement: Re-point fresh blocks to low free slots without copying.
         prefix_caching: Free blocks keep content worth keeping (from the scheduler's
-            handshake, never guessed).
+            handshake, never guessed; a reset may change it).
+    """
+
+    threshold: int = 32
+    max_moves_per_step: int = 512
+    pad_buckets: tuple[int, ...] = DEFAULT_PAD_BUCKETS
+    enable_placement: bool = True
+    prefix_caching: bool = False
+
+    def __post_init__(self) -> None:
+        _check_types(
+            self, ("threshold", "max_moves_per_step"), ("enable_placement", "prefix_caching")
+        )
+        if self.threshold < 0:
+            raise InvalidArgument(f"threshold must be >= 0, got {self.threshold}")
+        if self.max_moves_per_step < 1:
+            raise InvalidArgument(f"max_moves_per_step must be >= 1, got {self.max_moves_per_step}")
+        buckets = tuple(self.pad_buckets)
+        if not buckets or any(b < 1 for b in buckets) or list(buckets) != sorted(set(buckets)):
+            raise InvalidArgument(
+                f"pad_buckets must be strictly increasing positive sizes, got {buckets}"
+            )
+        object.__setattr__(self, "pad_buckets", buckets)
+
+
+@dataclasses.dataclass(frozen=True)
+class ServiceConfig:
+    """The gRPC service's knobs: where it listens, how it is secured, what it bounds.
+
+    Attributes:
         address: ``unix:PATH`` (default) or ``HOST:PORT``.
         metrics_port: Port of the Prometheus ``/metrics`` endpoint; None disables it.
         metrics_host: Interface the ``/metrics`` endpoint listens on (0.0.0.0 in a pod).
@@ -39,11 +81,6 @@ class Config:
         replay_cache_size: Replies kept for exactly-once replay of resent steps.
     """
 
-    threshold: int = 32
-    max_moves_per_step: int = 512
-    pad_buckets: tuple[int, ...] = DEFAULT_PAD_BUCKETS
-    enable_placement: bool = True
-    prefix_caching: bool = False
     address: str = DEFAULT_ADDRESS
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
@@ -55,29 +92,16 @@ class Config:
     replay_cache_size: int = 64
 
     def __post_init__(self) -> None:
-        for name in ("threshold", "max_moves_per_step", "max_message_bytes", "replay_cache_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool):
-                raise InvalidArgument(f"{name} must be an int, got {value!r}")
-        for name in ("enable_placement", "prefix_caching", "insecure"):
-            if not isinstance(getattr(self, name), bool):
-                raise InvalidArgument(f"{name} must be a bool, got {getattr(self, name)!r}")
-        if self.threshold < 0:
-            raise InvalidArgument(f"threshold must be >= 0, got {self.threshold}")
-        if self.max_moves_per_step < 1:
-            raise InvalidArgument(f"max_moves_per_step must be >= 1, got {self.max_moves_per_step}")
-        buckets = tuple(self.pad_buckets)
-        if not buckets or any(b < 1 for b in buckets) or list(buckets) != sorted(set(buckets)):
-            raise InvalidArgument(
-                f"pad_buckets must be strictly increasing positive sizes, got {buckets}"
-            )
+        _check_types(self, ("max_message_bytes", "replay_cache_size"), ("insecure",))
         if self.max_message_bytes < 1024:
             raise InvalidArgument(
                 f"max_message_bytes must be >= 1024, got {self.max_message_bytes}"
             )
         if self.replay_cache_size < 1:
             raise InvalidArgument(f"replay_cache_size must be >= 1, got {self.replay_cache_size}")
-        object.__setattr__(self, "pad_buckets", buckets)
+
+
+_CONFIG_CLASSES = (EngineConfig, ServiceConfig)
 
 
 def _parse_bool(name: str, text: str) -> bool:
@@ -107,30 +131,44 @@ def _parse_field(field: dataclasses.Field[Any], name: str, text: str) -> Any:
     return text
 
 
+def option_names() -> tuple[str, ...]:
+    """Every option ``load_config`` knows: the fields of both configs."""
+    return tuple(field.name for cls in _CONFIG_CLASSES for field in dataclasses.fields(cls))
+
+
 def config_from_env(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """Returns the Config fields set by ``KVDEFRAG_<FIELD>`` variables."""
+    """Returns the options set by ``KVDEFRAG_<FIELD>`` variables."""
     environ = os.environ if environ is None else environ
     values: dict[str, Any] = {}
-    for field in dataclasses.fields(Config):
-        name = ENV_PREFIX + field.name.upper()
-        if name in environ:
-            values[field.name] = _parse_field(field, name, environ[name])
+    for cls in _CONFIG_CLASSES:
+        for field in dataclasses.fields(cls):
+            name = ENV_PREFIX + field.name.upper()
+            if name in environ:
+                values[field.name] = _parse_field(field, name, environ[name])
     return values
 
 
 def load_config(
     overrides: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None
-) -> Config:
-    """Builds a Config: explicit overrides (CLI flags, keywords) > environment > defaults.
+) -> tuple[EngineConfig, ServiceConfig]:
+    """Builds both configs: explicit overrides (CLI flags, keywords) > environment > defaults.
+
+    Args:
+        overrides: Option name -> value; None values mean "not given".
+        environ: The environment to read (``os.environ`` when None).
 
     Raises:
-        InvalidArgument: An unknown key, or a value that does not parse or validate.
+        InvalidArgument: An unknown option, or a value that does not parse or validate.
     """
-    known = {field.name for field in dataclasses.fields(Config)}
+    known = set(option_names())
     values = config_from_env(environ)
     for key, value in (overrides or {}).items():
         if key not in known:
             raise InvalidArgument(f"unknown configuration option {key!r}")
         if value is not None:  # None means "not given"
             values[key] = value
-    return Config(**values)
+
+    def pick(cls: type[Any]) -> dict[str, Any]:
+        return {f.name: values[f.name] for f in dataclasses.fields(cls) if f.name in values}
+
+    return EngineConfig(**pick(EngineConfig)), ServiceConfig(**pick(ServiceConfig))

@@ -19,7 +19,8 @@ from typing import Protocol
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from kvdefrag.server._engine import EngineStats, StepResult
+from kvdefrag.common import PoolStats
+from kvdefrag.server._engine import StepResult
 
 # 50 µs .. 10 s in 1-2-5 steps: a swap of a few blocks or an idle step takes well under a
 # millisecond, a full 512-block pass on a large model tens of milliseconds.
@@ -33,11 +34,11 @@ DURATION_BUCKETS_S = (
 class StatsSource(Protocol):
     """What the pool gauges read (an ``Engine``)."""
 
-    def stats(self) -> EngineStats: ...
+    def stats(self) -> PoolStats: ...
 
 
 # name, help, how to read it from a stats snapshot
-_POOL_GAUGES: tuple[tuple[str, str, Callable[[EngineStats], float]], ...] = (
+_POOL_GAUGES: tuple[tuple[str, str, Callable[[PoolStats], float]], ...] = (
     ("kvdefrag_live_blocks", "Blocks referenced by at least one running request.",
      lambda stats: stats.num_live),
     ("kvdefrag_max_live_block_id",
@@ -186,6 +187,9 @@ class Metrics:
     def on_move_failure(self) -> None:
         """Counts a compaction pass whose KV move raised."""
         self._runs_failed.inc()
+
+    def on_reset(self) -> None:
+        """Nothing to do: counters only grow, and the pool gauges are read when scraped."""
 
     # --- service events ---------------------------------------------------------------
     def record_error(self, method: str, code: str) -> None:

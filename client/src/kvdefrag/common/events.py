@@ -1,0 +1,132 @@
+"""One scheduling iteration's block events: the step, as every layer of kvdefrag sees it.
+
+The scheduler builds a ``StepEvents``; the client sends it, the recorder writes it, the
+servicer turns the wire message back into one, and the engine validates and applies it.
+Adding a field means changing this class, the proto and the two conversion modules.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from kvdefrag.common.errors import InvalidArgument
+
+NULL_BLOCK_ID = 0
+"""Logical and physical id 0: vLLM's null block, never allocated, never moved."""
+
+_INT64_MIN = -(1 << 63)
+_INT64_MAX = (1 << 63) - 1
+
+
+def _block_ids(field: str, ids: Iterable[int]) -> list[int]:
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
+        raise InvalidArgument(f"{field}: expected a sequence of block ids, got {ids!r}")
+    checked: list[int] = []
+    for block_id in ids:
+        try:
+            checked.append(operator.index(block_id))
+        except TypeError:
+            raise InvalidArgument(f"{field}: block id {block_id!r} is not an integer") from None
+    for position, block_id in enumerate(checked):
+        if not _INT64_MIN <= block_id <= _INT64_MAX:
+            raise InvalidArgument(f"{field}[{position}]: block id {block_id} is not an int64")
+    return checked
+
+
+def _request_id(field: str, request_id: object) -> str:
+    if not isinstance(request_id, str):
+        raise InvalidArgument(f"{field}: request id must be a str, got {request_id!r}")
+    return request_id
+
+
+def _block_lists(field: str, lists: Mapping[str, Sequence[int]] | None) -> dict[str, list[int]]:
+    if lists is None:
+        return {}
+    if not isinstance(lists, Mapping):
+        raise InvalidArgument(
+            f"{field}: expected a mapping of request id -> block ids, got {type(lists).__name__}"
+        )
+    return {
+        _request_id(field, request_id): _block_ids(f"{field}[{request_id!r}]", ids)
+        for request_id, ids in lists.items()
+    }
+
+
+@dataclasses.dataclass(frozen=True)
+class StepEvents:
+    """One scheduling iteration's block events, applied in this order by the engine.
+
+    Attributes:
+        finished: Request ids whose blocks are released (finished or preempted).
+        resumed: Request id -> the full new block list of a resumed request (replaces
+            whatever the request held).
+        evicted: Logical ids dropped from the prefix cache (their content is expendable).
+        new_blocks: Request id -> logical block ids appended this step.
+        fresh: Logical ids among the new/resumed ones that hold no data yet; None lets
+            the engine decide (every newly live block without prefix caching, none with).
+
+    Build one with ``StepEvents.build(...)`` (it checks types and copies); the range
+    checks against the pool are the engine's.
+
+    Example:
+        >>> StepEvents.build(new_blocks={"req-a": (5, 9)}).new_blocks
+        {'req-a': [5, 9]}
+    """
+
+    finished: tuple[str, ...] = ()
+    new_blocks: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+    resumed: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+    fresh: list[int] | None = None
+    evicted: list[int] = dataclasses.field(default_factory=list)
+
+    @classmethod
+    def build(
+        cls,
+        *,
+        finished: Iterable[str] = (),
+        new_blocks: Mapping[str, Sequence[int]] | None = None,
+        resumed: Mapping[str, Sequence[int]] | None = None,
+        fresh: Iterable[int] | None = None,
+        evicted: Iterable[int] = (),
+    ) -> StepEvents:
+        """Checks the types of the events and copies them.
+
+        Raises:
+            InvalidArgument: A request id is not a str, or a block id not an int64.
+        """
+        if isinstance(finished, (str, bytes)) or not isinstance(finished, Iterable):
+            raise InvalidArgument(
+                "finished: expected a collection of request ids, "
+                f"got a {type(finished).__name__} ({finished!r})"
+            )
+        return cls(
+            finished=tuple(_request_id("finished", request_id) for request_id in finished),
+            new_blocks=_block_lists("new_blocks", new_blocks),
+            resumed=_block_lists("resumed", resumed),
+            fresh=None if fresh is None else _block_ids("fresh", fresh),
+            evicted=_block_ids("evicted", evicted),
+        )
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        """The names of the five fields, in declaration order."""
+        return tuple(field.name for field in dataclasses.fields(cls))
+
+    def as_kwargs(self) -> dict[str, Any]:
+        """Returns the events as the keywords of ``step()`` (client or engine), copied:
+        changing them does not change this value."""
+        return {
+            "finished": list(self.finished),
+            "new_blocks": {rid: list(ids) for rid, ids in self.new_blocks.items()},
+            "resumed": {rid: list(ids) for rid, ids in self.resumed.items()},
+            "fresh": None if self.fresh is None else list(self.fresh),
+            "evicted": list(self.evicted),
+        }
+
+    @property
+    def is_empty(self) -> bool:
+        """True when the step carries no event at all."""
+        return not (self.finished or self.new_blocks or self.resumed or self.fresh or self.evicted)

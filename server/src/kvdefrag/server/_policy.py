@@ -1,0 +1,77 @@
+"""The compaction policy: when to compact, where fresh blocks go, which blocks move.
+
+Everything kvdefrag decides about packing reads in this module; the tracker keeps the
+state it asks about, and the engine carries the decisions out.
+
+* **Trigger.** A step compacts when the holes below the highest live slot
+  (``max_live - num_live``) exceed ``threshold``, or when a pass was scheduled.
+* **Placement.** A fresh block (allocated this step, holding no data yet) is re-pointed
+  to the lowest *expendable* slot below it: free and not holding cached data. Only the
+  mapping changes; nothing is copied.
+* **Pairing.** Compaction pairs the highest live slot with the lowest free slot, again
+  and again, while the free slot is below the live one, at most ``max_moves_per_step``
+  times. A block only ever moves down; slot 0 (the null block) is never a candidate.
+* **Move kind.** A destination that holds cached data (prefix caching) swaps contents
+  with the source (two-way); otherwise the source is copied one way.
+
+Deterministic: the same tracker state and config give the same decisions (no hashing,
+no set iteration), so every rank of a tensor-parallel worker plans identically.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from kvdefrag.server._tracker import BlockTracker
+from kvdefrag.server.config import EngineConfig
+
+
+class Move(NamedTuple):
+    """One block move in physical space.
+
+    Attributes:
+        src_physical_id: A live slot high in the pool.
+        dst_physical_id: A free slot below it.
+        is_two_way: The destination holds cached data, so the two slots swap contents;
+            otherwise the source is copied one way and the destination's content dropped.
+    """
+
+    src_physical_id: int
+    dst_physical_id: int
+    is_two_way: bool
+
+
+def should_compact(tracker: BlockTracker, config: EngineConfig, *, is_forced: bool) -> bool:
+    """The trigger: holes above the threshold, or a pass scheduled by the operator."""
+    return is_forced or tracker.max_live - tracker.num_live > config.threshold
+
+
+def placement_target(tracker: BlockTracker, physical_id: int) -> int | None:
+    """The slot a fresh block at ``physical_id`` should take, or None to stay put."""
+    target = tracker.lowest_expendable()
+    if target is None or target > physical_id:
+        return None
+    return target
+
+
+def plan_compaction(tracker: BlockTracker, config: EngineConfig) -> list[Move]:
+    """Pairs the highest live slots with the lowest free slots below them.
+
+    The slots of the returned moves are taken out of the tracker's indexes: the caller
+    commits them (``BlockTracker.move_live_blocks``) or hands them back
+    (``BlockTracker.restore_slots``).
+    """
+    max_moves = config.max_moves_per_step
+    holds_data = tracker.holds_data
+    moves: list[Move] = []
+    live_slots, free_slots = tracker.pop_live_slots(), tracker.pop_free_slots()
+    while len(moves) < max_moves:
+        src = next(live_slots, None)
+        if src is None:
+            break
+        dst = next(free_slots, None)
+        if dst is None or dst > src:
+            tracker.restore_slots((src,) if dst is None else (src, dst))
+            break
+        moves.append(Move(src, dst, holds_data(dst)))
+    return moves
