@@ -122,3 +122,17 @@ def test_make_test_ensures_system_deps_first() -> None:
     assert prerequisites is not None
     assert prerequisites.group(1).split()[0] == "system-deps"
     assert re.search(r"^system-deps:\n\tbash scripts/ensure-system-deps.sh$", makefile, re.M)
+
+
+def test_ci_runs_only_the_readme_commands() -> None:
+    """CI adds nothing a user's fresh machine would lack: it runs the README's commands."""
+    readme = (ROOT / "README.md").read_text()
+    lines = (ROOT / ".ci" / "run").read_text().splitlines()
+    commands = [line for line in lines if line.strip() and not line.startswith("#")]
+    assert commands[:2] == ["set -euo pipefail", 'cd "$(dirname "$0")/.."']
+    make_commands = commands[2:]
+    assert make_commands == [
+        "make install", "make proto-check", "make lint", "make typecheck", "make test"
+    ]  # fmt: skip
+    for command in make_commands:
+        assert f"`{command}`" in readme, f"the README does not name `{command}`"
