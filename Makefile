@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install proto proto-check lint typecheck test bench cuda-check demo run image clean
+.PHONY: install system-deps proto proto-check lint typecheck test bench cuda-check demo run image clean
 
 install: $(STAMP)
 
@@ -33,7 +33,12 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy server/src/kvdefrag/server client/src/kvdefrag/client client/src/kvdefrag/common
 
-test: $(STAMP)
+# Programs the tests drive: prometheus, promtool, openssl. Installed with apt-get when
+# missing and we are root; otherwise it stops with the command to run.
+system-deps:
+	bash scripts/ensure-system-deps.sh
+
+test: system-deps $(STAMP)
 	$(PY) -m pytest -q
 
 bench: $(STAMP)

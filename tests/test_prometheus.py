@@ -1,6 +1,6 @@
 """A real Prometheus scrapes a real metrics endpoint; values are read back through its API.
 
-Needs the ``prometheus`` binary (Debian package ``prometheus``; ``.ci/run`` installs it).
+Needs the ``prometheus`` binary (Debian package ``prometheus``; ``make test`` installs it).
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ def prometheus_binary() -> str:
     path = shutil.which("prometheus") or "/usr/bin/prometheus"
     if not Path(path).is_file():
         pytest.fail(
-            "the prometheus binary is missing: install the Debian package "
-            "(apt-get install prometheus), as .ci/run does"
+            "the prometheus binary is missing: run `make system-deps` "
+            "(the Debian package prometheus)"
         )
     return path
 

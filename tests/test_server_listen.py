@@ -134,7 +134,7 @@ def test_bad_addresses_are_refused(address: str) -> None:
 # --- TLS --------------------------------------------------------------------------------
 def _openssl(*args: str | Path) -> None:
     assert OPENSSL is not None, (
-        "the TLS tests make certificates with openssl: apt-get install openssl"
+        "the TLS tests make certificates with openssl: run `make system-deps`"
     )
     subprocess.run([OPENSSL, *map(str, args)], check=True, capture_output=True, timeout=60)
 
