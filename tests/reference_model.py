@@ -132,7 +132,7 @@ class ReferenceModel:
         return newly_live
 
     def apply(self, events: StepEvents) -> StepOutcome:
-        """Applies a valid step in the design's step order: finished, resumed, evicted, new blocks."""
+        """Applies a valid step in design §4 order: finished, resumed, evicted, new blocks."""
         num_unknown = sum(not self.release_request(rid) for rid in events.finished)
         for request_id in events.resumed:
             self.release_request(request_id)
