@@ -8,11 +8,11 @@ STAMP  := $(VENV)/.installed
 
 install: $(STAMP)
 
-$(STAMP): requirements-dev.txt client/pyproject.toml server/pyproject.toml
+$(STAMP): requirements-dev.txt client/pyproject.toml server/pyproject.toml tools/pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements-dev.txt
-	$(PY) -m pip install -q -e client -e server
+	$(PY) -m pip install -q -e client -e server -e tools
 	touch $(STAMP)
 
 # Generated code only comes from here; the output is committed.
@@ -31,7 +31,8 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 
 typecheck: $(STAMP)
-	$(VENV)/bin/mypy server/src/kvdefrag/server client/src/kvdefrag/client client/src/kvdefrag/common
+	$(VENV)/bin/mypy server/src/kvdefrag/server client/src/kvdefrag/client client/src/kvdefrag/common \
+	  tools/src/kvdefrag/tools
 
 test: $(STAMP)
 	$(PY) -m pytest -q

@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from kvdefrag.client.workload import SyntheticWorkload, WorkloadConfig
 from kvdefrag.server import Engine, Move, make_executor
+from kvdefrag.tools.workload import SyntheticWorkload, WorkloadConfig
 
 BLOCK_SIZE = 16
 

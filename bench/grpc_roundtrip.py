@@ -38,9 +38,9 @@ import torch
 
 from kvdefrag.client import DefragClient, StepEvents
 from kvdefrag.client import _convert as client_convert
-from kvdefrag.client.workload import SyntheticWorkload, WorkloadConfig
 from kvdefrag.server import Engine, serve_in_process
 from kvdefrag.server import _convert as server_convert
+from kvdefrag.tools.workload import SyntheticWorkload, WorkloadConfig
 
 REQUEST_BLOCKS = 256
 NEW_BLOCKS_PER_STEP = 64

@@ -38,8 +38,8 @@ import torch
 from grpc_roundtrip import format_grpc_bench, run_grpc_bench
 from seed_baseline import SeedEquivalentDefragmenter, SeedEquivalentSwap
 
-from kvdefrag.client.workload import SyntheticWorkload, WorkloadConfig, WorkloadStep
 from kvdefrag.server import Engine, Move, MoveReport, make_executor
+from kvdefrag.tools.workload import SyntheticWorkload, WorkloadConfig, WorkloadStep
 
 DYNAMIC_BLOCKS = 10_000
 GIB = 1 << 30

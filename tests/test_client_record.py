@@ -7,8 +7,8 @@ import torch
 
 from kvdefrag.client import DefragClient, InvalidArgument
 from kvdefrag.client.record import load_trace
-from kvdefrag.client.workload import SyntheticWorkload, WorkloadConfig
 from kvdefrag.server import Engine, serve_in_process
+from kvdefrag.tools.workload import SyntheticWorkload, WorkloadConfig
 
 
 def test_recorded_trace_replays_to_the_same_mapping(tmp_path: Path) -> None:

@@ -9,7 +9,9 @@ from collections import Counter
 import pytest
 from kv import SignedKv
 
-from kvdefrag.client.workload import (
+from kvdefrag.common import InvalidArgument
+from kvdefrag.server import Engine
+from kvdefrag.tools.workload import (
     BlockPool,
     FreeBlockQueue,
     SyntheticWorkload,
@@ -17,8 +19,6 @@ from kvdefrag.client.workload import (
     WorkloadStep,
     generate_steps,
 )
-from kvdefrag.common import InvalidArgument
-from kvdefrag.server import Engine
 
 
 def small_config(**overrides: object) -> WorkloadConfig:

@@ -32,7 +32,6 @@ import torch
 
 from kvdefrag.client import DefragClient, DefragError, PoolStats
 from kvdefrag.client.record import StepRecorder
-from kvdefrag.client.workload import SyntheticWorkload, WorkloadConfig
 from kvdefrag.common import InvalidArgument
 from kvdefrag.server._demo_report import (
     ModeReport,
@@ -46,6 +45,7 @@ from kvdefrag.server._demo_report import (
 from kvdefrag.server._demo_worker import KvSignatures, LogicalPool, make_kv_caches
 from kvdefrag.server._executor import SwapExecutor
 from kvdefrag.server._server import serve_in_process
+from kvdefrag.tools.workload import SyntheticWorkload, WorkloadConfig
 
 __all__ = [
     "DemoOptions",

@@ -35,8 +35,8 @@ from collections import deque
 from collections.abc import Hashable, Iterable, Iterator
 from typing import Any
 
-from kvdefrag.client._block_pool import BlockPool, FreeBlockQueue
 from kvdefrag.common import InvalidArgument
+from kvdefrag.tools._block_pool import BlockPool, FreeBlockQueue
 
 __all__ = [
     "BlockPool",
