@@ -45,7 +45,7 @@ cuda-check: $(STAMP)
 	$(PY) bench/cuda_check.py
 
 demo: $(STAMP)
-	$(PY) -m kvdefrag.server.demo
+	$(PY) -m kvdefrag.tools.demo
 
 run: $(STAMP)
 	$(PY) -m kvdefrag.server --metrics-port 9464 --address 127.0.0.1:50051

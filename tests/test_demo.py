@@ -16,15 +16,9 @@ from pathlib import Path
 import torch
 
 from kvdefrag.server import Move, MoveReport
-from kvdefrag.server.demo import (
-    DemoOptions,
-    KvSignatures,
-    LogicalPool,
-    format_report,
-    make_kv_caches,
-    run_demo,
-    run_mode,
-)
+from kvdefrag.tools._demo_worker import KvSignatures, LogicalPool, make_kv_caches
+from kvdefrag.tools._report import format_report
+from kvdefrag.tools.demo import DemoOptions, run_demo, run_mode
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 INTEGRITY = re.compile(r"KV integrity: ([\d,]+) live blocks checked, ([\d,]+) corrupted")
@@ -114,7 +108,7 @@ def test_demo_module_runs_as_make_demo_does(tmp_path: Path) -> None:
     argv = ["--steps", "150", "--num-blocks", "300", "--mode", "off", "--out", str(plot)]
 
     done = subprocess.run(
-        [sys.executable, "-m", "kvdefrag.server.demo", *argv],
+        [sys.executable, "-m", "kvdefrag.tools.demo", *argv],
         capture_output=True,
         text=True,
         timeout=120,
@@ -129,7 +123,7 @@ def test_demo_module_runs_as_make_demo_does(tmp_path: Path) -> None:
 
 def test_bad_options_are_refused_naming_the_option() -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "kvdefrag.server.demo", "--num-blocks", "10"],
+        [sys.executable, "-m", "kvdefrag.tools.demo", "--num-blocks", "10"],
         capture_output=True,
         text=True,
         timeout=60,

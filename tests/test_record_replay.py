@@ -15,8 +15,8 @@ import pytest
 from kvdefrag.client import StepEvents
 from kvdefrag.client.record import STEP_KEYS, StepRecorder, load_trace, parse_trace
 from kvdefrag.common import InvalidArgument
-from kvdefrag.server.cli import ReplaySettings, record_workload, replay_trace
-from kvdefrag.server.demo import DemoOptions, ModeReport
+from kvdefrag.tools.cli import ReplaySettings, record_workload, replay_trace
+from kvdefrag.tools.demo import DemoOptions, ModeReport
 
 KVDEFRAG = Path(sys.executable).parent / "kvdefrag"
 

@@ -29,9 +29,10 @@ import numpy as np
 
 from kvdefrag.client.record import StepRecorder, Trace, load_trace
 from kvdefrag.common import DefragError, InvalidArgument
-from kvdefrag.server import demo
-from kvdefrag.server._demo_report import Progress
-from kvdefrag.server._engine import Engine
+from kvdefrag.server import Engine
+from kvdefrag.tools import demo
+from kvdefrag.tools._demo_worker import KvSignatures, LogicalPool
+from kvdefrag.tools._report import Progress, RunLog, format_report, write_plot
 
 
 # --- replay ---------------------------------------------------------------------------
@@ -84,9 +85,9 @@ def replay_trace(
         max_moves_per_step=settings.max_moves_per_step,
         enable_placement=settings.enable_placement,
     )
-    kv = demo.KvSignatures(kv_caches, header.block_size, engine.kv_lock)
-    pool = demo.LogicalPool(header.num_blocks)
-    log = demo.RunLog()
+    kv = KvSignatures(kv_caches, header.block_size, engine.kv_lock)
+    pool = LogicalPool(header.num_blocks)
+    log = RunLog()
     prefix_caching = header.prefix_caching
     num_steps = len(trace.steps)
     progress = Progress(out, f"replay {name}", num_steps, 2.0)
@@ -201,7 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     commands.add_parser(
-        "demo", help="the demo (same as python -m kvdefrag.server.demo)", add_help=False
+        "demo", help="the demo (same as python -m kvdefrag.tools.demo)", add_help=False
     )
     record = commands.add_parser("record", help="record the synthetic workload to a trace")
     record.add_argument("trace", metavar="TRACE.jsonl")
@@ -216,7 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _print_run(run: demo.ModeRun, out: TextIO) -> None:
     print(file=out)
-    print(demo.format_report(run.report), file=out, flush=True)
+    print(format_report(run.report), file=out, flush=True)
 
 
 def _record(args: argparse.Namespace, out: TextIO) -> int:
@@ -250,9 +251,7 @@ def _replay(args: argparse.Namespace, out: TextIO) -> int:
     run = replay_trace(trace, settings, name=args.trace, out=out)
     _print_run(run, out)
     if args.plot:
-        path = demo.write_plot(
-            [(run.report.title, run.log)], Path(args.plot), trace.header.num_blocks
-        )
+        path = write_plot([(run.report.title, run.log)], Path(args.plot), trace.header.num_blocks)
         print(f"plot: {path.resolve()}", file=out)
     return 0 if run.report.is_intact else 1
 

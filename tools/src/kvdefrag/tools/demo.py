@@ -13,7 +13,7 @@ an embedded CPU KV cache and drives it through the real client::
 then prints a summary per mode: the highest live block id and fragmentation ratio
 without kvdefrag (the scheduler's logical ids) and with it (physical slots), blocks and
 bytes moved, zero-copy placements, step latency, and the KV integrity check; and writes a
-PNG plot. The same summary comes out of ``kvdefrag replay`` (see ``kvdefrag.server.cli``).
+PNG plot. The same summary comes out of ``kvdefrag replay`` (see ``kvdefrag.tools.cli``).
 """
 
 from __future__ import annotations
@@ -33,36 +33,29 @@ import torch
 from kvdefrag.client import DefragClient, DefragError, PoolStats
 from kvdefrag.client.record import StepRecorder
 from kvdefrag.common import InvalidArgument
-from kvdefrag.server._demo_report import (
+from kvdefrag.server import SwapExecutor, serve_in_process
+from kvdefrag.tools._demo_worker import KvSignatures, LogicalPool, make_kv_caches
+from kvdefrag.tools._report import (
     ModeReport,
     Progress,
     RunLog,
     format_bytes,
     format_report,
-    integrity_line,
     write_plot,
 )
-from kvdefrag.server._demo_worker import KvSignatures, LogicalPool, make_kv_caches
-from kvdefrag.server._executor import SwapExecutor
-from kvdefrag.server._server import serve_in_process
 from kvdefrag.tools.workload import SyntheticWorkload, WorkloadConfig
 
+# ModeReport is what DemoResult.reports and ModeRun.report hold.
 __all__ = [
     "DemoOptions",
     "DemoResult",
-    "KvSignatures",
-    "LogicalPool",
     "ModeReport",
     "ModeRun",
-    "RunLog",
-    "format_report",
-    "integrity_line",
     "main",
-    "make_kv_caches",
     "run_demo",
     "run_mode",
+    "use_one_torch_thread",
     "workload_config",
-    "write_plot",
 ]
 
 # The workload's default shape is tuned for this pool; other pools scale it (see below).
@@ -368,7 +361,7 @@ def use_one_torch_thread() -> None:
 
 
 def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options of ``kvdefrag demo`` and ``python -m kvdefrag.server.demo``."""
+    """The options of ``kvdefrag demo`` and ``python -m kvdefrag.tools.demo``."""
     defaults = DemoOptions()
     parser.add_argument("--steps", type=int, default=defaults.num_steps, help="steps per mode")
     parser.add_argument("--num-blocks", type=int, default=defaults.num_blocks)
@@ -397,7 +390,7 @@ def options_from_args(args: argparse.Namespace) -> DemoOptions:
     )
 
 
-def main(argv: Sequence[str] | None = None, prog: str = "python -m kvdefrag.server.demo") -> int:
+def main(argv: Sequence[str] | None = None, prog: str = "python -m kvdefrag.tools.demo") -> int:
     """Runs the demo; exits 1 if any block was corrupted, 2 on a usage or service error."""
     parser = argparse.ArgumentParser(
         prog=prog,
