@@ -13,13 +13,16 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
+import pytest
 import torch
 
 from kvdefrag.server import Move, MoveReport
+from kvdefrag.tools import demo
 from kvdefrag.tools._demo_worker import KvSignatures, LogicalPool, make_kv_caches
 from kvdefrag.tools._report import format_report
 from kvdefrag.tools.demo import DemoOptions, run_demo, run_mode
 
+KVDEFRAG = Path(sys.executable).parent / "kvdefrag"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 INTEGRITY = re.compile(r"KV integrity: ([\d,]+) live blocks checked, ([\d,]+) corrupted")
 
@@ -119,6 +122,42 @@ def test_demo_module_runs_as_make_demo_does(tmp_path: Path) -> None:
     assert [bad for _, bad in integrity_counts(done.stdout)] == [0]
     assert "highest live block id, mean" in done.stdout
     assert plot.read_bytes().startswith(PNG_MAGIC)
+
+
+@pytest.mark.slow
+def test_kvdefrag_demo_console_script_writes_its_plot(tmp_path: Path) -> None:
+    """``kvdefrag demo``: the script kvdefrag-tools installs, as ``make install`` puts it."""
+    plot = tmp_path / "plots" / "demo.png"
+
+    done = subprocess.run(
+        [str(KVDEFRAG), "demo", "--steps", "300", "--out", str(plot)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        cwd=tmp_path,
+    )
+
+    assert done.returncode == 0, done.stderr
+    assert [bad for _, bad in integrity_counts(done.stdout)] == [0, 0]
+    assert f"plot: {plot.resolve()}" in done.stdout
+    assert plot.read_bytes().startswith(PNG_MAGIC)
+
+
+def test_demo_exports_only_its_public_api() -> None:
+    assert demo.__all__ == [
+        "DemoOptions",
+        "DemoResult",
+        "ModeReport",
+        "ModeRun",
+        "main",
+        "run_demo",
+        "run_mode",
+        "use_one_torch_thread",
+        "workload_config",
+    ]
+    for name in demo.__all__:
+        assert getattr(demo, name).__module__.startswith("kvdefrag.tools."), name
 
 
 def test_bad_options_are_refused_naming_the_option() -> None:
