@@ -8,11 +8,11 @@ STAMP  := $(VENV)/.installed
 
 install: $(STAMP)
 
-$(STAMP): requirements-dev.txt client/pyproject.toml server/pyproject.toml
+$(STAMP): requirements-dev.txt client/pyproject.toml server/pyproject.toml tools/pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements-dev.txt
-	$(PY) -m pip install -q -e client -e server
+	$(PY) -m pip install -q -e client -e server -e tools
 	touch $(STAMP)
 
 # Generated code only comes from here; the output is committed.
@@ -31,7 +31,8 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 
 typecheck: $(STAMP)
-	$(VENV)/bin/mypy server/src/kvdefrag/server client/src/kvdefrag/client client/src/kvdefrag/common
+	$(VENV)/bin/mypy server/src/kvdefrag/server client/src/kvdefrag/client client/src/kvdefrag/common \
+	  tools/src/kvdefrag/tools
 
 # Programs the tests drive: prometheus, promtool, openssl. Installed with apt-get when
 # missing and we are root; otherwise it stops with the command to run.
@@ -49,7 +50,7 @@ cuda-check: $(STAMP)
 	$(PY) bench/cuda_check.py
 
 demo: $(STAMP)
-	$(PY) -m kvdefrag.server.demo
+	$(PY) -m kvdefrag.tools.demo
 
 run: $(STAMP)
 	$(PY) -m kvdefrag.server --metrics-port 9464 --address 127.0.0.1:50051

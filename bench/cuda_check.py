@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from kvdefrag.client.workload import SyntheticWorkload, WorkloadConfig
 from kvdefrag.server import Engine, EngineConfig, Move, make_executor
+from kvdefrag.tools.workload import SyntheticWorkload, WorkloadConfig
 
 BLOCK_SIZE = 16
 
@@ -57,7 +57,7 @@ def run_integrity(
     corrupted = 0
     workload = SyntheticWorkload(config)
     for step in workload:
-        kwargs = step.as_step_kwargs()
+        kwargs = step.events.as_kwargs()
         engine.step(**kwargs)
         version += 1
         fresh = list(kwargs["fresh"] or [])

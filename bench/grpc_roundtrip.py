@@ -38,9 +38,9 @@ import torch
 
 from kvdefrag.client import DefragClient, StepEvents
 from kvdefrag.client import _convert as client_convert
-from kvdefrag.client.workload import SyntheticWorkload, WorkloadConfig
 from kvdefrag.server import Engine, EngineConfig, serve_in_process
 from kvdefrag.server import _convert as server_convert
+from kvdefrag.tools.workload import SyntheticWorkload, WorkloadConfig
 
 REQUEST_BLOCKS = 256
 NEW_BLOCKS_PER_STEP = 64
@@ -185,7 +185,7 @@ def _summary(samples_s: Sequence[float]) -> dict[str, float]:
 def make_workload_steps(num_blocks: int, num_steps: int) -> list[dict[str, Any]]:
     """The realistic synthetic workload's steps (``kvdefrag.client.workload``)."""
     config = WorkloadConfig(num_blocks=num_blocks, num_steps=num_steps, seed=1)
-    return [step.as_step_kwargs() for step in SyntheticWorkload(config)]
+    return [step.events.as_kwargs() for step in SyntheticWorkload(config)]
 
 
 def run_grpc_bench(quick: bool = False) -> dict[str, Any]:

@@ -38,8 +38,8 @@ import torch
 from grpc_roundtrip import format_grpc_bench, run_grpc_bench
 from seed_baseline import SeedEquivalentDefragmenter, SeedEquivalentSwap
 
-from kvdefrag.client.workload import SyntheticWorkload, WorkloadConfig, WorkloadStep
 from kvdefrag.server import Engine, EngineConfig, Move, MoveReport, make_executor
+from kvdefrag.tools.workload import SyntheticWorkload, WorkloadConfig, WorkloadStep
 
 DYNAMIC_BLOCKS = 10_000
 GIB = 1 << 30
@@ -236,7 +236,7 @@ def _timed_pass(
     gc.freeze()
     try:
         for step in stream:
-            kwargs = step.as_step_kwargs()
+            kwargs = step.events.as_kwargs()
             started = clock()
             apply(kwargs)
             durations.append(clock() - started)
@@ -300,7 +300,7 @@ def run_stream(
         "seed": _summary_us(seed_ns[window]),
         "kvdefrag_step0_ms": kvdefrag_ns[0] / 1e6,
         "seed_step0_ms": seed_ns[0] / 1e6,
-        "num_fresh_blocks": sum(len(step.fresh) for step in stream[1:]),
+        "num_fresh_blocks": sum(len(step.events.fresh) for step in stream[1:]),
         "mean_live_blocks": statistics.fmean(step.num_live_blocks for step in stream[1:]),
         "kvdefrag_moves": stats.totals.num_moves,
         "kvdefrag_two_way_moves": stats.totals.num_two_way_moves,
@@ -350,7 +350,7 @@ def run_threshold_sweep(stream: list[WorkloadStep]) -> list[dict[str, Any]]:
         engine = Engine([], config=EngineConfig(threshold=threshold), executor=executor)
         ratios = []
         for step in stream:
-            engine.step(**step.as_step_kwargs())
+            engine.step(**step.events.as_kwargs())
             ratios.append(engine.stats().fragmentation_ratio)
         rows.append(
             {

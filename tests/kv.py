@@ -26,9 +26,16 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from kvdefrag.common.digest import (
+    DIGEST_INCREMENT,
+    DIGEST_MULTIPLIER_1,
+    DIGEST_MULTIPLIER_2,
+    MASK64,
+)
+
 KvCaches = list[tuple[torch.Tensor, torch.Tensor | None]]
 
-_MASK64 = np.uint64((1 << 64) - 1)
+_MASK64 = np.uint64(MASK64)
 SIGNATURE_RANGE = 201  # values in [-100, 100]: exact in int8, float16, bfloat16, float32
 FP8_SIGNATURE_RANGE = 17  # values in [-8, 8]: exact in float8_e4m3fn and float8_e5m2
 
@@ -81,9 +88,9 @@ def kv_tensors(kv_caches: KvCaches) -> list[torch.Tensor]:
 def _mix64(values: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
     """splitmix64 finaliser, vectorised (uint64 arithmetic wraps silently in arrays)."""
     z = values ^ (values >> np.uint64(30))
-    z = (z * np.uint64(0xBF58476D1CE4E5B9)) & _MASK64
+    z = (z * np.uint64(DIGEST_MULTIPLIER_1)) & _MASK64
     z = z ^ (z >> np.uint64(27))
-    z = (z * np.uint64(0x94D049BB133111EB)) & _MASK64
+    z = (z * np.uint64(DIGEST_MULTIPLIER_2)) & _MASK64
     return z ^ (z >> np.uint64(31))
 
 
@@ -112,7 +119,7 @@ def block_signature(
     seed = _mix64(
         (logical << np.uint64(40)) ^ (version << np.uint64(16)) ^ np.uint64(tensor_index + 1)
     )
-    mixed = _mix64(seed ^ (element * np.uint64(0x9E3779B97F4A7C15) & _MASK64))
+    mixed = _mix64(seed ^ (element * np.uint64(DIGEST_INCREMENT) & _MASK64))
     return (mixed % np.uint64(value_range)).astype(np.int64) - value_range // 2
 
 

@@ -7,8 +7,8 @@ import torch
 
 from kvdefrag.client import DefragClient, InvalidArgument
 from kvdefrag.client.record import load_trace
-from kvdefrag.client.workload import SyntheticWorkload, WorkloadConfig
 from kvdefrag.server import Engine, serve_in_process
+from kvdefrag.tools.workload import SyntheticWorkload, WorkloadConfig
 
 
 def test_recorded_trace_replays_to_the_same_mapping(tmp_path: Path) -> None:
@@ -24,7 +24,7 @@ def test_recorded_trace_replays_to_the_same_mapping(tmp_path: Path) -> None:
     try:
         with DefragClient(handle.address, record_to=trace_path) as client:
             for step in workload:
-                client.step(**step.as_step_kwargs())
+                client.step(**step.events.as_kwargs())
             with pytest.raises(InvalidArgument):  # refused: changes nothing, not recorded
                 client.step(new_blocks={"bad": [num_blocks]})
             served_mapping = client.resolve(range(num_blocks))

@@ -297,7 +297,9 @@ def test_adapter_keeps_every_block_with_its_data_through_a_real_server(
                     tables = client.list_requests()
                     assert (tables["b"], tables["e"]) == ([15, 13], [10, 9])
             stats = client.stats().stats
-            assert stats.totals.num_placements + stats.totals.num_moves > 0  # the mapping did change
+            assert (
+                stats.totals.num_placements + stats.totals.num_moves > 0
+            )  # the mapping did change
             assert client.audit().is_consistent
     finally:
         handle.stop(1.0)

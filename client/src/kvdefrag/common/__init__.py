@@ -25,14 +25,15 @@ from kvdefrag.common.events import NULL_BLOCK_ID, StepEvents
 from kvdefrag.common.stats import PoolStats, Totals
 
 __all__ = [
-    "DefragError",
     "ERROR_METADATA_KEY",
+    "NULL_BLOCK_ID",
+    "WIRE_ERRORS",
+    "DefragError",
     "EngineUnhealthy",
     "EpochMismatch",
     "InvalidArgument",
     "MessageTooLarge",
     "MirrorDiverged",
-    "NULL_BLOCK_ID",
     "NotFound",
     "OutOfOrder",
     "PoolStats",
@@ -40,7 +41,6 @@ __all__ = [
     "SessionConflict",
     "StepEvents",
     "Totals",
-    "WIRE_ERRORS",
     "mapping_digest",
     "pair_digest",
 ]

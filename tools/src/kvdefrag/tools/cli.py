@@ -29,9 +29,10 @@ import numpy as np
 
 from kvdefrag.client.record import StepRecorder, Trace, load_trace
 from kvdefrag.common import DefragError, InvalidArgument
-from kvdefrag.server import demo
-from kvdefrag.server._demo_report import Progress
-from kvdefrag.server._engine import Engine
+from kvdefrag.server import Engine, EngineConfig
+from kvdefrag.tools import demo
+from kvdefrag.tools._demo_worker import KvSignatures, LogicalPool
+from kvdefrag.tools._report import Progress, RunLog, format_report, write_plot
 
 
 # --- replay ---------------------------------------------------------------------------
@@ -40,15 +41,11 @@ class ReplaySettings:
     """The engine settings a trace is replayed with.
 
     Attributes:
-        threshold: Compact when ``max_live - num_live`` exceeds this.
-        max_moves_per_step: Most block moves per step.
-        enable_placement: Re-point fresh blocks to low free slots without copying.
+        engine: The engine's settings (``prefix_caching`` comes from the trace header).
         check_every: Check every live (and cached) block every this many steps.
     """
 
-    threshold: int = 32
-    max_moves_per_step: int = 512
-    enable_placement: bool = True
+    engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)
     check_every: int = 250
 
 
@@ -79,23 +76,19 @@ def replay_trace(
     engine = Engine(
         kv_caches,
         header.block_size,
-        settings.threshold,
-        header.prefix_caching,
-        max_moves_per_step=settings.max_moves_per_step,
-        enable_placement=settings.enable_placement,
+        dataclasses.replace(settings.engine, prefix_caching=header.prefix_caching),
     )
-    kv = demo.KvSignatures(kv_caches, header.block_size, engine.kv_lock)
-    pool = demo.LogicalPool(header.num_blocks)
-    log = demo.RunLog()
+    kv = KvSignatures(kv_caches, header.block_size, engine.kv_lock)
+    pool = LogicalPool(header.num_blocks)
+    log = RunLog()
     prefix_caching = header.prefix_caching
     num_steps = len(trace.steps)
     progress = Progress(out, f"replay {name}", num_steps, 2.0)
     stats = engine.stats()
     for index, events in enumerate(trace.steps):
-        kwargs = events.as_kwargs()
         started = time.perf_counter()
         try:
-            result = engine.step(**kwargs)
+            result = engine.step(**events.as_kwargs())
         except InvalidArgument as err:
             line = trace.line_numbers[index] if trace.line_numbers else index + 2
             raise InvalidArgument(
@@ -103,7 +96,7 @@ def replay_trace(
             ) from err
         latency_s = time.perf_counter() - started
         stats = result.stats
-        became_live, became_free = pool.apply(**kwargs)
+        became_live, became_free = pool.apply(events)
         if not prefix_caching:
             kv.forget(became_free)
         kv.forget(i for i in events.evicted if pool.refs[i] == 0)
@@ -134,16 +127,15 @@ def replay_trace(
                 cached = np.flatnonzero((kv.stamps >= 0) & (pool.refs == 0)).tolist()
                 bad = kv.corrupted(cached, engine.resolve(cached).tolist())
                 log.add_check("cached", index, len(cached), bad)
-        progress.update(index + 1, log, stats.num_moves, force=is_last)
+        progress.update(index + 1, log, stats.totals.num_moves, force=is_last)
     details = (
         f"trace: {name}: {num_steps:,} steps, {header.num_blocks:,} blocks x "
         f"{header.block_size} tokens, prefix caching {'on' if prefix_caching else 'off'}",
-        f"kvdefrag: threshold {settings.threshold}, up to {settings.max_moves_per_step} "
-        f"moves/step, placement {'on' if settings.enable_placement else 'off'}; KV cache "
+        f"kvdefrag: {demo.engine_settings(settings.engine)}; KV cache "
         f"{cache_shape.num_layers} layers on cpu",
     )
     report = log.report(
-        f"replay of {name}", details, stats, "step latency p50 / p99 (engine, in-process)"
+        f"replay of {name}", details, stats.totals, "step latency p50 / p99 (engine, in-process)"
     )
     return demo.ModeRun(report, log)
 
@@ -187,9 +179,7 @@ def _add_workload_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = ReplaySettings()
-    parser.add_argument("--threshold", type=int, default=defaults.threshold)
-    parser.add_argument("--max-moves-per-step", type=int, default=defaults.max_moves_per_step)
-    parser.add_argument("--no-placement", dest="enable_placement", action="store_false")
+    demo.add_engine_arguments(parser)
     parser.add_argument("--check-every", type=int, default=defaults.check_every)
 
 
@@ -201,7 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     commands.add_parser(
-        "demo", help="the demo (same as python -m kvdefrag.server.demo)", add_help=False
+        "demo", help="the demo (same as python -m kvdefrag.tools.demo)", add_help=False
     )
     record = commands.add_parser("record", help="record the synthetic workload to a trace")
     record.add_argument("trace", metavar="TRACE.jsonl")
@@ -216,7 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _print_run(run: demo.ModeRun, out: TextIO) -> None:
     print(file=out)
-    print(demo.format_report(run.report), file=out, flush=True)
+    print(format_report(run.report), file=out, flush=True)
 
 
 def _record(args: argparse.Namespace, out: TextIO) -> int:
@@ -226,9 +216,7 @@ def _record(args: argparse.Namespace, out: TextIO) -> int:
         block_size=args.block_size,
         seed=args.seed,
         arrival_rate=args.arrival_rate,
-        threshold=args.threshold,
-        max_moves_per_step=args.max_moves_per_step,
-        enable_placement=args.enable_placement,
+        engine=demo.engine_config_from_args(args),
         check_every=args.check_every,
     )
     run, num_steps = record_workload(args.trace, options, args.prefix_caching, out=out)
@@ -239,9 +227,7 @@ def _record(args: argparse.Namespace, out: TextIO) -> int:
 
 def _replay(args: argparse.Namespace, out: TextIO) -> int:
     settings = ReplaySettings(
-        threshold=args.threshold,
-        max_moves_per_step=args.max_moves_per_step,
-        enable_placement=args.enable_placement,
+        engine=demo.engine_config_from_args(args),
         check_every=args.check_every,
     )
     if settings.check_every < 1:
@@ -250,9 +236,7 @@ def _replay(args: argparse.Namespace, out: TextIO) -> int:
     run = replay_trace(trace, settings, name=args.trace, out=out)
     _print_run(run, out)
     if args.plot:
-        path = demo.write_plot(
-            [(run.report.title, run.log)], Path(args.plot), trace.header.num_blocks
-        )
+        path = write_plot([(run.report.title, run.log)], Path(args.plot), trace.header.num_blocks)
         print(f"plot: {path.resolve()}", file=out)
     return 0 if run.report.is_intact else 1
 

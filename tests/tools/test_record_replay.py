@@ -15,8 +15,9 @@ import pytest
 from kvdefrag.client import StepEvents
 from kvdefrag.client.record import STEP_KEYS, StepRecorder, load_trace, parse_trace
 from kvdefrag.common import InvalidArgument
-from kvdefrag.server.cli import ReplaySettings, record_workload, replay_trace
-from kvdefrag.server.demo import DemoOptions, ModeReport
+from kvdefrag.server import EngineConfig
+from kvdefrag.tools.cli import ReplaySettings, record_workload, replay_trace
+from kvdefrag.tools.demo import DemoOptions, ModeReport
 
 KVDEFRAG = Path(sys.executable).parent / "kvdefrag"
 
@@ -43,7 +44,8 @@ def recorded(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
 
 def replay(recorded: Recorded, **settings: object) -> ModeReport:
     trace = load_trace(recorded.path)
-    run = replay_trace(trace, ReplaySettings(**settings), out=io.StringIO())  # type: ignore[arg-type]
+    engine = EngineConfig(**settings)  # type: ignore[arg-type]
+    run = replay_trace(trace, ReplaySettings(engine=engine), out=io.StringIO())
     return run.report
 
 
@@ -124,9 +126,9 @@ def test_prefix_caching_replay_checks_cached_free_blocks(recorded: Recorded) -> 
 def test_recorder_keeps_fresh_none_apart_from_empty(tmp_path: Path) -> None:
     path = tmp_path / "trace.jsonl"
     with StepRecorder(path, num_blocks=64, block_size=4, metadata={"note": "x"}) as recorder:
-        recorder.record(new_blocks={"a": [5, 9]}, fresh=[5, 9])
-        recorder.record(finished=["a"], new_blocks={"b": [5]}, fresh=[])
-        recorder.record(finished=("b",))
+        recorder.record(StepEvents.build(new_blocks={"a": [5, 9]}, fresh=[5, 9]))
+        recorder.record(StepEvents.build(finished=["a"], new_blocks={"b": [5]}, fresh=[]))
+        recorder.record(StepEvents.build(finished=("b",)))
 
     trace = load_trace(path)
 
@@ -142,7 +144,7 @@ def test_recorder_keeps_fresh_none_apart_from_empty(tmp_path: Path) -> None:
 def test_recorder_refuses_what_the_client_would_refuse(tmp_path: Path) -> None:
     with StepRecorder(tmp_path / "t.jsonl", num_blocks=64, block_size=4) as recorder:
         with pytest.raises(InvalidArgument, match="new_blocks"):
-            recorder.record(new_blocks={"a": ["5"]})  # type: ignore[list-item]
+            recorder.record(StepEvents.build(new_blocks={"a": ["5"]}))  # type: ignore[list-item]
         assert recorder.num_steps == 0
     with pytest.raises(InvalidArgument, match="num_blocks"):
         StepRecorder(tmp_path / "u.jsonl", num_blocks=1, block_size=4)

@@ -9,7 +9,9 @@ from collections import Counter
 import pytest
 from kv import SignedKv
 
-from kvdefrag.client.workload import (
+from kvdefrag.common import InvalidArgument
+from kvdefrag.server import Engine, EngineConfig
+from kvdefrag.tools.workload import (
     BlockPool,
     FreeBlockQueue,
     SyntheticWorkload,
@@ -17,8 +19,6 @@ from kvdefrag.client.workload import (
     WorkloadStep,
     generate_steps,
 )
-from kvdefrag.common import InvalidArgument
-from kvdefrag.server import Engine, EngineConfig
 
 
 def small_config(**overrides: object) -> WorkloadConfig:
@@ -49,11 +49,14 @@ class LiveModel:
         self.refs: Counter[int] = Counter()
 
     def apply(self, step: WorkloadStep) -> None:
-        for request_id in [*step.finished, *step.resumed]:
+        for request_id in [*step.events.finished, *step.events.resumed]:
             self.refs.subtract(self.tables.pop(request_id, []))
-        for block_id in step.fresh:
+        for block_id in step.events.fresh:
             assert self.refs[block_id] == 0, f"step {step.index}: fresh block {block_id} is live"
-        for request_id, block_ids in [*step.resumed.items(), *step.new_blocks.items()]:
+        for request_id, block_ids in [
+            *step.events.resumed.items(),
+            *step.events.new_blocks.items(),
+        ]:
             assert len(set(block_ids)) == len(block_ids), f"{request_id} got a block twice"
             assert 0 not in block_ids, f"{request_id} got the null block"
             self.tables.setdefault(request_id, []).extend(block_ids)
@@ -156,7 +159,9 @@ def test_never_hands_out_a_live_block(prefix_caching: bool) -> None:
         assert model.tables == workload.block_tables()
         assert len(model.live) == step.num_live_blocks
         assert max(model.live, default=0) == step.max_live_block_id
-        assert not set(step.evicted) - set(step.fresh), "only blocks allocated are evicted"
+        assert not set(step.events.evicted) - set(step.events.fresh), (
+            "only blocks allocated are evicted"
+        )
 
 
 def test_fragmentation_appears_on_the_default_config() -> None:
@@ -178,7 +183,7 @@ def test_prefix_caching_shares_system_prompts_and_evicts_cached_blocks() -> None
         steps.append(step)
 
     assert sum(step.num_prefix_hit_blocks for step in steps) > 100
-    assert sum(len(step.evicted) for step in steps) > 100
+    assert sum(len(step.events.evicted) for step in steps) > 100
     assert max_refs > 1, "a system prompt block is shared by running requests"
     assert workload.cached_free_blocks()
 
@@ -187,7 +192,7 @@ def test_no_prefix_hits_without_prefix_caching() -> None:
     steps = list(generate_steps(small_config()))
 
     assert sum(step.num_prefix_hit_blocks for step in steps) == 0
-    assert not any(step.evicted for step in steps)
+    assert not any(step.events.evicted for step in steps)
 
 
 @pytest.mark.parametrize("prefix_caching", [False, True])
@@ -196,10 +201,10 @@ def test_small_pool_preempts_the_newest_request_and_resumes_it(prefix_caching: b
     preempted_at: dict[str, int] = {}
     resumed_at: dict[str, int] = {}
     for step in steps:
-        for request_id in step.resumed:
+        for request_id in step.events.resumed:
             resumed_at.setdefault(request_id, step.index)
         if step.num_preempted:
-            for request_id in step.finished[-step.num_preempted :]:
+            for request_id in step.events.finished[-step.num_preempted :]:
                 preempted_at.setdefault(request_id, step.index)
 
     assert sum(step.num_preempted for step in steps) > 0
@@ -210,8 +215,8 @@ def test_small_pool_preempts_the_newest_request_and_resumes_it(prefix_caching: b
 
 def test_resumed_blocks_past_the_prefix_hits_are_fresh() -> None:
     for step in generate_steps(small_config(enable_prefix_caching=True)):
-        fresh = set(step.fresh)
-        for block_ids in step.resumed.values():
+        fresh = set(step.events.fresh)
+        for block_ids in step.events.resumed.values():
             # Hits come first, the recomputed remainder is freshly allocated.
             is_fresh = [block_id in fresh for block_id in block_ids]
             assert is_fresh == sorted(is_fresh), f"step {step.index}: hits after fresh blocks"
@@ -236,13 +241,17 @@ def test_background_blocks_shift_the_same_events_by_a_constant() -> None:
     shifted_steps = list(generate_steps(shifted))
 
     background = {
-        rid: ids for rid, ids in shifted_steps[0].new_blocks.items() if "background" in rid
+        rid: ids for rid, ids in shifted_steps[0].events.new_blocks.items() if "background" in rid
     }
     assert sorted(i for ids in background.values() for i in ids) == list(range(1, 251))
     for base, moved in zip(base_steps, shifted_steps, strict=True):
-        new_blocks = {rid: ids for rid, ids in moved.new_blocks.items() if rid not in background}
-        assert new_blocks == {rid: [i + 250 for i in ids] for rid, ids in base.new_blocks.items()}
-        assert moved.finished == base.finished
+        new_blocks = {
+            rid: ids for rid, ids in moved.events.new_blocks.items() if rid not in background
+        }
+        assert new_blocks == {
+            rid: [i + 250 for i in ids] for rid, ids in base.events.new_blocks.items()
+        }
+        assert moved.events.finished == base.events.finished
         assert moved.num_live_blocks == base.num_live_blocks + 250
 
 
@@ -250,7 +259,7 @@ def test_step_kwargs_are_the_engine_step_keywords() -> None:
     step = next(generate_steps(small_config()))
 
     parameters = set(inspect.signature(Engine.step).parameters) - {"self"}
-    assert set(step.as_step_kwargs()) == parameters
+    assert set(step.events.as_kwargs()) == parameters
 
 
 @pytest.mark.parametrize(
@@ -283,8 +292,8 @@ def test_engine_keeps_every_block_intact_under_the_workload(prefix_caching: bool
     ratios_with, ratios_without = [], []
 
     for step in workload:
-        result = engine.step(**step.as_step_kwargs())
-        kv.write_fresh(engine, step.fresh)  # the forward pass fills the fresh blocks
+        result = engine.step(**step.events.as_kwargs())
+        kv.write_fresh(engine, step.events.fresh)  # the forward pass fills the fresh blocks
         num_moves += len(result.moves)
         live = {i for ids in workload.block_tables().values() for i in ids}
         must_survive = live | set(workload.cached_free_blocks())

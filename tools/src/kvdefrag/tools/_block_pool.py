@@ -1,7 +1,7 @@
 """vLLM 0.33's KV block pool, modelled for the synthetic workload (pure Python).
 
 The order blocks are handed out in is what makes vLLM's pool fragment; the free-queue
-diagram and its rules are in ``kvdefrag.client.workload``'s docstring.
+diagram and its rules are in ``kvdefrag.tools.workload``'s docstring.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Hashable, Iterable, Iterator, Sequence
 
-NULL_BLOCK_ID = 0
+from kvdefrag.common import NULL_BLOCK_ID
 
 
 class FreeBlockQueue:

@@ -13,7 +13,7 @@ an embedded CPU KV cache and drives it through the real client::
 then prints a summary per mode: the highest live block id and fragmentation ratio
 without kvdefrag (the scheduler's logical ids) and with it (physical slots), blocks and
 bytes moved, zero-copy placements, step latency, and the KV integrity check; and writes a
-PNG plot. The same summary comes out of ``kvdefrag replay`` (see ``kvdefrag.server.cli``).
+PNG plot. The same summary comes out of ``kvdefrag replay`` (see ``kvdefrag.tools.cli``).
 """
 
 from __future__ import annotations
@@ -32,37 +32,30 @@ import torch
 
 from kvdefrag.client import DefragClient, DefragError, PoolStats
 from kvdefrag.client.record import StepRecorder
-from kvdefrag.client.workload import SyntheticWorkload, WorkloadConfig
 from kvdefrag.common import InvalidArgument
-from kvdefrag.server._demo_report import (
+from kvdefrag.server import EngineConfig, SwapExecutor, serve_in_process
+from kvdefrag.tools._demo_worker import KvSignatures, LogicalPool, make_kv_caches
+from kvdefrag.tools._report import (
     ModeReport,
     Progress,
     RunLog,
     format_bytes,
     format_report,
-    integrity_line,
     write_plot,
 )
-from kvdefrag.server._demo_worker import KvSignatures, LogicalPool, make_kv_caches
-from kvdefrag.server._executor import SwapExecutor
-from kvdefrag.server._server import serve_in_process
+from kvdefrag.tools.workload import SyntheticWorkload, WorkloadConfig
 
+# ModeReport is what DemoResult.reports and ModeRun.report hold.
 __all__ = [
     "DemoOptions",
     "DemoResult",
-    "KvSignatures",
-    "LogicalPool",
     "ModeReport",
     "ModeRun",
-    "RunLog",
-    "format_report",
-    "integrity_line",
     "main",
-    "make_kv_caches",
     "run_demo",
     "run_mode",
+    "use_one_torch_thread",
     "workload_config",
-    "write_plot",
 ]
 
 # The workload's default shape is tuned for this pool; other pools scale it (see below).
@@ -82,9 +75,7 @@ class DemoOptions:
         block_size: Tokens per block.
         seed: Seed of the synthetic workload.
         arrival_rate: Mean request arrivals per step; None scales the default to the pool.
-        threshold: kvdefrag compacts when ``max_live - num_live`` exceeds this.
-        max_moves_per_step: Most block moves per step.
-        enable_placement: Re-point fresh blocks to low free slots without copying.
+        engine: The engine's settings (its ``prefix_caching`` is set per mode).
         check_every: Check every live and cached block every this many steps (and at
             the end); the blocks a step moved are checked after every step.
         num_layers: Layers of the embedded KV cache (a key and a value tensor each).
@@ -98,9 +89,7 @@ class DemoOptions:
     block_size: int = 16
     seed: int = 0
     arrival_rate: float | None = None
-    threshold: int = 32
-    max_moves_per_step: int = 512
-    enable_placement: bool = True
+    engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)
     check_every: int = 250
     num_layers: int = 2
     num_kv_heads: int = 2
@@ -108,14 +97,12 @@ class DemoOptions:
     progress_interval_s: float = 2.0
 
     def __post_init__(self) -> None:
-        positive = ("num_steps", "block_size", "check_every", "max_moves_per_step")
+        positive = ("num_steps", "block_size", "check_every")
         for name in (*positive, "num_layers", "num_kv_heads", "head_size"):
             if getattr(self, name) < 1:
                 raise InvalidArgument(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_blocks < 64:
             raise InvalidArgument(f"num_blocks must be >= 64, got {self.num_blocks}")
-        if self.threshold < 0:
-            raise InvalidArgument(f"threshold must be >= 0, got {self.threshold}")
 
     def make_kv_caches(
         self, num_blocks: int | None = None, block_size: int | None = None
@@ -209,10 +196,9 @@ def run_mode(
             kv_caches,
             options.block_size,
             address=f"unix:{socket_dir}/kvdefrag.sock",
-            threshold=options.threshold,
-            max_moves_per_step=options.max_moves_per_step,
-            enable_placement=options.enable_placement,
-            prefix_caching=prefix_caching,
+            **dataclasses.asdict(
+                dataclasses.replace(options.engine, prefix_caching=prefix_caching)
+            ),
             executor=executor,
         )
         try:
@@ -230,15 +216,17 @@ def run_mode(
         _settings_line(options),
     )
     report = log.report(
-        f"prefix caching {mode}", details, stats, "step latency p50 / p99 (client round trip)"
+        f"prefix caching {mode}",
+        details,
+        stats.totals,
+        "step latency p50 / p99 (client round trip)",
     )
     return ModeRun(report, log)
 
 
 def _settings_line(options: DemoOptions) -> str:
     return (
-        f"kvdefrag: threshold {options.threshold}, up to {options.max_moves_per_step} "
-        f"moves/step, placement {'on' if options.enable_placement else 'off'}; KV cache "
+        f"kvdefrag: {engine_settings(options.engine)}; KV cache "
         f"{options.num_layers} layers x {format_bytes(options.block_size_bytes)}/block on cpu"
     )
 
@@ -263,20 +251,19 @@ def _drive(
     requests_seen: set[str] = set()
     stats: PoolStats | None = None
     for step in workload:
-        kwargs = step.as_step_kwargs()
         if recorder is not None:
-            recorder.record(**kwargs)
+            recorder.record(step.events)
         started = time.perf_counter()
-        reply = client.step(**kwargs)
+        reply = client.step(**step.events.as_kwargs())
         latency_s = time.perf_counter() - started
         stats = reply.stats
-        pool.apply(**kwargs)
-        requests_seen.update(step.new_blocks)
+        pool.apply(step.events)
+        requests_seen.update(step.events.new_blocks)
         log.num_requests = len(requests_seen)
         log.num_preempted += step.num_preempted
         log.num_prefix_hits += step.num_prefix_hit_blocks
         # The worker's forward pass fills the fresh blocks where the mirror says they are.
-        fresh = sorted(set(step.fresh))
+        fresh = sorted(set(step.events.fresh or ()))
         kv.write(fresh, client.resolve(fresh))
         fresh_set = set(fresh)
         moved = [
@@ -300,7 +287,7 @@ def _drive(
             _check_all(
                 kv, client.resolve, pool, workload if prefix_caching else None, log, step.index
             )
-        progress.update(step.index + 1, log, stats.num_moves, force=is_last)
+        progress.update(step.index + 1, log, stats.totals.num_moves, force=is_last)
     assert stats is not None, "the workload yielded no step"
     return stats
 
@@ -368,7 +355,7 @@ def use_one_torch_thread() -> None:
 
 
 def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options of ``kvdefrag demo`` and ``python -m kvdefrag.server.demo``."""
+    """The options of ``kvdefrag demo`` and ``python -m kvdefrag.tools.demo``."""
     defaults = DemoOptions()
     parser.add_argument("--steps", type=int, default=defaults.num_steps, help="steps per mode")
     parser.add_argument("--num-blocks", type=int, default=defaults.num_blocks)
@@ -377,9 +364,7 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mode", choices=sorted(MODES), default="both",
                         help="prefix caching off, on, or both (default)")  # fmt: skip
     parser.add_argument("--out", default="out/demo.png", help="where the PNG plot goes")
-    parser.add_argument("--threshold", type=int, default=defaults.threshold)
-    parser.add_argument("--max-moves-per-step", type=int, default=defaults.max_moves_per_step)
-    parser.add_argument("--no-placement", dest="enable_placement", action="store_false")
+    add_engine_arguments(parser)
     parser.add_argument("--check-every", type=int, default=defaults.check_every,
                         help="check every live block every N steps")  # fmt: skip
 
@@ -390,14 +375,37 @@ def options_from_args(args: argparse.Namespace) -> DemoOptions:
         num_blocks=args.num_blocks,
         block_size=args.block_size,
         seed=args.seed,
-        threshold=args.threshold,
-        max_moves_per_step=args.max_moves_per_step,
-        enable_placement=args.enable_placement,
+        engine=engine_config_from_args(args),
         check_every=args.check_every,
     )
 
 
-def main(argv: Sequence[str] | None = None, prog: str = "python -m kvdefrag.server.demo") -> int:
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``EngineConfig`` knobs a run may tune (defaults are ``EngineConfig``'s)."""
+    defaults = EngineConfig()
+    parser.add_argument("--threshold", type=int, default=defaults.threshold)
+    parser.add_argument("--max-moves-per-step", type=int, default=defaults.max_moves_per_step)
+    parser.add_argument("--no-placement", dest="enable_placement", action="store_false")
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """The ``EngineConfig`` of ``add_engine_arguments``' flags (InvalidArgument if bad)."""
+    return EngineConfig(
+        threshold=args.threshold,
+        max_moves_per_step=args.max_moves_per_step,
+        enable_placement=args.enable_placement,
+    )
+
+
+def engine_settings(config: EngineConfig) -> str:
+    """One line naming the engine settings of a run."""
+    return (
+        f"threshold {config.threshold}, up to {config.max_moves_per_step} moves/step, "
+        f"placement {'on' if config.enable_placement else 'off'}"
+    )
+
+
+def main(argv: Sequence[str] | None = None, prog: str = "python -m kvdefrag.tools.demo") -> int:
     """Runs the demo; exits 1 if any block was corrupted, 2 on a usage or service error."""
     parser = argparse.ArgumentParser(
         prog=prog,

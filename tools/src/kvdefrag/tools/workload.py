@@ -17,7 +17,7 @@ hands out block ids exactly the way vLLM 0.33's ``BlockPool`` does::
       the front, cached ones to the tail, so they are evicted last-block-first;
     * a prefix-cache hit on a free block takes it out of the queue (ref count 0 -> 1).
 
-Each scheduling iteration yields a ``WorkloadStep`` whose ``as_step_kwargs()`` are the
+Each scheduling iteration yields a ``WorkloadStep`` whose ``events.as_kwargs()`` are the
 keywords of ``Engine.step`` / ``DefragClient.step``. The generator is deterministic for a
 given configuration (seed included), and the request stream (arrivals and lengths) does
 not depend on the pool size, so the same configuration with ``background_blocks`` set
@@ -33,10 +33,9 @@ import math
 import random
 from collections import deque
 from collections.abc import Hashable, Iterable, Iterator
-from typing import Any
 
-from kvdefrag.client._block_pool import BlockPool, FreeBlockQueue
-from kvdefrag.common import InvalidArgument
+from kvdefrag.common import InvalidArgument, StepEvents
+from kvdefrag.tools._block_pool import BlockPool, FreeBlockQueue
 
 __all__ = [
     "BlockPool",
@@ -145,13 +144,12 @@ class WorkloadStep:
 
     Attributes:
         index: Step number, from 0.
-        finished: Requests that finished in the previous iteration or were preempted in
-            this one; their blocks are free.
-        new_blocks: Request id -> block ids appended this step (new requests included).
-        resumed: Request id -> full new block list of a request resumed after preemption.
-        fresh: Block ids that hold no data yet: every newly allocated block (prefix-cache
-            hits are not fresh).
-        evicted: Block ids whose prefix-cache entry was dropped to reuse them this step.
+        events: The step for kvdefrag. ``finished``: requests that finished in the
+            previous iteration or were preempted in this one; ``new_blocks``: appended
+            blocks (new requests included); ``resumed``: full block lists of requests
+            resumed after preemption; ``fresh``: every newly allocated block (prefix-cache
+            hits are not fresh, so it is never None); ``evicted``: blocks whose
+            prefix-cache entry was dropped to reuse them this step.
         num_scheduled_tokens: Request id -> tokens computed this step.
         num_live_blocks: Blocks referenced once this step's events are applied (what a
             defragmenter counts as live; see ``SyntheticWorkload.block_tables``).
@@ -164,11 +162,7 @@ class WorkloadStep:
     """
 
     index: int
-    finished: list[str]
-    new_blocks: dict[str, list[int]]
-    resumed: dict[str, list[int]]
-    fresh: list[int]
-    evicted: list[int]
+    events: StepEvents
     num_scheduled_tokens: dict[str, int]
     num_live_blocks: int
     max_live_block_id: int
@@ -176,16 +170,6 @@ class WorkloadStep:
     num_waiting: int
     num_preempted: int
     num_prefix_hit_blocks: int
-
-    def as_step_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for ``Engine.step`` / ``DefragClient.step``."""
-        return {
-            "finished": self.finished,
-            "new_blocks": self.new_blocks,
-            "resumed": self.resumed,
-            "fresh": self.fresh,
-            "evicted": self.evicted,
-        }
 
     @property
     def fragmentation_ratio(self) -> float:
@@ -299,7 +283,7 @@ class SyntheticWorkload:
         pool = self.pool
         index = self._index
         self._index += 1
-        events = _StepEvents(finished=list(self._finished_pending))
+        events = _StepBuilder(finished=list(self._finished_pending))
         self._finished_pending = {}
         if index == 0:
             self._allocate_background(events)
@@ -338,11 +322,13 @@ class SyntheticWorkload:
         events.num_scheduled_tokens = {req.request_id: n for req, n in scheduled.items()}
         return WorkloadStep(
             index=index,
-            finished=events.finished,
-            new_blocks=events.new_blocks,
-            resumed=events.resumed,
-            fresh=events.fresh,
-            evicted=events.evicted,
+            events=StepEvents(
+                finished=tuple(events.finished),
+                new_blocks=events.new_blocks,
+                resumed=events.resumed,
+                fresh=events.fresh,
+                evicted=events.evicted,
+            ),
             num_scheduled_tokens=events.num_scheduled_tokens,
             num_live_blocks=num_live_blocks,
             max_live_block_id=max_live_block_id,
@@ -353,7 +339,7 @@ class SyntheticWorkload:
         )
 
     def _admit_waiting(
-        self, budget: int, scheduled: dict[_Request, int], events: _StepEvents
+        self, budget: int, scheduled: dict[_Request, int], events: _StepBuilder
     ) -> int:
         cfg = self.config
         pool = self.pool
@@ -430,7 +416,7 @@ class SyntheticWorkload:
             hits.append(block_id)
         return hits
 
-    def _allocate(self, count: int, events: _StepEvents) -> list[int]:
+    def _allocate(self, count: int, events: _StepBuilder) -> list[int]:
         new_ids, evicted = self.pool.allocate(count)
         events.fresh += new_ids
         events.evicted += evicted
@@ -470,7 +456,7 @@ class SyntheticWorkload:
             self._waiting.append(self._new_request())
             self._draw_next_arrival()
 
-    def _allocate_background(self, events: _StepEvents) -> None:
+    def _allocate_background(self, events: _StepBuilder) -> None:
         cfg = self.config
         remaining = cfg.background_blocks
         while remaining:
@@ -496,7 +482,9 @@ class SyntheticWorkload:
 
 
 @dataclasses.dataclass
-class _StepEvents:
+class _StepBuilder:
+    """The mutable accumulator of one iteration; frozen into ``StepEvents`` at its end."""
+
     finished: list[str]
     new_blocks: dict[str, list[int]] = dataclasses.field(default_factory=dict)
     resumed: dict[str, list[int]] = dataclasses.field(default_factory=dict)

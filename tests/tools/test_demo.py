@@ -13,19 +13,17 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
+import pytest
 import torch
 
+from kvdefrag.common import StepEvents
 from kvdefrag.server import Move, MoveReport
-from kvdefrag.server.demo import (
-    DemoOptions,
-    KvSignatures,
-    LogicalPool,
-    format_report,
-    make_kv_caches,
-    run_demo,
-    run_mode,
-)
+from kvdefrag.tools import demo
+from kvdefrag.tools._demo_worker import KvSignatures, LogicalPool, make_kv_caches
+from kvdefrag.tools._report import format_report
+from kvdefrag.tools.demo import DemoOptions, run_demo, run_mode
 
+KVDEFRAG = Path(sys.executable).parent / "kvdefrag"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 INTEGRITY = re.compile(r"KV integrity: ([\d,]+) live blocks checked, ([\d,]+) corrupted")
 
@@ -114,7 +112,7 @@ def test_demo_module_runs_as_make_demo_does(tmp_path: Path) -> None:
     argv = ["--steps", "150", "--num-blocks", "300", "--mode", "off", "--out", str(plot)]
 
     done = subprocess.run(
-        [sys.executable, "-m", "kvdefrag.server.demo", *argv],
+        [sys.executable, "-m", "kvdefrag.tools.demo", *argv],
         capture_output=True,
         text=True,
         timeout=120,
@@ -127,9 +125,45 @@ def test_demo_module_runs_as_make_demo_does(tmp_path: Path) -> None:
     assert plot.read_bytes().startswith(PNG_MAGIC)
 
 
+@pytest.mark.slow
+def test_kvdefrag_demo_console_script_writes_its_plot(tmp_path: Path) -> None:
+    """``kvdefrag demo``: the script kvdefrag-tools installs, as ``make install`` puts it."""
+    plot = tmp_path / "plots" / "demo.png"
+
+    done = subprocess.run(
+        [str(KVDEFRAG), "demo", "--steps", "300", "--out", str(plot)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        cwd=tmp_path,
+    )
+
+    assert done.returncode == 0, done.stderr
+    assert [bad for _, bad in integrity_counts(done.stdout)] == [0, 0]
+    assert f"plot: {plot.resolve()}" in done.stdout
+    assert plot.read_bytes().startswith(PNG_MAGIC)
+
+
+def test_demo_exports_only_its_public_api() -> None:
+    assert demo.__all__ == [
+        "DemoOptions",
+        "DemoResult",
+        "ModeReport",
+        "ModeRun",
+        "main",
+        "run_demo",
+        "run_mode",
+        "use_one_torch_thread",
+        "workload_config",
+    ]
+    for name in demo.__all__:
+        assert getattr(demo, name).__module__.startswith("kvdefrag.tools."), name
+
+
 def test_bad_options_are_refused_naming_the_option() -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "kvdefrag.server.demo", "--num-blocks", "10"],
+        [sys.executable, "-m", "kvdefrag.tools.demo", "--num-blocks", "10"],
         capture_output=True,
         text=True,
         timeout=60,
@@ -180,9 +214,9 @@ def test_a_rewritten_block_has_a_new_signature() -> None:
 
 def test_logical_pool_follows_the_engine_order() -> None:
     pool = LogicalPool(16)
-    assert pool.apply(new_blocks={"a": [0, 3, 5], "b": [5]}) == ([3, 5], [])
+    assert pool.apply(StepEvents(new_blocks={"a": [0, 3, 5], "b": [5]})) == ([3, 5], [])
     # finished first: "a" re-admitted in the same step keeps block 3 live
-    became_live, became_free = pool.apply(finished=["a"], new_blocks={"a": [3, 9]})
+    became_live, became_free = pool.apply(StepEvents(finished=("a",), new_blocks={"a": [3, 9]}))
     assert (became_live, became_free) == ([9], [])
-    assert pool.apply(resumed={"b": [7]}) == ([7], [5])
+    assert pool.apply(StepEvents(resumed={"b": [7]})) == ([7], [5])
     assert (pool.num_live, pool.max_live(), pool.live_ids()) == (3, 9, [3, 7, 9])

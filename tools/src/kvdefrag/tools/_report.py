@@ -11,26 +11,13 @@ import dataclasses
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Protocol, TextIO
+from typing import TextIO
 
 import numpy as np
 
+from kvdefrag.common import Totals
+
 _MAX_EXAMPLES = 5
-
-
-class Counters(Protocol):
-    """The cumulative counters the summary reads (``EngineStats`` or ``PoolStats``)."""
-
-    @property
-    def num_moves(self) -> int: ...
-    @property
-    def num_two_way_moves(self) -> int: ...
-    @property
-    def num_placements(self) -> int: ...
-    @property
-    def num_defrag_runs(self) -> int: ...
-    @property
-    def num_bytes_moved(self) -> int: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,7 +92,7 @@ class RunLog:
             )
 
     def report(
-        self, title: str, details: Sequence[str], counters: Counters, latency_label: str
+        self, title: str, details: Sequence[str], totals: Totals, latency_label: str
     ) -> ModeReport:
         num_live = np.asarray(self.num_live, dtype=np.float64)
         live = np.maximum(num_live, 1.0)
@@ -130,11 +117,11 @@ class RunLog:
             ratio_mean_with=float(ratio_with.mean()),
             ratio_p99_without=float(np.percentile(ratio_without, 99)),
             ratio_p99_with=float(np.percentile(ratio_with, 99)),
-            num_moves=counters.num_moves,
-            num_two_way_moves=counters.num_two_way_moves,
-            num_bytes_moved=counters.num_bytes_moved,
-            num_placements=counters.num_placements,
-            num_defrag_runs=counters.num_defrag_runs,
+            num_moves=totals.num_moves,
+            num_two_way_moves=totals.num_two_way_moves,
+            num_bytes_moved=totals.num_bytes_moved,
+            num_placements=totals.num_placements,
+            num_defrag_runs=totals.num_defrag_runs,
             latency_label=latency_label,
             latency_p50_s=float(np.percentile(latency, 50)),
             latency_p99_s=float(np.percentile(latency, 99)),

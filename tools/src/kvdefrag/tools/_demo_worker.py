@@ -7,13 +7,14 @@ distinct signature per written block, and the live set rebuilt from the step eve
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 import numpy.typing as npt
 import torch
 
-NULL_BLOCK_ID = 0
+from kvdefrag.common import NULL_BLOCK_ID, StepEvents
+
 # Signature values: base (< 2**23) + pattern (< 2**22) < 2**24, exact in float32.
 _BASE_MASK = (1 << 23) - 1
 _PATTERN_MASK = (1 << 22) - 1
@@ -130,24 +131,16 @@ class LogicalPool:
         counted: npt.NDArray[np.int64] = ids[ids != NULL_BLOCK_ID]
         return counted
 
-    def apply(
-        self,
-        finished: Iterable[str] = (),
-        new_blocks: Mapping[str, Sequence[int]] | None = None,
-        resumed: Mapping[str, Sequence[int]] | None = None,
-        evicted: Iterable[int] = (),
-        fresh: Iterable[int] | None = None,
-    ) -> tuple[list[int], list[int]]:
-        """Applies one step in the engine's order.
+    def apply(self, events: StepEvents) -> tuple[list[int], list[int]]:
+        """Applies one step's references in the engine's order.
 
         Returns:
             The logical ids that became live, and those that became free.
         """
-        resumed = resumed or {}
         before = self.refs.copy()
-        for request_id in [*finished, *resumed]:
+        for request_id in [*events.finished, *events.resumed]:
             np.subtract.at(self.refs, self._counted(self.tables.pop(request_id, ())), 1)
-        for lists in (resumed, new_blocks or {}):
+        for lists in (events.resumed, events.new_blocks):
             for request_id, block_ids in lists.items():
                 self.tables.setdefault(request_id, []).extend(block_ids)
                 np.add.at(self.refs, self._counted(block_ids), 1)
