@@ -37,6 +37,8 @@ from kvdefrag.client import (
     OutOfOrder,
     ServiceUnavailable,
     SessionConflict,
+    StepOutcomeUnknown,
+    StepPending,
     _convert,
 )
 from kvdefrag.server import Move, MoveReport, ServerHandle, make_executor, serve_in_process
@@ -316,13 +318,15 @@ def test_a_reply_past_the_deadline_leaves_the_step_pending_and_it_is_applied_onc
         pool.executor.stall_next_s = 1.5
         client.timeout_s = 0.5
 
-        with pytest.raises(ServiceUnavailable, match=r"step seq 2: no reply .* within 0.5 s"):
+        with pytest.raises(StepOutcomeUnknown, match=r"step seq 2: no reply .* within 0.5 s"):
             client.step(finished=["a"])  # compaction stalls in the executor
 
         client.timeout_s = 5
-        assert client.has_pending_step
+        assert client.has_pending_step and client.pending_seq == 2
         assert client.next_seq == 2
         wait_until(lambda: pool.handle.engine.stats().totals.num_steps == 2)
+        completed = client.complete_pending_step()
+        assert completed is not None and (completed.seq, completed.replayed) == (2, True)
         reply = step_and_write(client, pool.signed, new_blocks={"c": [50]})
 
         assert reply.seq == 3
@@ -710,3 +714,76 @@ def test_rpc_errors_map_to_the_shared_classes_metadata_first(
     assert _convert.is_transport_failure(FakeRpcError(code, "x", name)) == (
         code == grpc.StatusCode.UNAVAILABLE and name is None
     )
+
+
+# --- the pending-step contract ----------------------------------------------------------
+def test_a_step_behind_a_pending_one_is_refused_unsent_and_lands_after_completion(
+    socket_dir: Path, pools: list[Pool]
+) -> None:
+    """A timed-out step's successor is never dropped silently: it is refused, unsent."""
+    pool = serve(pools, socket_dir / "server.sock")
+    with DefragClient(pool.handle.address, timeout_s=5) as client:
+        step_and_write(client, pool.signed, new_blocks={"a": list(range(1, 11)), "b": [40]})
+        pool.executor.stall_next_s = 1.5
+        client.timeout_s = 0.5
+        with pytest.raises(StepOutcomeUnknown) as unknown:
+            client.step(finished=["a"])  # compaction stalls: seq 2's outcome is unknown
+        assert unknown.value.pending_seq == 2
+
+        # The server is still busy with seq 2: the next step is refused, not sent.
+        with pytest.raises(StepPending, match="not sent: step seq 2 is pending") as refused:
+            client.step(new_blocks={"c": [13]})
+        assert refused.value.pending_seq == 2
+
+        client.timeout_s = 5
+        completed = client.complete_pending_step()
+        assert completed is not None and completed.seq == 2
+        assert client.complete_pending_step() is None  # nothing pending any more
+        reply = step_and_write(client, pool.signed, new_blocks={"c": [13]})  # sent again
+
+        assert reply.seq == 3
+        assert pool.handle.engine.stats().totals.num_steps == 3
+        assert client.live_requests() == {"b": [40], "c": [13]}
+        assert pool.handle.engine.request_blocks("c") == [13]
+        # Later fresh blocks land around c's, never on them.
+        step_and_write(client, pool.signed, new_blocks={"d": list(range(20, 30))})
+        assert lost_blocks(client, pool.signed) == []
+        assert client.audit().is_consistent
+
+
+def test_reads_refuse_while_a_step_is_pending_and_retrying_it_never_applies_it_twice(
+    socket_dir: Path, pools: list[Pool]
+) -> None:
+    pool = serve(pools, socket_dir / "server.sock")
+    with DefragClient(pool.handle.address, timeout_s=5) as client:
+        step_and_write(client, pool.signed, new_blocks={"a": list(range(1, 11)), "b": [40]})
+        pool.executor.stall_next_s = 1.5
+        client.timeout_s = 0.5
+        events = {"finished": ["a"], "new_blocks": {"c": [50, 51]}}
+        with pytest.raises(StepOutcomeUnknown):
+            client.step(**events)  # the server applies it and moves b's block 40 down
+        wait_until(lambda: pool.handle.engine.stats().totals.num_steps == 2)
+
+        # The mirror still has the mapping from before seq 2: every read refuses.
+        for read in (
+            lambda: client.resolve([40]),
+            lambda: client.resolve_tables([[40]]),
+            client.live_requests,
+            client.audit,
+        ):
+            with pytest.raises(StepPending, match="outcome of step seq 2 is unknown"):
+                read()
+        # The natural retry, step() with the same events, is refused: not applied twice.
+        with pytest.raises(StepPending, match="not sent"):
+            client.step(**events)
+        assert pool.handle.engine.stats().totals.num_steps == 2
+
+        client.timeout_s = 5
+        completed = client.complete_pending_step()
+        assert completed is not None and completed.replayed
+        assert client.resolve([40]) == pool.handle.engine.resolve([40]).tolist()
+        assert client.live_requests() == {"b": [40], "c": [50, 51]}
+        assert pool.handle.engine.request_blocks("c") == [50, 51]
+        pool.signed.write([50, 51], client.resolve([50, 51]))  # the forward pass fills c
+        assert lost_blocks(client, pool.signed) == []
+        assert client.audit().is_consistent

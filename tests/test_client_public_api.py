@@ -34,6 +34,8 @@ def test_client_exports_are_pinned() -> None:
         "SessionConflict",
         "SessionInfo",
         "StepEvents",
+        "StepOutcomeUnknown",
+        "StepPending",
         "StepReply",
         "Totals",
     ]

@@ -46,6 +46,8 @@ COMMON_NAMES = {
     "ServiceUnavailable",
     "SessionConflict",
     "StepEvents",
+    "StepOutcomeUnknown",
+    "StepPending",
     "Totals",
     "mapping_digest",
     "pair_digest",
@@ -72,31 +74,13 @@ def test_all_is_pinned_sorted_and_documented(module_name: str, names: set[str]) 
 
 def test_every_common_error_is_a_defrag_error() -> None:
     common = importlib.import_module("kvdefrag.common")
-    errors = [
-        getattr(common, name)
-        for name in COMMON_NAMES
-        if name.endswith(
-            (
-                "Error",
-                "Argument",
-                "Order",
-                "Conflict",
-                "Mismatch",
-                "Unhealthy",
-                "Large",
-                "Diverged",
-                "Found",
-                "Unavailable",
-            )
-        )
-    ]
-    assert len(errors) == 10
+    classes = [getattr(common, name) for name in COMMON_NAMES]
+    errors = {cls for cls in classes if isinstance(cls, type) and issubclass(cls, Exception)}
+    assert len(errors) == 12
     assert all(issubclass(error, common.DefragError) for error in errors)
-    assert set(common.WIRE_ERRORS.values()) == set(errors) - {
-        common.DefragError,
-        common.MirrorDiverged,
-        common.ServiceUnavailable,
-    }
+    client_only = {"DefragError", "MirrorDiverged", "ServiceUnavailable", "StepOutcomeUnknown"}
+    client_only.add("StepPending")
+    assert set(common.WIRE_ERRORS.values()) == {e for e in errors if e.__name__ not in client_only}
 
 
 def test_kvdefrag_common_imports_without_torch() -> None:

@@ -24,6 +24,8 @@ from kvdefrag.common import (
     ServiceUnavailable,
     SessionConflict,
     StepEvents,
+    StepOutcomeUnknown,
+    StepPending,
     Totals,
 )
 
@@ -44,6 +46,8 @@ __all__ = [
     "SessionConflict",
     "SessionInfo",
     "StepEvents",
+    "StepOutcomeUnknown",
+    "StepPending",
     "StepReply",
     "Totals",
 ]

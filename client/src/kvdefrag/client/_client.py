@@ -11,6 +11,21 @@ A step stays *pending* until its reply arrives. When the stream breaks, the clie
 reopens it (``open.epoch`` = its epoch) and resends the pending step; the server applies
 each seq exactly once and answers a resent, already applied seq from its replay cache,
 so the mirror applies every step's deltas exactly once, in order.
+
+The pending-step contract, for a scheduler that calls ``step()`` once per iteration:
+
+* ``step()`` returns: the step was applied once; its mapping is in the mirror.
+* ``step()`` raises ``StepOutcomeUnknown`` (a ``ServiceUnavailable``): no reply within
+  ``timeout_s``; the server may have applied the step and moved KV data. The step is
+  pending. ``complete_pending_step()`` sends it again (retry it until it returns, or give
+  up with ``reset()``); the server applies it at most once and the reply is the same.
+* While a step is pending, ``step()`` raises ``StepPending`` without sending the new
+  events, and ``resolve``/``resolve_tables``/``live_requests`` raise ``StepPending``
+  instead of answering from a mirror the pending step may have changed. So the caller's
+  events are never dropped silently and never applied twice: calling ``step()`` again
+  with the same events is refused, not duplicated.
+* Any other error: the step was refused and nothing changed (or, for ``EpochMismatch``
+  and ``MirrorDiverged``, the client needs ``reset()`` or ``rebuild_mirror()``).
 """
 
 from __future__ import annotations
@@ -165,13 +180,22 @@ class DefragClient:
 
     @property
     def has_pending_step(self) -> bool:
-        """True when a step timed out unacknowledged; the next ``step()`` resends it."""
+        """True when a step's outcome is unknown (see ``complete_pending_step()``)."""
         return self._session.has_pending_step
 
+    @property
+    def pending_seq(self) -> int | None:
+        """The seq of the pending step, None when no step is pending."""
+        return self._session.pending_seq
+
     def live_requests(self) -> dict[str, list[int]]:
-        """The client's view of running requests: request id -> logical block ids."""
+        """The client's view of running requests: request id -> logical block ids.
+
+        Raises:
+            StepPending: A step's outcome is unknown (see ``complete_pending_step()``).
+        """
         with self._lock:
-            requests = self._session.require_mirror().requests
+            requests = self._session.require_settled_mirror("live_requests").requests
             return {rid: list(ids) for rid, ids in requests.items()}
 
     # --- the step ---------------------------------------------------------------------
@@ -198,13 +222,15 @@ class DefragClient:
             The step's reply; its mapping changes are already in the mirror.
 
         Raises:
+            StepPending: An earlier step is pending: these events were NOT sent; call
+                ``complete_pending_step()`` and send them again.
+            StepOutcomeUnknown: No reply within ``timeout_s``: the step is pending (the
+                server may have applied it); call ``complete_pending_step()``.
             InvalidArgument: A field is malformed (nothing changed on either side).
             MessageTooLarge: The step exceeds ``max_message_bytes`` (nothing changed).
             EngineUnhealthy: The server's engine failed a KV move; ``reset()`` recovers.
             EpochMismatch: The server restarted or was reset under this client.
             MirrorDiverged: The reply does not match the mirror.
-            ServiceUnavailable: No reply within ``timeout_s``; the step stays pending
-                and is resent (exactly once on the server) before the next one.
             DefragError: Any other refusal (``OutOfOrder``, ``SessionConflict``).
         """
         events = StepEvents.build(
@@ -216,11 +242,31 @@ class DefragClient:
         )
         with self._lock:
             self._check_usable()
-            deadline = self._deadline()
-            earlier_events = self._session.resend_pending(deadline)
-            if earlier_events is not None:
-                self._record(earlier_events)
-            reply = self._session.send_step(events, deadline)
+            reply = self._session.send_step(events, self._deadline())
+            self._record(events)
+            return reply
+
+    def complete_pending_step(self) -> StepReply | None:
+        """Sends the pending step again until the server answers; applies its reply.
+
+        The server applies a step at most once (a resent, already applied seq is answered
+        from its replay cache), so this is safe to call again after it fails.
+
+        Returns:
+            The pending step's reply (its mapping now in the mirror), or None when no step
+            was pending.
+
+        Raises:
+            StepOutcomeUnknown: Still no reply within ``timeout_s``; still pending.
+            DefragError: The server refused the step (it is no longer pending), or the
+                session needs ``reset()``/``rebuild_mirror()`` (see ``step()``).
+        """
+        with self._lock:
+            self._check_usable()
+            completed = self._session.complete_pending(self._deadline())
+            if completed is None:
+                return None
+            events, reply = completed
             self._record(events)
             return reply
 
@@ -242,17 +288,22 @@ class DefragClient:
 
         Raises:
             InvalidArgument: An id is not an integer or is outside ``[0, num_blocks)``.
+            StepPending: A step's outcome is unknown (see ``complete_pending_step()``).
             EpochMismatch, MirrorDiverged: The mirror is stale.
         """
         with self._lock:
             self._check_usable()
-            return self._session.require_mirror().resolve(logical_ids)
+            return self._session.require_settled_mirror("resolve").resolve(logical_ids)
 
     def resolve_tables(self, tables: Iterable[Iterable[int]]) -> list[list[int]]:
-        """Maps every block table (logical ids per request) to physical ids, locally."""
+        """Maps every block table (logical ids per request) to physical ids, locally.
+
+        Raises:
+            StepPending: A step's outcome is unknown (see ``complete_pending_step()``).
+        """
         with self._lock:
             self._check_usable()
-            return self._session.require_mirror().resolve_tables(tables)
+            return self._session.require_settled_mirror("resolve_tables").resolve_tables(tables)
 
     # --- unary calls ------------------------------------------------------------------
     def _unary(self, method: str, request: Any, context: str, *, is_idempotent: bool = True) -> Any:
@@ -290,13 +341,14 @@ class DefragClient:
 
         Raises:
             MirrorDiverged: ``strict`` and the two sides differ.
+            StepPending: A step's outcome is unknown (see ``complete_pending_step()``).
         """
         with self._lock:
             stats = self.stats()
             epoch, server_requests = _convert.request_lists(
                 self._unary("ListRequests", _convert.list_requests_request(), "audit")
             )
-            mirror = self._session.require_mirror()
+            mirror = self._session.require_settled_mirror("audit")
             report = AuditReport.compare(
                 epoch=epoch,
                 client_epoch=self._session.epoch,

@@ -6,6 +6,11 @@ adopts it); a step is sent until its reply arrives, reopening the stream when it
     send_step() -> [pending seq N] -> Stream --StepRequest--> server
                          ^                                      |
     mirror.apply_step <--+-------------- StepResponse <---------+
+
+The pending-step contract: a step whose reply does not arrive by the deadline stays
+*pending* (``StepOutcomeUnknown``). While it is, ``send_step`` refuses new events without
+sending them and ``require_settled_mirror`` refuses reads (``StepPending``); only
+``complete_pending`` sends it again, and the server's replay cache makes that exactly once.
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ from kvdefrag.common import (
     ServiceUnavailable,
     SessionConflict,
     StepEvents,
+    StepOutcomeUnknown,
+    StepPending,
 )
 
 _LOGGER = logging.getLogger(__name__)
@@ -104,7 +111,7 @@ class StepSession:
 
     @property
     def has_pending_step(self) -> bool:
-        """True when a step went unacknowledged; the next ``send_step()`` resends it."""
+        """True when a step went unacknowledged; ``complete_pending()`` sends it again."""
         return self._pending is not None
 
     @property
@@ -116,6 +123,22 @@ class StepSession:
         """Raises (a fresh copy of) the error that made the session unusable, if any."""
         if self._unusable is not None:
             raise type(self._unusable)(str(self._unusable))
+
+    @property
+    def pending_seq(self) -> int | None:
+        """The seq of the pending step, None without one."""
+        return None if self._pending is None else self._pending.seq
+
+    def require_settled_mirror(self, what: str) -> Mirror:
+        """Returns the mirror if no step's outcome is unknown; else raises ``StepPending``."""
+        if self._pending is not None:
+            seq = self._pending.seq
+            raise StepPending(
+                f"{what}: refused: the outcome of step seq {seq} is unknown (it is pending), "
+                "so the mirror may be stale; call complete_pending_step() first",
+                pending_seq=seq,
+            )
+        return self.require_mirror()
 
     def require_mirror(self) -> Mirror:
         """Returns the mirror, or raises when the last (re)connect failed to set one up."""
@@ -135,27 +158,37 @@ class StepSession:
         self._unusable = None
 
     # --- the step ---------------------------------------------------------------------
-    def resend_pending(self, deadline: float) -> StepEvents | None:
-        """Completes an earlier unacknowledged step, if any.
+    def complete_pending(self, deadline: float) -> tuple[StepEvents, StepReply] | None:
+        """Sends the pending step again until its reply arrives, if there is one.
 
         Returns:
-            The events of the step the server now acknowledged, or None without one.
+            The step's events and reply, or None when no step was pending.
+
+        Raises:
+            StepOutcomeUnknown: Still no reply by ``deadline``; the step stays pending.
+            DefragError: The server refused it (see ``DefragClient.step``).
         """
         if self._pending is None:
             return None
-        earlier = self._pending
-        self._complete(earlier, deadline, "earlier unacknowledged step")
-        return earlier.events
+        pending = self._pending
+        return pending.events, self._complete(pending, deadline, "pending step")
 
     def send_step(self, events: StepEvents, deadline: float) -> StepReply:
-        """Sends a step (no other may be pending) and applies its reply to the mirror.
+        """Sends a step and applies its reply to the mirror.
 
         Raises:
+            StepPending: An earlier step is pending; these events were not sent.
             MessageTooLarge: The step exceeds ``max_message_bytes`` (nothing changed).
-            ServiceUnavailable: No reply by ``deadline``; the step stays pending.
+            StepOutcomeUnknown: No reply by ``deadline``; the step stays pending.
             DefragError: Any other refusal or failure (see ``DefragClient.step``).
         """
-        assert self._pending is None, f"step seq {self._pending.seq} is still pending"
+        if self._pending is not None:
+            seq = self._pending.seq
+            raise StepPending(
+                f"step: not sent: step seq {seq} is pending (its outcome is unknown); call "
+                "complete_pending_step(), then send these events again",
+                pending_seq=seq,
+            )
         if self._mirror is None:
             self.ensure_stream(deadline)  # seq and epoch come from the session
         request = _convert.step_request(self._next_seq, self._epoch, events)
@@ -178,8 +211,12 @@ class StepSession:
         while True:
             try:
                 stream = self.ensure_stream(deadline)
-            except ServiceUnavailable:
-                raise  # the step stays pending
+            except ServiceUnavailable as err:
+                raise StepOutcomeUnknown(
+                    f"{context}: {err}; the step stays pending: complete_pending_step() "
+                    "sends it again",
+                    pending_seq=pending.seq,
+                ) from err
             except DefragError:
                 self._pending = None
                 raise
@@ -189,9 +226,11 @@ class StepSession:
                 reply = stream.receive(deadline - time.monotonic())
             except ReplyTimeout:
                 self.drop_stream(cancel=True)
-                raise ServiceUnavailable(
+                raise StepOutcomeUnknown(
                     f"{context}: no reply from {settings.address} within {settings.timeout_s} s; "
-                    "the step stays pending and is resent (applied once) before the next step"
+                    "the step stays pending: complete_pending_step() sends it again (the "
+                    "server applies it once)",
+                    pending_seq=pending.seq,
                 ) from None
             except StreamEnded as ended:
                 self.drop_stream(cancel=False)
@@ -206,10 +245,11 @@ class StepSession:
                         time.sleep(backoff_s)
                         backoff_s = min(2 * backoff_s, BACKOFF_MAX_S)
                         continue
-                    raise ServiceUnavailable(
+                    raise StepOutcomeUnknown(
                         f"{context}: the stream to {settings.address} kept breaking for "
-                        f"{settings.timeout_s} s; the step stays pending and is resent "
-                        "(applied once) before the next step"
+                        f"{settings.timeout_s} s; the step stays pending: "
+                        "complete_pending_step() sends it again (the server applies it once)",
+                        pending_seq=pending.seq,
                     ) from ended.error
                 self._pending = None
                 raise self._definitive_error(ended.error, context) from ended.error

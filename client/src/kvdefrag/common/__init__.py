@@ -20,6 +20,8 @@ from kvdefrag.common.errors import (
     OutOfOrder,
     ServiceUnavailable,
     SessionConflict,
+    StepOutcomeUnknown,
+    StepPending,
 )
 from kvdefrag.common.events import NULL_BLOCK_ID, StepEvents
 from kvdefrag.common.stats import PoolStats, Totals
@@ -40,6 +42,8 @@ __all__ = [
     "ServiceUnavailable",
     "SessionConflict",
     "StepEvents",
+    "StepOutcomeUnknown",
+    "StepPending",
     "Totals",
     "mapping_digest",
     "pair_digest",

@@ -55,8 +55,42 @@ class ServiceUnavailable(DefragError):
     """
 
 
+class StepOutcomeUnknown(ServiceUnavailable):
+    """The caller's step got no reply in time: the server may or may not have applied it.
+
+    The step is *pending*: it keeps its seq, and ``DefragClient.complete_pending_step()``
+    sends it again until the server answers (applying it at most once). Until then
+    ``step()`` and the mirror reads refuse with ``StepPending``. Raised by the client only.
+
+    Attributes:
+        pending_seq: The seq of the pending step.
+    """
+
+    def __init__(self, message: str, pending_seq: int = 0) -> None:
+        super().__init__(message)
+        self.pending_seq = pending_seq
+
+
+class StepPending(DefragError):
+    """Refused, nothing sent: an earlier step's outcome is unknown (it is pending).
+
+    ``step()`` raises it without sending the caller's events, and the mirror reads
+    (``resolve``, ``resolve_tables``, ``live_requests``) raise it rather than answer from
+    a mapping the pending step may already have changed. Call
+    ``DefragClient.complete_pending_step()``, then send the events again. Raised by the
+    client only.
+
+    Attributes:
+        pending_seq: The seq of the pending step.
+    """
+
+    def __init__(self, message: str, pending_seq: int = 0) -> None:
+        super().__init__(message)
+        self.pending_seq = pending_seq
+
+
 # Every class the server may name in ``ERROR_METADATA_KEY`` (the client-only classes,
-# MirrorDiverged and ServiceUnavailable, never cross the wire).
+# MirrorDiverged, ServiceUnavailable and the pending-step ones, never cross the wire).
 WIRE_ERRORS: dict[str, type[DefragError]] = {
     cls.__name__: cls
     for cls in (
