@@ -183,7 +183,7 @@ def _summary(samples_s: Sequence[float]) -> dict[str, float]:
 
 
 def make_workload_steps(num_blocks: int, num_steps: int) -> list[dict[str, Any]]:
-    """The realistic synthetic workload's steps (``kvdefrag.client.workload``)."""
+    """The realistic synthetic workload's steps (``kvdefrag.tools.workload``)."""
     config = WorkloadConfig(num_blocks=num_blocks, num_steps=num_steps, seed=1)
     return [step.events.as_kwargs() for step in SyntheticWorkload(config)]
 

@@ -7,7 +7,7 @@ Three parts, printed as tables and written to ``out/bench.json``:
    against the seed's slot-expanded ``index_select`` + ``index_copy_`` (restated in
    ``seed_baseline.py``);
 2. engine: per-step cost over the same synthetic vLLM event stream
-   (``kvdefrag.client.workload``) at 10k, 100k and 200k blocks, KV moves excluded (a
+   (``kvdefrag.tools.workload``) at 10k, 100k and 200k blocks, KV moves excluded (a
    no-op executor that only counts), against the SEED-EQUIVALENT baseline;
 3. copies: blocks copied by each over the 10k stream, and the fragmentation left.
 

@@ -217,7 +217,7 @@ def test_dockerfiles_pass_hadolint(name: str) -> None:
 
 
 def assert_known_options(environ: dict[str, str]) -> None:
-    """Every KVDEFRAG_* variable names a Config field (a typo would be silently ignored)."""
+    """Every KVDEFRAG_* variable names an EngineConfig or ServiceConfig field (a typo would be silently ignored)."""
     known = {ENV_PREFIX + name.upper() for name in option_names()}
     given = {name for name in environ if name.startswith(ENV_PREFIX)}
     assert given and given - known == set()

@@ -98,7 +98,7 @@ class RunLog:
         live = np.maximum(num_live, 1.0)
         without = np.asarray(self.max_live_without, dtype=np.float64)
         with_ = np.asarray(self.max_live_with, dtype=np.float64)
-        # NOTE: an empty pool counts as packed (ratio 1.0), as in EngineStats.
+        # NOTE: an empty pool counts as packed (ratio 1.0), as in PoolStats.
         empty = np.asarray(self.num_live) == 0
         ratio_without = np.where(empty, 1.0, without / live)
         ratio_with = np.where(empty, 1.0, with_ / live)
