@@ -7,7 +7,7 @@ import inspect
 from collections import Counter
 
 import pytest
-from kv import SignedKv
+from support.kv import SignedKv
 
 from kvdefrag.common import InvalidArgument
 from kvdefrag.server import Engine, EngineConfig

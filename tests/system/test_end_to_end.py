@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kv import SignedKv
-from random_workload import RandomWorkload
-from test_server_listen import make_certificates
+from support.kv import SignedKv
+from support.random_workload import RandomWorkload
+from support.tls import make_certificates
 
 from kvdefrag.client import DefragClient, ServiceUnavailable
 from kvdefrag.server import Engine, EngineConfig, serve_in_process

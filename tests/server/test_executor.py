@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from kv import SignedKv, make_kv_caches
+from support.kv import SignedKv, make_kv_caches
 
 from kvdefrag.common import EngineUnhealthy, InvalidArgument, mapping_digest
 from kvdefrag.server import Engine, EngineConfig, Move, MoveReport, make_executor

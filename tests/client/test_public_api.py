@@ -13,7 +13,7 @@ from pathlib import Path
 import kvdefrag.client
 import kvdefrag.client.vllm
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_client_exports_are_pinned() -> None:

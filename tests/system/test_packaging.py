@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DISTRIBUTIONS = ("client", "server", "tools")
 HEAVY = {"torch", "numpy", "matplotlib"}
 

@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from kv import SignedKv
-from reference_model import (
+from support.kv import SignedKv
+from support.reference_model import (
     ReferenceModel,
     StepEvents,
     assert_engine_agrees,

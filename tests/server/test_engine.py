@@ -11,8 +11,8 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from kv import SignedKv, make_kv_caches
-from reference_model import (
+from support.kv import SignedKv, make_kv_caches
+from support.reference_model import (
     ReferenceModel,
     assert_engine_agrees,
     assert_step_result,

@@ -23,7 +23,7 @@ from typing import Any
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from kv import SignedKv
+from support.kv import SignedKv
 
 from kvdefrag.client import (
     DefragClient,

@@ -16,7 +16,7 @@ from typing import Any
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from kv import SignedKv
+from support.kv import SignedKv
 
 from kvdefrag.server import ServerHandle, serve_in_process
 from kvdefrag.server._convert import max_step_response_bytes, step_events

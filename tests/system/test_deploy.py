@@ -29,7 +29,7 @@ from kvdefrag.server.__main__ import parse_args
 from kvdefrag.server.config import ENV_PREFIX, load_config, option_names
 from kvdefrag.server.metrics import Metrics
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 # The command the README and the Makefile's `image` target document for the CPU image.
 IMAGE_COMMAND = [

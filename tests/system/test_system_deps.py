@@ -11,7 +11,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "ensure-system-deps.sh"
 BASH = shutil.which("bash") or "/bin/bash"
 CHMOD = shutil.which("chmod") or "/bin/chmod"

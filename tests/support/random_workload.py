@@ -14,9 +14,8 @@ from __future__ import annotations
 
 import random
 
-from reference_model import ReferenceModel, StepOutcome
-
 from kvdefrag.common import NULL_BLOCK_ID, StepEvents
+from support.reference_model import ReferenceModel, StepOutcome
 
 
 class RandomWorkload:

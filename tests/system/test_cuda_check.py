@@ -4,7 +4,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "cuda_check.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "cuda_check.py"
 
 
 def test_cuda_check_dry_run_on_cpu_finds_no_corruption() -> None:

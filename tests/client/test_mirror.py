@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kv import SignedKv
-from random_workload import RandomWorkload
+from support.kv import SignedKv
+from support.random_workload import RandomWorkload
 
 from kvdefrag.client import InvalidArgument, StepEvents
 from kvdefrag.client._mirror import Mirror

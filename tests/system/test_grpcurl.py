@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kv import SignedKv
+from support.kv import SignedKv
 
 from kvdefrag.server import ServerHandle, serve_in_process
 

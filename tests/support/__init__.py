@@ -1,0 +1,7 @@
+"""Helpers shared by the tests, imported as ``support`` (pytest puts tests/ on the path).
+
+``kv`` builds real KV caches whose blocks carry signatures, ``reference_model`` is the
+naive model the engine is checked against, ``random_workload`` draws valid scheduler
+steps over it, ``tls`` makes certificates. Test modules import from here, never from
+one another.
+"""
