@@ -1,10 +1,9 @@
-"""Configuration and step-shape errors are clear InvalidArguments that change nothing."""
+"""Configuration errors are clear InvalidArguments naming the option."""
 
 import pytest
-import torch
 
 from kvdefrag.common import InvalidArgument
-from kvdefrag.server import Engine, EngineConfig, ServiceConfig, load_config
+from kvdefrag.server import EngineConfig, ServiceConfig, load_config
 
 
 @pytest.mark.parametrize(
@@ -50,12 +49,3 @@ def test_environment_is_below_explicit_options() -> None:
         load_config({}, {"KVDEFRAG_THRESHOLD": "many"})
     with pytest.raises(InvalidArgument, match="unknown configuration option 'treshold'"):
         load_config({"treshold": 8}, {})
-
-
-def test_block_lists_must_be_a_mapping_and_nothing_changes() -> None:
-    engine = Engine([(torch.zeros(64 * 4, 2), None)], 4, config=EngineConfig(threshold=0))
-    engine.step(new_blocks={"a": [9, 10]})
-    before = (engine.stats(), engine.digest, engine.resolve(list(range(64))).tolist())
-    with pytest.raises(InvalidArgument, match="new_blocks: expected a mapping"):
-        engine.step(new_blocks=[1, 2])  # type: ignore[arg-type]
-    assert (engine.stats(), engine.digest, engine.resolve(list(range(64))).tolist()) == before

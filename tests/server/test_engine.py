@@ -237,6 +237,15 @@ def test_request_id_of_the_maximum_length_is_accepted() -> None:
     assert h.engine.request_blocks("y" * 256) == [1]
 
 
+def test_block_lists_must_be_a_mapping_and_nothing_changes() -> None:
+    engine = Engine([(torch.zeros(64 * 4, 2), None)], 4, config=EngineConfig(threshold=0))
+    engine.step(new_blocks={"a": [9, 10]})
+    before = (engine.stats(), engine.digest, engine.resolve(list(range(64))).tolist())
+    with pytest.raises(InvalidArgument, match="new_blocks: expected a mapping"):
+        engine.step(new_blocks=[1, 2])  # type: ignore[arg-type]
+    assert (engine.stats(), engine.digest, engine.resolve(list(range(64))).tolist()) == before
+
+
 # --- block 0 ---------------------------------------------------------------------------
 def test_null_block_is_never_tracked_or_moved() -> None:
     h = Harness(threshold=0, enable_placement=False)
