@@ -23,7 +23,6 @@ from typing import Any
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from support.kv import SignedKv
 
 from kvdefrag.client import (
     DefragClient,
@@ -38,9 +37,12 @@ from kvdefrag.client import (
     SessionConflict,
     _convert,
 )
-from kvdefrag.server import Move, MoveReport, ServerHandle, make_executor, serve_in_process
+from kvdefrag.server import Move, MoveReport, ServerHandle, make_executor
 from kvdefrag.v1 import defrag_pb2 as pb
 from kvdefrag.v1 import defrag_pb2_grpc as pb_grpc
+
+from support.kv import SignedKv
+from support.server import Serve
 
 NUM_BLOCKS = 64
 BLOCK_SIZE = 2
@@ -181,25 +183,13 @@ def socket_dir(tmp_path: Path) -> Path:
     return tmp_path
 
 
-@pytest.fixture
-def pools() -> Iterator[list[Pool]]:
-    """Servers a test starts; all stopped at the end."""
-    started: list[Pool] = []
-    yield started
-    for pool in started:
-        pool.handle.stop(1.0)
-
-
-def serve(pools: list[Pool], path: Path, **config: Any) -> Pool:
+def serve_pool(serve: Serve, path: Path, **config: Any) -> Pool:
+    """A server on ``path`` (the ``serve`` fixture stops it) with a faulty executor."""
     signed = SignedKv.create(config.pop("num_blocks", NUM_BLOCKS), block_size=BLOCK_SIZE)
     executor = FaultyExecutor(make_executor(signed.kv_caches, BLOCK_SIZE))
     config.setdefault("threshold", 0)
-    handle = serve_in_process(
-        signed.kv_caches, BLOCK_SIZE, address=f"unix:{path}", executor=executor, **config
-    )
-    pool = Pool(handle, signed, executor)
-    pools.append(pool)
-    return pool
+    handle = serve(f"unix:{path}", kv=signed, executor=executor, **config)
+    return Pool(handle, signed, executor)
 
 
 def step_and_write(client: DefragClient, signed: SignedKv, **events: Any) -> Any:
@@ -248,9 +238,9 @@ def wait_until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
 
 # --- stream cuts and reconnects ---------------------------------------------------------
 def test_cut_after_the_server_applied_a_step_replays_it_once(
-    socket_dir: Path, pools: list[Pool], monkeypatch: pytest.MonkeyPatch
+    socket_dir: Path, serve: Serve, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    pool = serve(pools, socket_dir / "server.sock")
+    pool = serve_pool(serve, socket_dir / "server.sock")
     proxy = CuttingProxy(str(socket_dir / "proxy.sock"), str(socket_dir / "server.sock"))
     engine = pool.handle.engine
     real_step = engine.step
@@ -289,9 +279,9 @@ def test_cut_after_the_server_applied_a_step_replays_it_once(
 
 
 def test_cut_before_the_step_reached_the_server_sends_it_again(
-    socket_dir: Path, pools: list[Pool]
+    socket_dir: Path, serve: Serve
 ) -> None:
-    pool = serve(pools, socket_dir / "server.sock")
+    pool = serve_pool(serve, socket_dir / "server.sock")
     interceptor = DropStepInterceptor()
     with DefragClient(pool.handle.address, timeout_s=10, interceptors=[interceptor]) as client:
         fragment(client, pool.signed)
@@ -307,9 +297,9 @@ def test_cut_before_the_step_reached_the_server_sends_it_again(
 
 
 def test_a_reply_past_the_deadline_leaves_the_step_pending_and_it_is_applied_once(
-    socket_dir: Path, pools: list[Pool]
+    socket_dir: Path, serve: Serve
 ) -> None:
-    pool = serve(pools, socket_dir / "server.sock")
+    pool = serve_pool(serve, socket_dir / "server.sock")
     with DefragClient(pool.handle.address, timeout_s=5) as client:
         step_and_write(client, pool.signed, new_blocks={"a": list(range(1, 11)), "b": [40]})
         pool.executor.stall_next_s = 1.5
@@ -357,9 +347,9 @@ class RawStream:
 
 
 def test_duplicated_seq_is_replayed_and_out_of_order_seq_refused(
-    socket_dir: Path, pools: list[Pool]
+    socket_dir: Path, serve: Serve
 ) -> None:
-    pool = serve(pools, socket_dir / "server.sock")
+    pool = serve_pool(serve, socket_dir / "server.sock")
     stream = RawStream(pool.handle.address)
     try:
         opened = stream.exchange(pb.StepStreamRequest(open=pb.OpenSession(client_name="raw")))
@@ -388,9 +378,9 @@ def test_duplicated_seq_is_replayed_and_out_of_order_seq_refused(
 
 
 def test_client_refuses_a_server_another_writer_stepped_until_it_rebuilds(
-    socket_dir: Path, pools: list[Pool]
+    socket_dir: Path, serve: Serve
 ) -> None:
-    pool = serve(pools, socket_dir / "server.sock")
+    pool = serve_pool(serve, socket_dir / "server.sock")
     proxy = CuttingProxy(str(socket_dir / "proxy.sock"), str(socket_dir / "server.sock"))
     tool = grpc.insecure_channel(pool.handle.address)
     try:
@@ -433,10 +423,8 @@ def test_client_refuses_a_server_another_writer_stepped_until_it_rebuilds(
 
 
 # --- sessions and epochs ----------------------------------------------------------------
-def test_a_second_writer_is_refused_and_changes_nothing(
-    socket_dir: Path, pools: list[Pool]
-) -> None:
-    pool = serve(pools, socket_dir / "server.sock")
+def test_a_second_writer_is_refused_and_changes_nothing(socket_dir: Path, serve: Serve) -> None:
+    pool = serve_pool(serve, socket_dir / "server.sock")
     with DefragClient(pool.handle.address, timeout_s=5, client_name="first") as client:
         step_and_write(client, pool.signed, new_blocks={"a": [3, 4]})
         state = server_state(pool)
@@ -453,10 +441,8 @@ def test_a_second_writer_is_refused_and_changes_nothing(
         assert client.audit().is_consistent
 
 
-def test_a_new_client_adopts_the_state_a_previous_one_left(
-    socket_dir: Path, pools: list[Pool]
-) -> None:
-    pool = serve(pools, socket_dir / "server.sock")
+def test_a_new_client_adopts_the_state_a_previous_one_left(socket_dir: Path, serve: Serve) -> None:
+    pool = serve_pool(serve, socket_dir / "server.sock")
     with DefragClient(pool.handle.address, timeout_s=5) as first:
         step_and_write(first, pool.signed, new_blocks={"a": [30, 31], "b": [40]})
         first.step(finished=["a"])
@@ -471,9 +457,9 @@ def test_a_new_client_adopts_the_state_a_previous_one_left(
 
 
 def test_a_prefix_caching_mode_change_is_refused_while_the_server_has_state(
-    socket_dir: Path, pools: list[Pool]
+    socket_dir: Path, serve: Serve
 ) -> None:
-    pool = serve(pools, socket_dir / "server.sock")
+    pool = serve_pool(serve, socket_dir / "server.sock")
     with DefragClient(pool.handle.address, timeout_s=5) as client:
         step_and_write(client, pool.signed, new_blocks={"a": [3]})
     state = server_state(pool)
@@ -490,15 +476,15 @@ def test_a_prefix_caching_mode_change_is_refused_while_the_server_has_state(
 
 
 def test_a_server_restarted_under_the_client_raises_epoch_mismatch_until_reset(
-    socket_dir: Path, pools: list[Pool]
+    socket_dir: Path, serve: Serve
 ) -> None:
     path = socket_dir / "server.sock"
-    first = serve(pools, path)
+    first = serve_pool(serve, path)
     with DefragClient(first.handle.address, timeout_s=5) as client:
         step_and_write(client, first.signed, new_blocks={"a": [3, 4]})
         old_epoch = client.epoch
         first.handle.stop(1.0)
-        second = serve(pools, path)
+        second = serve_pool(serve, path)
         state = server_state(second)
 
         with pytest.raises(EpochMismatch, match=f"open.epoch {old_epoch} is not the server"):
@@ -527,8 +513,8 @@ def health_status(address: str) -> int:
     return int(response.status)
 
 
-def test_an_executor_failure_refuses_steps_until_reset(socket_dir: Path, pools: list[Pool]) -> None:
-    pool = serve(pools, socket_dir / "server.sock", threshold=4)
+def test_an_executor_failure_refuses_steps_until_reset(socket_dir: Path, serve: Serve) -> None:
+    pool = serve_pool(serve, socket_dir / "server.sock", threshold=4)
     with DefragClient(pool.handle.address, timeout_s=5) as client:
         fragment(client, pool.signed)  # 10 holes below b, above the threshold of 4 ...
         assert pool.handle.engine.stats().holes == 0  # ... so b was compacted down
@@ -565,9 +551,9 @@ def test_an_executor_failure_refuses_steps_until_reset(socket_dir: Path, pools: 
 
 # --- sizes and malformed input ------------------------------------------------------------
 def test_an_oversized_step_is_refused_by_the_client_before_sending(
-    socket_dir: Path, pools: list[Pool]
+    socket_dir: Path, serve: Serve
 ) -> None:
-    pool = serve(pools, socket_dir / "server.sock", num_blocks=4096)
+    pool = serve_pool(serve, socket_dir / "server.sock", num_blocks=4096)
     with DefragClient(pool.handle.address, timeout_s=5, max_message_bytes=4096) as client:
         step_and_write(client, pool.signed, new_blocks={"a": [1, 2]})
         state, before = server_state(pool), client_state(client)
@@ -587,10 +573,10 @@ def test_an_oversized_step_is_refused_by_the_client_before_sending(
     ],
 )
 def test_an_oversized_step_is_refused_by_the_server_and_changes_nothing(
-    socket_dir: Path, pools: list[Pool], num_ids: int, message: str
+    socket_dir: Path, serve: Serve, num_ids: int, message: str
 ) -> None:
-    pool = serve(
-        pools,
+    pool = serve_pool(
+        serve,
         socket_dir / "server.sock",
         num_blocks=4096,
         max_message_bytes=4096,
@@ -624,9 +610,9 @@ def test_an_oversized_step_is_refused_by_the_server_and_changes_nothing(
     ],
 )
 def test_malformed_steps_are_refused_and_change_nothing(
-    socket_dir: Path, pools: list[Pool], events: dict[str, Any], message: str
+    socket_dir: Path, serve: Serve, events: dict[str, Any], message: str
 ) -> None:
-    pool = serve(pools, socket_dir / "server.sock")
+    pool = serve_pool(serve, socket_dir / "server.sock")
     with DefragClient(pool.handle.address, timeout_s=5) as client:
         step_and_write(client, pool.signed, new_blocks={"a": [3, 4]})
         state, before = server_state(pool), client_state(client)
@@ -640,8 +626,8 @@ def test_malformed_steps_are_refused_and_change_nothing(
         assert client.audit().is_consistent
 
 
-def test_resolve_refuses_ids_outside_the_pool(socket_dir: Path, pools: list[Pool]) -> None:
-    pool = serve(pools, socket_dir / "server.sock")
+def test_resolve_refuses_ids_outside_the_pool(socket_dir: Path, serve: Serve) -> None:
+    pool = serve_pool(serve, socket_dir / "server.sock")
     with (
         DefragClient(pool.handle.address, timeout_s=5) as client,
         pytest.raises(InvalidArgument, match=r"logical_ids\[1\] = 64 is outside \[0, 64\)"),
@@ -649,8 +635,8 @@ def test_resolve_refuses_ids_outside_the_pool(socket_dir: Path, pools: list[Pool
         client.resolve([1, 64])
 
 
-def test_a_closed_client_refuses_steps(socket_dir: Path, pools: list[Pool]) -> None:
-    pool = serve(pools, socket_dir / "server.sock")
+def test_a_closed_client_refuses_steps(socket_dir: Path, serve: Serve) -> None:
+    pool = serve_pool(serve, socket_dir / "server.sock")
     client = DefragClient(pool.handle.address, timeout_s=5)
     client.close()
     client.close()  # idempotent

@@ -12,13 +12,14 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from support.kv import SignedKv
-from support.random_workload import RandomWorkload
 
 from kvdefrag.client import InvalidArgument, StepEvents
 from kvdefrag.client._mirror import Mirror
 from kvdefrag.common import mapping_digest
 from kvdefrag.server import Engine, EngineConfig
+
+from support.kv import SignedKv
+from support.random_workload import RandomWorkload
 
 
 def events(**kwargs: Any) -> StepEvents:

@@ -7,29 +7,27 @@ import torch
 
 from kvdefrag.client import DefragClient, InvalidArgument
 from kvdefrag.client.record import load_trace
-from kvdefrag.server import Engine, serve_in_process
+from kvdefrag.server import Engine
 from kvdefrag.tools.workload import SyntheticWorkload, WorkloadConfig
 
+from support.server import Serve
 
-def test_recorded_trace_replays_to_the_same_mapping(tmp_path: Path) -> None:
+
+def test_recorded_trace_replays_to_the_same_mapping(serve: Serve, tmp_path: Path) -> None:
     num_blocks, block_size = 512, 16
-    kv_caches = [(torch.zeros(num_blocks * block_size, 4), None)]
     trace_path = tmp_path / "trace.jsonl"
     workload = SyntheticWorkload(
         WorkloadConfig(
             num_blocks=num_blocks, num_steps=120, seed=5, prompt_len_max=2048, output_len_max=1024
         )
     )
-    handle = serve_in_process(kv_caches, block_size, f"unix:{tmp_path / 'kv.sock'}")
-    try:
-        with DefragClient(handle.address, record_to=trace_path) as client:
-            for step in workload:
-                client.step(**step.events.as_kwargs())
-            with pytest.raises(InvalidArgument):  # refused: changes nothing, not recorded
-                client.step(new_blocks={"bad": [num_blocks]})
-            served_mapping = client.resolve(range(num_blocks))
-    finally:
-        handle.stop(1)
+    handle = serve(num_blocks=num_blocks, block_size=block_size)
+    with DefragClient(handle.address, record_to=trace_path) as client:
+        for step in workload:
+            client.step(**step.events.as_kwargs())
+        with pytest.raises(InvalidArgument):  # refused: changes nothing, not recorded
+            client.step(new_blocks={"bad": [num_blocks]})
+        served_mapping = client.resolve(range(num_blocks))
 
     trace = load_trace(trace_path)
     assert len(trace.steps) == 120

@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections.abc import Iterable, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,7 +20,10 @@ from kvdefrag.client.vllm import (
     copy_pairs,
     events_from_scheduler_output,
 )
-from kvdefrag.server import ServerHandle, serve_in_process
+from kvdefrag.server import ServerHandle
+
+from support.kv import SignedKv
+from support.server import Serve
 
 BLOCK_SIZE = 4
 
@@ -232,87 +234,74 @@ class Worker:
         ]
 
 
-@pytest.fixture
-def socket_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("vllm")
-
-
-def start(worker: Worker, socket_dir: Path, **config: object) -> ServerHandle:
-    caches = [(worker.kv, None)]
-    return serve_in_process(caches, BLOCK_SIZE, address=f"unix:{socket_dir}/s.sock", **config)
+def start(worker: Worker, serve: Serve, **config: object) -> ServerHandle:
+    """Serves the worker's KV tensor (the ``serve`` fixture stops the server)."""
+    return serve(kv=SignedKv([(worker.kv, None)], BLOCK_SIZE), **config)
 
 
 @pytest.mark.parametrize("prefix_caching", [False, True])
 def test_adapter_keeps_every_block_with_its_data_through_a_real_server(
-    socket_dir: Path, prefix_caching: bool
+    serve: Serve, prefix_caching: bool
 ) -> None:
     worker = Worker(num_blocks=24)
-    handle = start(worker, socket_dir, threshold=0, prefix_caching=prefix_caching)
-    try:
-        with DefragClient(handle.address, prefix_caching=prefix_caching, timeout_s=5) as client:
-            adapter = VllmDefragAdapter(client, BLOCK_SIZE)
-            steps = [
-                # a new request high in the pool; another with two groups
-                output(
-                    new=[
-                        NewRequestData("a", ([20, 21, 22],), 0),
-                        NewRequestData("b", ([15], [16]), 0),
-                        NewRequestData("e", ([10],), 0),
-                    ]
-                ),
-                # a grows; c shares a's first two blocks as prefix hits (computed)
-                output(
-                    new=[NewRequestData("c", ([20, 21, 18],), 2 * BLOCK_SIZE)],
-                    running=cached(("a", ([23],), 12), ("b", None, 1)),
-                ),
-                # copy-on-write: c's new block 17 receives a copy of block 21
-                output(running=cached(("c", ([17],), 12)), kv_cache_block_copies=[(21, 17)]),
-                # b preempted; a finished and re-admitted with one of its blocks as a hit
-                output(
-                    new=[NewRequestData("a", ([20, 19],), BLOCK_SIZE)],
-                    finished={"a"},
-                    preempted_req_ids={"b"},
-                ),
-                # b resumes: its list is replaced (its old first block is a prefix hit
-                # when the cache kept it; recomputed otherwise)
-                # e resumes in place (its preemption was never reported): replaced too
-                output(
-                    running=cached(
-                        ("b", ([15, 13],), BLOCK_SIZE if prefix_caching else 0),
-                        ("e", ([10, 9],), BLOCK_SIZE if prefix_caching else 0),
-                        resumed={"b", "e"},
-                    )
-                ),
-                # vLLM lists the blocks to zero itself this time
-                output(new=[NewRequestData("d", ([12, 11],), 0)], new_block_ids_to_zero=[12, 11]),
-                output(finished={"c", "d"}),
-            ]
-            for number, out in enumerate(steps):
-                worker.run(adapter, out)
-                if not prefix_caching:
-                    held = {i for ids in client.live_requests().values() for i in ids}
-                    worker.forget([i for i in list(worker.expected) if i not in held])
-                assert worker.lost_blocks(adapter) == [], f"after step {number}"
-                if number == 4:
-                    tables = client.list_requests()
-                    assert (tables["b"], tables["e"]) == ([15, 13], [10, 9])
-            stats = client.stats().stats
-            assert (
-                stats.totals.num_placements + stats.totals.num_moves > 0
-            )  # the mapping did change
-            assert client.audit().is_consistent
-    finally:
-        handle.stop(1.0)
+    handle = start(worker, serve, threshold=0, prefix_caching=prefix_caching)
+    with DefragClient(handle.address, prefix_caching=prefix_caching, timeout_s=5) as client:
+        adapter = VllmDefragAdapter(client, BLOCK_SIZE)
+        steps = [
+            # a new request high in the pool; another with two groups
+            output(
+                new=[
+                    NewRequestData("a", ([20, 21, 22],), 0),
+                    NewRequestData("b", ([15], [16]), 0),
+                    NewRequestData("e", ([10],), 0),
+                ]
+            ),
+            # a grows; c shares a's first two blocks as prefix hits (computed)
+            output(
+                new=[NewRequestData("c", ([20, 21, 18],), 2 * BLOCK_SIZE)],
+                running=cached(("a", ([23],), 12), ("b", None, 1)),
+            ),
+            # copy-on-write: c's new block 17 receives a copy of block 21
+            output(running=cached(("c", ([17],), 12)), kv_cache_block_copies=[(21, 17)]),
+            # b preempted; a finished and re-admitted with one of its blocks as a hit
+            output(
+                new=[NewRequestData("a", ([20, 19],), BLOCK_SIZE)],
+                finished={"a"},
+                preempted_req_ids={"b"},
+            ),
+            # b resumes: its list is replaced (its old first block is a prefix hit
+            # when the cache kept it; recomputed otherwise)
+            # e resumes in place (its preemption was never reported): replaced too
+            output(
+                running=cached(
+                    ("b", ([15, 13],), BLOCK_SIZE if prefix_caching else 0),
+                    ("e", ([10, 9],), BLOCK_SIZE if prefix_caching else 0),
+                    resumed={"b", "e"},
+                )
+            ),
+            # vLLM lists the blocks to zero itself this time
+            output(new=[NewRequestData("d", ([12, 11],), 0)], new_block_ids_to_zero=[12, 11]),
+            output(finished={"c", "d"}),
+        ]
+        for number, out in enumerate(steps):
+            worker.run(adapter, out)
+            if not prefix_caching:
+                held = {i for ids in client.live_requests().values() for i in ids}
+                worker.forget([i for i in list(worker.expected) if i not in held])
+            assert worker.lost_blocks(adapter) == [], f"after step {number}"
+            if number == 4:
+                tables = client.list_requests()
+                assert (tables["b"], tables["e"]) == ([15, 13], [10, 9])
+        stats = client.stats().stats
+        assert stats.totals.num_placements + stats.totals.num_moves > 0  # the mapping did change
+        assert client.audit().is_consistent
 
 
-def test_adapter_refuses_a_block_size_other_than_the_servers(socket_dir: Path) -> None:
+def test_adapter_refuses_a_block_size_other_than_the_servers(serve: Serve) -> None:
     worker = Worker(num_blocks=8)
-    handle = start(worker, socket_dir)
-    try:
-        with (
-            DefragClient(handle.address, timeout_s=5) as client,
-            pytest.raises(InvalidArgument, match="block_size 8 differs from the server's 4"),
-        ):
-            VllmDefragAdapter(client, 8)
-    finally:
-        handle.stop(1.0)
+    handle = start(worker, serve)
+    with (
+        DefragClient(handle.address, timeout_s=5) as client,
+        pytest.raises(InvalidArgument, match="block_size 8 differs from the server's 4"),
+    ):
+        VllmDefragAdapter(client, 8)

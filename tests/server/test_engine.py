@@ -11,6 +11,10 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+
+from kvdefrag.common import InvalidArgument, NotFound, StepEvents, mapping_digest
+from kvdefrag.server import Engine, EngineConfig, Move, MoveReport, StepResult, make_executor
+
 from support.kv import SignedKv, make_kv_caches
 from support.reference_model import (
     ReferenceModel,
@@ -18,9 +22,6 @@ from support.reference_model import (
     assert_step_result,
     physical_layout,
 )
-
-from kvdefrag.common import InvalidArgument, NotFound, StepEvents, mapping_digest
-from kvdefrag.server import Engine, EngineConfig, Move, MoveReport, StepResult, make_executor
 
 BLOCK_SIZE = 4
 NO_TRIGGER = 10_000  # a threshold compaction never reaches in these small pools

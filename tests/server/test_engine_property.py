@@ -19,6 +19,10 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
+from kvdefrag.common import InvalidArgument
+from kvdefrag.server import Engine, EngineConfig
+
 from support.kv import SignedKv
 from support.reference_model import (
     ReferenceModel,
@@ -27,9 +31,6 @@ from support.reference_model import (
     assert_step_result,
     physical_layout,
 )
-
-from kvdefrag.common import InvalidArgument
-from kvdefrag.server import Engine, EngineConfig
 
 BLOCK_SIZE = 2
 EXAMPLES_PER_MODE = 200  # 400 sequences in all

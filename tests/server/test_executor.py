@@ -11,11 +11,12 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from support.kv import SignedKv, make_kv_caches
 
 from kvdefrag.common import EngineUnhealthy, InvalidArgument, mapping_digest
 from kvdefrag.server import Engine, EngineConfig, Move, MoveReport, make_executor
 from kvdefrag.server._executor import TorchSwapExecutor, pad_to_bucket
+
+from support.kv import SignedKv, make_kv_caches
 
 BLOCK_SIZE = 4
 DTYPES = [

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import urllib.request
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -15,17 +14,14 @@ import torch
 from prometheus_client import REGISTRY, CollectorRegistry
 
 from kvdefrag.common import EngineUnhealthy
-from kvdefrag.server import Engine, EngineConfig, Move, MoveReport, serve_in_process
+from kvdefrag.server import Engine, EngineConfig, Move, MoveReport
 from kvdefrag.server._executor import TorchSwapExecutor, pad_to_bucket
 from kvdefrag.server.metrics import DURATION_BUCKETS_S, Metrics, serve_metrics
 
+from support.server import Serve
+
 BLOCK_SIZE = 4
 HEAD_DIM = 8
-
-
-@pytest.fixture
-def registry() -> CollectorRegistry:
-    return CollectorRegistry()
 
 
 def make_kv_caches(num_blocks: int, num_layers: int = 2) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -279,33 +275,21 @@ def test_serve_metrics_exposes_the_registry_over_http(registry: CollectorRegistr
 
 
 # --- the server's default metrics ------------------------------------------------------
-def _kv_caches(num_blocks: int = 64, block_size: int = 4) -> list[tuple[torch.Tensor, None]]:
-    return [(torch.zeros(num_blocks * block_size, 2), None)]
+def test_metrics_endpoint_follows_the_engine(serve: Serve) -> None:
+    handle = serve(metrics_port=0, threshold=0)
+    assert handle.metrics_port is not None
+    handle.engine.step(new_blocks={"req-a": [40, 41]}, fresh=[])
+    url = f"http://127.0.0.1:{handle.metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as response:
+        text = response.read().decode()
+    assert "kvdefrag_steps_total 1.0" in text
+    assert 'kvdefrag_moved_blocks_total{direction="one_way"} 2.0' in text
+    assert "kvdefrag_live_blocks 2.0" in text
+    assert handle.registry.get_sample_value("kvdefrag_max_live_block_id") == 2.0
 
 
-def test_metrics_endpoint_follows_the_engine(tmp_path: Path) -> None:
-    handle = serve_in_process(
-        _kv_caches(), 4, f"unix:{tmp_path / 'kv.sock'}", metrics_port=0, threshold=0
-    )
-    try:
-        assert handle.metrics_port is not None
-        handle.engine.step(new_blocks={"req-a": [40, 41]}, fresh=[])
-        url = f"http://127.0.0.1:{handle.metrics_port}/metrics"
-        with urllib.request.urlopen(url, timeout=10) as response:
-            text = response.read().decode()
-        assert "kvdefrag_steps_total 1.0" in text
-        assert 'kvdefrag_moved_blocks_total{direction="one_way"} 2.0' in text
-        assert "kvdefrag_live_blocks 2.0" in text
-        assert handle.registry.get_sample_value("kvdefrag_max_live_block_id") == 2.0
-    finally:
-        handle.stop(1)
-
-
-def test_no_metrics_endpoint_unless_asked(tmp_path: Path) -> None:
-    handle = serve_in_process(_kv_caches(), 4, f"unix:{tmp_path / 'kv.sock'}")
-    try:
-        assert handle.metrics_port is None
-        handle.engine.step(new_blocks={"req-a": [3]})
-        assert handle.registry.get_sample_value("kvdefrag_steps_total") == 1.0
-    finally:
-        handle.stop(1)
+def test_no_metrics_endpoint_unless_asked(serve: Serve) -> None:
+    handle = serve()
+    assert handle.metrics_port is None
+    handle.engine.step(new_blocks={"req-a": [3]})
+    assert handle.registry.get_sample_value("kvdefrag_steps_total") == 1.0

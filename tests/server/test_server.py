@@ -6,35 +6,19 @@ import errno
 import os
 import socket
 import stat
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
-from support.kv import SignedKv
-from support.tls import make_certificates
 
 from kvdefrag.common import InvalidArgument
-from kvdefrag.server import ServerHandle, serve_in_process
 from kvdefrag.server._server import parse_address
 from kvdefrag.v1 import defrag_pb2 as pb
 from kvdefrag.v1 import defrag_pb2_grpc as pb_grpc
 
-
-@pytest.fixture
-def serve() -> Iterator[Any]:
-    handles: list[ServerHandle] = []
-
-    def start(address: str, **options: Any) -> ServerHandle:
-        kv = SignedKv.create(32)
-        handle = serve_in_process(kv.kv_caches, kv.block_size, address, **options)
-        handles.append(handle)
-        return handle
-
-    yield start
-    for handle in handles:
-        handle.stop(0)
+from support.server import Serve
+from support.tls import make_certificates
 
 
 def get_stats(address: str, credentials: grpc.ChannelCredentials | None = None) -> Any:
@@ -47,7 +31,7 @@ def get_stats(address: str, credentials: grpc.ChannelCredentials | None = None) 
         return pb_grpc.DefragServiceStub(channel).GetStats(pb.GetStatsRequest(), timeout=10)
 
 
-def test_unix_socket_is_private_and_removed_on_stop(serve: Any, tmp_path: Path) -> None:
+def test_unix_socket_is_private_and_removed_on_stop(serve: Serve, tmp_path: Path) -> None:
     path = tmp_path / "kv.sock"
     handle = serve(f"unix:{path}")
     assert handle.address == f"unix:{path}"
@@ -57,7 +41,7 @@ def test_unix_socket_is_private_and_removed_on_stop(serve: Any, tmp_path: Path) 
     assert not path.exists()
 
 
-def test_stale_socket_file_is_replaced(serve: Any, tmp_path: Path) -> None:
+def test_stale_socket_file_is_replaced(serve: Serve, tmp_path: Path) -> None:
     path = tmp_path / "kv.sock"
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as dead:
         dead.bind(str(path))  # a socket file nobody listens on, as after a crash
@@ -65,7 +49,7 @@ def test_stale_socket_file_is_replaced(serve: Any, tmp_path: Path) -> None:
     assert get_stats(handle.address).epoch == handle.epoch
 
 
-def test_socket_of_a_live_server_is_refused(serve: Any, tmp_path: Path) -> None:
+def test_socket_of_a_live_server_is_refused(serve: Serve, tmp_path: Path) -> None:
     address = f"unix:{tmp_path}/kv.sock"
     first = serve(address)
     with pytest.raises(OSError) as info:
@@ -74,7 +58,7 @@ def test_socket_of_a_live_server_is_refused(serve: Any, tmp_path: Path) -> None:
     assert get_stats(address).epoch == first.epoch
 
 
-def test_a_file_that_is_not_a_socket_is_left_alone(serve: Any, tmp_path: Path) -> None:
+def test_a_file_that_is_not_a_socket_is_left_alone(serve: Serve, tmp_path: Path) -> None:
     path = tmp_path / "kv.sock"
     path.write_text("precious")
     with pytest.raises(InvalidArgument, match="not a socket"):
@@ -82,14 +66,14 @@ def test_a_file_that_is_not_a_socket_is_left_alone(serve: Any, tmp_path: Path) -
     assert path.read_text() == "precious"
 
 
-def test_tcp_port_zero_reports_the_real_port(serve: Any) -> None:
+def test_tcp_port_zero_reports_the_real_port(serve: Serve) -> None:
     handle = serve("127.0.0.1:0")
     host, port = handle.address.rsplit(":", 1)
     assert host == "127.0.0.1" and int(port) > 0
     assert get_stats(handle.address).epoch == handle.epoch
 
 
-def test_taken_tcp_port_is_refused(serve: Any) -> None:
+def test_taken_tcp_port_is_refused(serve: Serve) -> None:
     first = serve("127.0.0.1:0")
     with pytest.raises(OSError) as info:
         serve(first.address)
@@ -97,7 +81,7 @@ def test_taken_tcp_port_is_refused(serve: Any) -> None:
     assert get_stats(first.address).epoch == first.epoch
 
 
-def test_non_loopback_tcp_needs_tls_or_insecure(serve: Any) -> None:
+def test_non_loopback_tcp_needs_tls_or_insecure(serve: Serve) -> None:
     with pytest.raises(InvalidArgument, match="--insecure"):
         serve("0.0.0.0:0")
     handle = serve("0.0.0.0:0", insecure=True)
@@ -129,7 +113,7 @@ def test_bad_addresses_are_refused(address: str) -> None:
 
 
 # --- TLS --------------------------------------------------------------------------------
-def test_tls_serves_a_non_loopback_address(serve: Any, tmp_path: Path) -> None:
+def test_tls_serves_a_non_loopback_address(serve: Serve, tmp_path: Path) -> None:
     certs = make_certificates(tmp_path)
     handle = serve(
         "0.0.0.0:0", tls_cert_file=str(certs["server"]), tls_key_file=str(certs["server_key"])
@@ -141,7 +125,7 @@ def test_tls_serves_a_non_loopback_address(serve: Any, tmp_path: Path) -> None:
         get_stats(f"localhost:{port}")  # plain text is not served
 
 
-def test_mtls_requires_a_client_certificate(serve: Any, tmp_path: Path) -> None:
+def test_mtls_requires_a_client_certificate(serve: Serve, tmp_path: Path) -> None:
     certs = make_certificates(tmp_path)
     handle = serve(
         "127.0.0.1:0",
@@ -162,7 +146,7 @@ def test_mtls_requires_a_client_certificate(serve: Any, tmp_path: Path) -> None:
     assert get_stats(target, client).epoch == handle.epoch
 
 
-def test_incomplete_tls_options_are_refused(serve: Any, tmp_path: Path) -> None:
+def test_incomplete_tls_options_are_refused(serve: Serve, tmp_path: Path) -> None:
     with pytest.raises(InvalidArgument, match="tls_key_file"):
         serve("127.0.0.1:0", tls_cert_file=str(tmp_path / "cert.pem"))
     with pytest.raises(InvalidArgument, match="tls_client_ca_file"):

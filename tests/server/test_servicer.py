@@ -16,14 +16,16 @@ from typing import Any
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from support.kv import SignedKv
 
-from kvdefrag.server import ServerHandle, serve_in_process
+from kvdefrag.server import ServerHandle
 from kvdefrag.server._convert import max_step_response_bytes, step_events
 from kvdefrag.server._executor import TorchSwapExecutor
 from kvdefrag.server._policy import Move
 from kvdefrag.v1 import defrag_pb2 as pb
 from kvdefrag.v1 import defrag_pb2_grpc as pb_grpc
+
+from support.kv import SignedKv
+from support.server import Serve
 
 FAILED_PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -31,22 +33,17 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 class Harness:
-    """Starts servers and opens stubs and streams; closes everything at teardown."""
+    """Starts servers (through ``serve``) and opens stubs and streams; closes them at teardown."""
 
-    def __init__(self, directory: str) -> None:
-        self.directory = directory
-        self.handles: list[ServerHandle] = []
+    def __init__(self, serve: Serve) -> None:
+        self._serve = serve
         self.channels: list[grpc.Channel] = []
         self.streams: list[Stream] = []
 
     def serve(
         self, num_blocks: int = 64, *, kv: SignedKv | None = None, **options: Any
     ) -> ServerHandle:
-        kv = kv or SignedKv.create(num_blocks)
-        options.setdefault("address", f"unix:{self.directory}/kv{len(self.handles)}.sock")
-        handle = serve_in_process(kv.kv_caches, kv.block_size, **options)
-        self.handles.append(handle)
-        return handle
+        return self._serve(kv=kv, num_blocks=num_blocks, **options)
 
     def channel(self, address: str) -> grpc.Channel:
         channel = grpc.insecure_channel(address)
@@ -66,10 +63,9 @@ class Harness:
         return stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=10).status
 
     def close(self) -> None:
+        """Cancels the streams and closes the channels (the ``serve`` fixture stops servers)."""
         for stream in self.streams:
             stream.call.cancel()
-        for handle in self.handles:
-            handle.stop(0)
         for channel in self.channels:
             channel.close()
 
@@ -101,8 +97,8 @@ class Stream:
 
 
 @pytest.fixture
-def harness(tmp_path: Any) -> Iterator[Harness]:
-    harness = Harness(str(tmp_path))
+def harness(serve: Serve) -> Iterator[Harness]:
+    harness = Harness(serve)
     yield harness
     harness.close()
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import random
 
 from kvdefrag.common import NULL_BLOCK_ID, StepEvents
+
 from support.reference_model import ReferenceModel, StepOutcome
 
 

@@ -16,12 +16,14 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from support.kv import SignedKv
-from support.random_workload import RandomWorkload
-from support.tls import make_certificates
 
 from kvdefrag.client import DefragClient, ServiceUnavailable
-from kvdefrag.server import Engine, EngineConfig, serve_in_process
+from kvdefrag.server import Engine, EngineConfig
+
+from support.kv import SignedKv
+from support.random_workload import RandomWorkload
+from support.server import Serve, running_server
+from support.tls import make_certificates
 
 NUM_BLOCKS = 48
 BLOCK_SIZE = 2
@@ -54,43 +56,41 @@ def test_every_live_block_reads_its_own_data_through_the_client(
     defragment_every: int,
 ) -> None:
     signed = SignedKv.create(NUM_BLOCKS, block_size=BLOCK_SIZE)
-    handle = serve_in_process(
-        signed.kv_caches,
-        BLOCK_SIZE,
-        address=next(socket_paths),
-        threshold=threshold,
-        max_moves_per_step=max_moves_per_step,
-        enable_placement=enable_placement,
-        # The server starts without prefix caching; the client's handshake switches it.
-    )
     workload = RandomWorkload(NUM_BLOCKS, prefix_caching, seed)
-    try:
-        with DefragClient(handle.address, prefix_caching=prefix_caching, timeout_s=10) as client:
-            for step_number in range(1, NUM_STEPS + 1):
-                if defragment_every and step_number % defragment_every == 0:
-                    client.defragment()
-                events, outcome = workload.next_step()
+    with (
+        running_server(
+            next(socket_paths),
+            kv=signed,
+            threshold=threshold,
+            max_moves_per_step=max_moves_per_step,
+            enable_placement=enable_placement,
+            # The server starts without prefix caching; the client's handshake switches it.
+        ) as handle,
+        DefragClient(handle.address, prefix_caching=prefix_caching, timeout_s=10) as client,
+    ):
+        for step_number in range(1, NUM_STEPS + 1):
+            if defragment_every and step_number % defragment_every == 0:
+                client.defragment()
+            events, outcome = workload.next_step()
 
-                reply = client.step(**events.as_kwargs())
+            reply = client.step(**events.as_kwargs())
 
-                assert reply.seq == step_number
-                assert not reply.replayed
-                fresh = sorted(outcome.fresh)
-                signed.write(fresh, client.resolve(fresh))  # the worker's forward pass
-                holding = sorted(workload.model.holds_data())
-                lost = signed.mismatched(holding, client.resolve(holding))
-                assert lost == [], f"step {step_number}: blocks lost their data: {lost}"
-                assert client.resolve(range(NUM_BLOCKS)) == (
-                    handle.engine.resolve(range(NUM_BLOCKS)).tolist()
-                )
-                assert client.live_requests() == workload.model.requests
-            report = client.audit()
-            assert report.is_consistent, report.describe()
-            stats = client.stats()
-            assert stats.next_seq == NUM_STEPS + 1
-            assert stats.stats.totals.num_steps == NUM_STEPS
-    finally:
-        handle.stop(1.0)
+            assert reply.seq == step_number
+            assert not reply.replayed
+            fresh = sorted(outcome.fresh)
+            signed.write(fresh, client.resolve(fresh))  # the worker's forward pass
+            holding = sorted(workload.model.holds_data())
+            lost = signed.mismatched(holding, client.resolve(holding))
+            assert lost == [], f"step {step_number}: blocks lost their data: {lost}"
+            assert client.resolve(range(NUM_BLOCKS)) == (
+                handle.engine.resolve(range(NUM_BLOCKS)).tolist()
+            )
+            assert client.live_requests() == workload.model.requests
+        report = client.audit()
+        assert report.is_consistent, report.describe()
+        stats = client.stats()
+        assert stats.next_seq == NUM_STEPS + 1
+        assert stats.stats.totals.num_steps == NUM_STEPS
 
 
 def test_the_workloads_exercise_moves_placements_and_every_event_kind() -> None:
@@ -120,35 +120,31 @@ def test_the_workloads_exercise_moves_placements_and_every_event_kind() -> None:
     assert readmitted > 0
 
 
-def test_the_client_speaks_mtls_over_tcp(tmp_path: Path) -> None:
+def test_the_client_speaks_mtls_over_tcp(serve: Serve, tmp_path: Path) -> None:
     certs = make_certificates(tmp_path)
     signed = SignedKv.create(NUM_BLOCKS, block_size=BLOCK_SIZE)
-    handle = serve_in_process(
-        signed.kv_caches,
-        BLOCK_SIZE,
-        address="127.0.0.1:0",
+    handle = serve(
+        "127.0.0.1:0",
+        kv=signed,
         threshold=0,
         tls_cert_file=str(certs["server"]),
         tls_key_file=str(certs["server_key"]),
         tls_client_ca_file=str(certs["ca"]),
     )
     target = f"localhost:{handle.address.rsplit(':', 1)[1]}"
-    try:
-        with DefragClient(
-            target,
-            timeout_s=10,
-            root_certificates=certs["ca"].read_bytes(),
-            private_key=certs["client_key"].read_bytes(),
-            certificate_chain=certs["client"].read_bytes(),
-        ) as client:
-            client.step(new_blocks={"a": [30, 31], "b": [40]})
-            signed.write([30, 31, 40], client.resolve([30, 31, 40]))
-            client.step(finished=["a"])  # compaction moves b's block down
+    with DefragClient(
+        target,
+        timeout_s=10,
+        root_certificates=certs["ca"].read_bytes(),
+        private_key=certs["client_key"].read_bytes(),
+        certificate_chain=certs["client"].read_bytes(),
+    ) as client:
+        client.step(new_blocks={"a": [30, 31], "b": [40]})
+        signed.write([30, 31, 40], client.resolve([30, 31, 40]))
+        client.step(finished=["a"])  # compaction moves b's block down
 
-            assert signed.mismatched([40], client.resolve([40])) == []
-            assert client.resolve([40]) == [1]
-            assert client.audit().is_consistent
-        with pytest.raises(ServiceUnavailable):  # no client certificate: refused
-            DefragClient(target, timeout_s=1, root_certificates=certs["ca"].read_bytes())
-    finally:
-        handle.stop(1.0)
+        assert signed.mismatched([40], client.resolve([40])) == []
+        assert client.resolve([40]) == [1]
+        assert client.audit().is_consistent
+    with pytest.raises(ServiceUnavailable):  # no client certificate: refused
+        DefragClient(target, timeout_s=1, root_certificates=certs["ca"].read_bytes())

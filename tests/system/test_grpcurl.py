@@ -9,14 +9,14 @@ import json
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from support.kv import SignedKv
 
-from kvdefrag.server import ServerHandle, serve_in_process
+from kvdefrag.server import ServerHandle
+
+from support.server import Serve
 
 SERVICE = "kvdefrag.v1.DefragService"
 
@@ -54,12 +54,9 @@ class Grpcurl:
 
 
 @pytest.fixture(params=["tcp", "unix"])
-def grpcurl(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Grpcurl]:
-    kv = SignedKv.create(64)
-    address = "127.0.0.1:0" if request.param == "tcp" else f"unix:{tmp_path}/kv.sock"
-    handle = serve_in_process(kv.kv_caches, kv.block_size, address, threshold=0)
-    yield Grpcurl(handle)
-    handle.stop(0)
+def grpcurl(request: pytest.FixtureRequest, serve: Serve) -> Grpcurl:
+    address = "127.0.0.1:0" if request.param == "tcp" else None  # None: a unix socket
+    return Grpcurl(serve(address, threshold=0))
 
 
 def test_list_shows_every_service(grpcurl: Grpcurl) -> None:

@@ -7,7 +7,6 @@ import inspect
 from collections import Counter
 
 import pytest
-from support.kv import SignedKv
 
 from kvdefrag.common import InvalidArgument
 from kvdefrag.server import Engine, EngineConfig
@@ -19,6 +18,8 @@ from kvdefrag.tools.workload import (
     WorkloadStep,
     generate_steps,
 )
+
+from support.kv import SignedKv
 
 
 def small_config(**overrides: object) -> WorkloadConfig:
