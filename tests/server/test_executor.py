@@ -29,15 +29,6 @@ DTYPES = [
 ]
 
 
-def bytes_per_block(kv: SignedKv) -> int:
-    return sum(
-        tensor[: kv.block_size].numel() * tensor.element_size()
-        for pair in kv.kv_caches
-        for tensor in pair
-        if tensor is not None
-    )
-
-
 def untouched(kv: SignedKv, moves: Sequence[Move]) -> list[int]:
     """Blocks no move wrote: each still holds its own version-0 signature."""
     written = {m.dst_physical_id for m in moves}
@@ -59,7 +50,7 @@ def test_one_way_and_two_way_moves_on_signed_blocks(dtype: torch.dtype, mla: boo
     assert kv.mismatched([12, 3, 15, 4], [3, 12, 4, 15]) == []
     rest = untouched(kv, moves)
     assert kv.mismatched(rest, rest) == []
-    assert report == MoveReport(num_moves=4, num_padded=0, num_bytes=6 * bytes_per_block(kv))
+    assert report == MoveReport(num_moves=4, num_padded=0, num_bytes=6 * kv.bytes_per_block)
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import pytest
-import torch
 from prometheus_client import REGISTRY, CollectorRegistry
 
 from kvdefrag.common import EngineUnhealthy
@@ -18,43 +17,23 @@ from kvdefrag.server import Engine, EngineConfig, Move, MoveReport
 from kvdefrag.server._executor import TorchSwapExecutor, pad_to_bucket
 from kvdefrag.server.metrics import DURATION_BUCKETS_S, Metrics, serve_metrics
 
+from support.kv import SignedKv
 from support.server import Serve
 
 BLOCK_SIZE = 4
-HEAD_DIM = 8
-
-
-def make_kv_caches(num_blocks: int, num_layers: int = 2) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """CPU KV caches whose every block holds its own id (key) and its negative (value)."""
-    signature = torch.arange(num_blocks, dtype=torch.float32).repeat_interleave(BLOCK_SIZE)
-    caches = []
-    for layer in range(num_layers):
-        key = (signature + 0.5 * layer).unsqueeze(1).repeat(1, HEAD_DIM).contiguous()
-        caches.append((key, -key.clone()))
-    return caches
-
-
-def bytes_per_block(num_layers: int = 2) -> int:
-    return num_layers * 2 * BLOCK_SIZE * HEAD_DIM * 4
 
 
 def make_engine(
     registry: CollectorRegistry, num_blocks: int = 64, **options: Any
-) -> tuple[Engine, Metrics, list[tuple[torch.Tensor, torch.Tensor]]]:
+) -> tuple[Engine, Metrics, SignedKv]:
     metrics = Metrics(registry)
-    kv_caches = make_kv_caches(num_blocks)
+    kv = SignedKv.create(num_blocks, block_size=BLOCK_SIZE)
     executor = options.pop("executor", None)
     engine = Engine(
-        kv_caches, BLOCK_SIZE, EngineConfig(**options), observer=metrics, executor=executor
+        kv.kv_caches, BLOCK_SIZE, EngineConfig(**options), observer=metrics, executor=executor
     )
     metrics.bind_engine(engine)
-    return engine, metrics, kv_caches
-
-
-def block_signature(
-    kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]], physical_id: int
-) -> float:
-    return float(kv_caches[0][0][physical_id * BLOCK_SIZE, 0])
+    return engine, metrics, kv
 
 
 def value(registry: CollectorRegistry, name: str, **labels: str) -> float | None:
@@ -62,7 +41,7 @@ def value(registry: CollectorRegistry, name: str, **labels: str) -> float | None
 
 
 def test_far_blocks_take_three_runs_of_at_most_512_moves(registry: CollectorRegistry) -> None:
-    engine, _, kv_caches = make_engine(registry, num_blocks=2560, threshold=0)
+    engine, _, kv = make_engine(registry, num_blocks=2560, threshold=0)
     far_ids = list(range(1300, 2500))
     engine.step(new_blocks={"long-prompt": far_ids}, fresh=[])
     while engine.stats().holes:
@@ -73,7 +52,7 @@ def test_far_blocks_take_three_runs_of_at_most_512_moves(registry: CollectorRegi
     assert value(registry, "kvdefrag_defrag_runs_total", result="failed") == 0
     assert value(registry, "kvdefrag_moved_blocks_total", direction="one_way") == 1200
     assert value(registry, "kvdefrag_moved_blocks_total", direction="two_way") == 0
-    assert value(registry, "kvdefrag_moved_bytes_total") == 1200 * bytes_per_block()
+    assert value(registry, "kvdefrag_moved_bytes_total") == 1200 * kv.bytes_per_block
     assert value(registry, "kvdefrag_placements_total") == 0
     assert value(registry, "kvdefrag_padded_slots_total") == 0
     assert value(registry, "kvdefrag_swap_duration_seconds_count") == 3
@@ -81,8 +60,7 @@ def test_far_blocks_take_three_runs_of_at_most_512_moves(registry: CollectorRegi
     assert value(registry, "kvdefrag_max_live_block_id") == 1200
     assert value(registry, "kvdefrag_fragmentation_ratio") == 1.0
     # The counters describe real moves: every block's data followed it.
-    physical_ids = engine.resolve(far_ids).tolist()
-    assert [block_signature(kv_caches, p) for p in physical_ids] == far_ids
+    assert kv.lost_blocks(engine, far_ids) == []
 
 
 def test_fresh_blocks_count_as_placements_not_moves(registry: CollectorRegistry) -> None:
@@ -109,18 +87,16 @@ def test_unknown_finished_ids_are_counted(registry: CollectorRegistry) -> None:
 
 
 def test_prefix_caching_moves_swap_both_ways(registry: CollectorRegistry) -> None:
-    engine, _, kv_caches = make_engine(registry, threshold=0, prefix_caching=True)
+    engine, _, kv = make_engine(registry, threshold=0, prefix_caching=True)
     engine.step(new_blocks={"cached": list(range(1, 11))})
     engine.step(finished=["cached"], new_blocks={"far": list(range(20, 30))})
 
     assert value(registry, "kvdefrag_moved_blocks_total", direction="two_way") == 10
     assert value(registry, "kvdefrag_moved_blocks_total", direction="one_way") == 0
-    assert value(registry, "kvdefrag_moved_bytes_total") == 2 * 10 * bytes_per_block()
+    assert value(registry, "kvdefrag_moved_bytes_total") == 2 * 10 * kv.bytes_per_block
     assert value(registry, "kvdefrag_defrag_runs_total", result="moved") == 1
     # The cached blocks' data was kept, not overwritten.
-    cached_ids = list(range(1, 11))
-    cached_physical = engine.resolve(cached_ids).tolist()
-    assert [block_signature(kv_caches, p) for p in cached_physical] == cached_ids
+    assert kv.lost_blocks(engine, range(1, 11)) == []
 
 
 class FailingExecutor:
@@ -173,14 +149,14 @@ class PaddingExecutor:
 
 
 def test_padded_slots_are_counted(registry: CollectorRegistry) -> None:
-    kv_caches = make_kv_caches(64)
-    executor = PaddingExecutor(TorchSwapExecutor(kv_caches, BLOCK_SIZE), (8, 16))
+    kv = SignedKv.create(64, block_size=BLOCK_SIZE)
+    executor = PaddingExecutor(TorchSwapExecutor(kv.kv_caches, BLOCK_SIZE), (8, 16))
     engine, _, _ = make_engine(registry, threshold=0, executor=executor)
     engine.step(new_blocks={"far": [40, 41, 42]}, fresh=[])
 
     assert value(registry, "kvdefrag_moved_blocks_total", direction="one_way") == 3
     assert value(registry, "kvdefrag_padded_slots_total") == 5
-    assert value(registry, "kvdefrag_moved_bytes_total") == 3 * bytes_per_block()
+    assert value(registry, "kvdefrag_moved_bytes_total") == 3 * kv.bytes_per_block
 
 
 def test_pool_gauges_follow_the_engine_at_scrape_time(registry: CollectorRegistry) -> None:
@@ -207,7 +183,9 @@ def test_pool_gauges_follow_the_engine_at_scrape_time(registry: CollectorRegistr
 def test_pool_gauges_are_absent_until_an_engine_is_bound(registry: CollectorRegistry) -> None:
     metrics = Metrics(registry)
     assert value(registry, "kvdefrag_live_blocks") is None
-    engine = Engine(make_kv_caches(16), block_size=BLOCK_SIZE, observer=metrics)
+    engine = Engine(
+        SignedKv.create(16, block_size=BLOCK_SIZE).kv_caches, BLOCK_SIZE, observer=metrics
+    )
     metrics.bind_engine(engine)
     assert value(registry, "kvdefrag_capacity_blocks") == 16
 

@@ -159,6 +159,11 @@ class SignedKv:
         caches = make_kv_caches(num_blocks, block_size=block_size, **options)  # type: ignore[arg-type]
         return cls(caches, block_size)
 
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes one block occupies across every tensor (what a move of it writes)."""
+        return sum(view[0].numel() * view.element_size() for view in self._views)
+
     def _write_rows(
         self, logical_ids: npt.NDArray[np.int64], physical_ids: npt.NDArray[np.int64]
     ) -> None:

@@ -51,8 +51,7 @@ def make_engine(registry: CollectorRegistry, num_blocks: int) -> Engine:
 
 
 @pytest.fixture
-def metrics_endpoint() -> Iterator[tuple[Engine, MetricsServer]]:
-    registry = CollectorRegistry()
+def metrics_endpoint(registry: CollectorRegistry) -> Iterator[tuple[Engine, MetricsServer]]:
     engine = make_engine(registry, num_blocks=2560)
     server = serve_metrics(registry, 0)
     try:
