@@ -301,6 +301,7 @@ class Run:
                 assert result.stats.holes == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("prefix_caching", [False, True], ids=["no-prefix", "prefix"])
 def test_engine_matches_reference_model(prefix_caching: bool) -> None:
     totals: Counter[str] = Counter()

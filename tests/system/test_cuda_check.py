@@ -4,9 +4,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "cuda_check.py"
 
 
+@pytest.mark.slow
 def test_cuda_check_dry_run_on_cpu_finds_no_corruption() -> None:
     done = subprocess.run(
         [sys.executable, str(SCRIPT), "--dry-run-on-cpu"],

@@ -264,6 +264,7 @@ def test_pod_monitor_selects_the_worker_pod_and_its_metrics_port() -> None:
         assert endpoint["path"] == pod["metadata"]["annotations"]["prometheus.io/path"]
 
 
+@pytest.mark.slow
 def test_image_entry_command_starts_a_server_that_answers(tmp_path: Path) -> None:
     """Runs the image's command (ports 0 instead of fixed ones) and asks its health service."""
     server_script = tool("kvdefrag-server", "pip install -e server (make install)")

@@ -37,6 +37,7 @@ def socket_paths(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     return (f"unix:{directory}/s{number}.sock" for number in itertools.count())
 
 
+@pytest.mark.slow
 @settings(max_examples=200, deadline=None)
 @given(
     seed=st.integers(0, 2**32 - 1),

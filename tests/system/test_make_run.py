@@ -30,6 +30,7 @@ def _wait_for(log_path: Path, pattern: str) -> str:
     raise AssertionError(f"server printed no {pattern!r}:\n{log_path.read_text()}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("address_kind", ["tcp", "unix"])
 def test_printed_commands_run_as_printed(tmp_path: Path, address_kind: str) -> None:
     address = "127.0.0.1:0" if address_kind == "tcp" else f"unix:{tmp_path / 'kv.sock'}"

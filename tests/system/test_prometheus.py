@@ -145,6 +145,7 @@ def wait_for_values(base_url: str, expected: dict[str, float]) -> None:
     pytest.fail(f"after {WAIT_S:.0f} s Prometheus still answers {wrong}; expected {expected}")
 
 
+@pytest.mark.slow
 def test_prometheus_scrapes_counters_gauges_and_histograms(
     prometheus: str, metrics_endpoint: tuple[Engine, MetricsServer]
 ) -> None:
