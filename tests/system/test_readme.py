@@ -42,12 +42,3 @@ def test_readme_examples_print_what_they_say() -> None:
         assert promised, "the example promises no output"
         for want, got in promised:
             assert got == want, f"README promises {want!r}, the code printed {got!r}"
-
-
-def test_docstring_examples_run() -> None:
-    import doctest
-
-    from kvdefrag.server import _engine
-
-    failures, attempted = doctest.testmod(_engine, raise_on_error=False)
-    assert attempted > 0 and failures == 0
