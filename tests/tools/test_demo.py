@@ -48,6 +48,7 @@ def integrity_counts(text: str) -> list[tuple[int, int]]:
 
 
 # --- the demo end to end -------------------------------------------------------------
+@pytest.mark.slow
 def test_demo_packs_the_pool_and_keeps_every_block_in_both_modes(tmp_path: Path) -> None:
     out = io.StringIO()
     plot = tmp_path / "plots" / "demo.png"
@@ -107,6 +108,7 @@ def test_demo_sees_blocks_whose_data_did_not_move() -> None:
     assert bad == report.num_corrupted and checked == report.num_live_checked
 
 
+@pytest.mark.slow
 def test_demo_module_runs_as_make_demo_does(tmp_path: Path) -> None:
     plot = tmp_path / "demo.png"
     argv = ["--steps", "150", "--num-blocks", "300", "--mode", "off", "--out", str(plot)]
@@ -161,6 +163,7 @@ def test_demo_exports_only_its_public_api() -> None:
         assert getattr(demo, name).__module__.startswith("kvdefrag.tools."), name
 
 
+@pytest.mark.slow
 def test_bad_options_are_refused_naming_the_option() -> None:
     done = subprocess.run(
         [sys.executable, "-m", "kvdefrag.tools.demo", "--num-blocks", "10"],

@@ -210,6 +210,7 @@ def run_kvdefrag(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.slow
 def test_kvdefrag_record_then_replay_with_other_settings(tmp_path: Path) -> None:
     trace = tmp_path / "trace.jsonl"
 
@@ -226,6 +227,7 @@ def test_kvdefrag_record_then_replay_with_other_settings(tmp_path: Path) -> None
     assert " live blocks checked, 0 corrupted" in replayed.stdout
 
 
+@pytest.mark.slow
 def test_kvdefrag_replay_of_a_malformed_trace_exits_2_naming_the_line(tmp_path: Path) -> None:
     trace = tmp_path / "bad.jsonl"
     trace.write_text(f"{HEADER}\n{GOOD_STEP}\n{{broken\n")

@@ -7,7 +7,6 @@ import inspect
 from collections import Counter
 
 import pytest
-from kv import SignedKv
 
 from kvdefrag.common import InvalidArgument
 from kvdefrag.server import Engine, EngineConfig
@@ -19,6 +18,8 @@ from kvdefrag.tools.workload import (
     WorkloadStep,
     generate_steps,
 )
+
+from support.kv import SignedKv
 
 
 def small_config(**overrides: object) -> WorkloadConfig:
@@ -278,6 +279,7 @@ def test_bad_config_is_refused_naming_the_field(field: str, value: object) -> No
 
 
 # --- end to end: the workload through a real engine with real KV tensors --------------
+@pytest.mark.slow
 @pytest.mark.parametrize("prefix_caching", [False, True])
 def test_engine_keeps_every_block_intact_under_the_workload(prefix_caching: bool) -> None:
     config = small_config(enable_prefix_caching=prefix_caching, num_steps=300)

@@ -13,9 +13,10 @@ production trace. Torch-free: a scheduler records with the client package alone.
 
 Example:
     >>> import io
+    >>> from kvdefrag.common import StepEvents
     >>> buffer = io.StringIO()
     >>> with StepRecorder(buffer, num_blocks=64, block_size=16, close_file=False) as rec:
-    ...     rec.record(new_blocks={"req-a": [5, 9]}, fresh=[5, 9])
+    ...     rec.record(StepEvents.build(new_blocks={"req-a": [5, 9]}, fresh=[5, 9]))
     >>> trace = parse_trace(buffer.getvalue().splitlines())
     >>> trace.header.num_blocks, trace.steps[0].new_blocks
     (64, {'req-a': [5, 9]})

@@ -114,11 +114,13 @@ def events_from_scheduler_output(output: Any, block_size: int) -> StepEvents:
 class VllmDefragAdapter:
     """Feeds a vLLM scheduler's outputs to a ``DefragClient``, one step per output.
 
+    ``on_scheduler_output`` runs before the forward pass that uses the output.
+
     Example:
         >>> adapter = VllmDefragAdapter(client, block_size=16)  # doctest: +SKIP
-        >>> adapter.on_scheduler_output(scheduler_output)  # before the forward pass
-        >>> physical_tables = adapter.resolve_tables(block_tables)
-        >>> physical_copies = adapter.resolve_copies(scheduler_output)
+        >>> adapter.on_scheduler_output(scheduler_output)  # doctest: +SKIP
+        >>> physical_tables = adapter.resolve_tables(block_tables)  # doctest: +SKIP
+        >>> physical_copies = adapter.resolve_copies(scheduler_output)  # doctest: +SKIP
     """
 
     def __init__(self, client: DefragClient, block_size: int) -> None:

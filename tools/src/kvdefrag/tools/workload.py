@@ -223,7 +223,7 @@ class SyntheticWorkload:
     Example:
         >>> workload = SyntheticWorkload(WorkloadConfig(num_blocks=2_000, num_steps=5))
         >>> steps = list(workload)
-        >>> sorted(steps[0].new_blocks["req-0"])[:3]
+        >>> sorted(steps[0].events.new_blocks["req-0"])[:3]
         [1, 2, 3]
     """
 

@@ -1,0 +1,273 @@
+"""Metrics: values read from a fresh registry after known event sequences on a real Engine.
+
+Also the server's default metrics: wired to the engine and served on /metrics when asked.
+"""
+
+from __future__ import annotations
+
+import urllib.request
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+from prometheus_client import REGISTRY, CollectorRegistry
+
+from kvdefrag.common import EngineUnhealthy
+from kvdefrag.server import Engine, EngineConfig, Move, MoveReport
+from kvdefrag.server._executor import TorchSwapExecutor, pad_to_bucket
+from kvdefrag.server.metrics import DURATION_BUCKETS_S, Metrics, serve_metrics
+
+from support.kv import SignedKv
+from support.server import Serve
+
+BLOCK_SIZE = 4
+
+
+def make_engine(
+    registry: CollectorRegistry, num_blocks: int = 64, **options: Any
+) -> tuple[Engine, Metrics, SignedKv]:
+    metrics = Metrics(registry)
+    kv = SignedKv.create(num_blocks, block_size=BLOCK_SIZE)
+    executor = options.pop("executor", None)
+    engine = Engine(
+        kv.kv_caches, BLOCK_SIZE, EngineConfig(**options), observer=metrics, executor=executor
+    )
+    metrics.bind_engine(engine)
+    return engine, metrics, kv
+
+
+def value(registry: CollectorRegistry, name: str, **labels: str) -> float | None:
+    return registry.get_sample_value(name, labels)
+
+
+def test_far_blocks_take_three_runs_of_at_most_512_moves(registry: CollectorRegistry) -> None:
+    engine, _, kv = make_engine(registry, num_blocks=2560, threshold=0)
+    far_ids = list(range(1300, 2500))
+    engine.step(new_blocks={"long-prompt": far_ids}, fresh=[])
+    while engine.stats().holes:
+        engine.step()
+
+    assert value(registry, "kvdefrag_steps_total") == 3
+    assert value(registry, "kvdefrag_defrag_runs_total", result="moved") == 3
+    assert value(registry, "kvdefrag_defrag_runs_total", result="failed") == 0
+    assert value(registry, "kvdefrag_moved_blocks_total", direction="one_way") == 1200
+    assert value(registry, "kvdefrag_moved_blocks_total", direction="two_way") == 0
+    assert value(registry, "kvdefrag_moved_bytes_total") == 1200 * kv.bytes_per_block
+    assert value(registry, "kvdefrag_placements_total") == 0
+    assert value(registry, "kvdefrag_padded_slots_total") == 0
+    assert value(registry, "kvdefrag_swap_duration_seconds_count") == 3
+    assert value(registry, "kvdefrag_step_duration_seconds_count") == 3
+    assert value(registry, "kvdefrag_max_live_block_id") == 1200
+    assert value(registry, "kvdefrag_fragmentation_ratio") == 1.0
+    # The counters describe real moves: every block's data followed it.
+    assert kv.lost_blocks(engine, far_ids) == []
+
+
+def test_fresh_blocks_count_as_placements_not_moves(registry: CollectorRegistry) -> None:
+    engine, _, _ = make_engine(registry, threshold=0)
+    result = engine.step(new_blocks={"req-a": list(range(50, 60))})
+
+    assert result.num_placed == 10
+    assert value(registry, "kvdefrag_placements_total") == 10
+    assert value(registry, "kvdefrag_defrag_runs_total", result="moved") == 0
+    assert value(registry, "kvdefrag_moved_blocks_total", direction="one_way") == 0
+    assert value(registry, "kvdefrag_moved_bytes_total") == 0
+    assert value(registry, "kvdefrag_swap_duration_seconds_count") == 0
+    assert value(registry, "kvdefrag_max_live_block_id") == 10
+
+
+def test_unknown_finished_ids_are_counted(registry: CollectorRegistry) -> None:
+    engine, _, _ = make_engine(registry)
+    engine.step(new_blocks={"known": [1, 2]})
+    engine.step(finished=["known", "cancelled-early", "never-seen"])
+
+    assert value(registry, "kvdefrag_unknown_finished_requests_total") == 2
+    assert value(registry, "kvdefrag_steps_total") == 2
+    assert value(registry, "kvdefrag_running_requests") == 0
+
+
+def test_prefix_caching_moves_swap_both_ways(registry: CollectorRegistry) -> None:
+    engine, _, kv = make_engine(registry, threshold=0, prefix_caching=True)
+    engine.step(new_blocks={"cached": list(range(1, 11))})
+    engine.step(finished=["cached"], new_blocks={"far": list(range(20, 30))})
+
+    assert value(registry, "kvdefrag_moved_blocks_total", direction="two_way") == 10
+    assert value(registry, "kvdefrag_moved_blocks_total", direction="one_way") == 0
+    assert value(registry, "kvdefrag_moved_bytes_total") == 2 * 10 * kv.bytes_per_block
+    assert value(registry, "kvdefrag_defrag_runs_total", result="moved") == 1
+    # The cached blocks' data was kept, not overwritten.
+    assert kv.lost_blocks(engine, range(1, 11)) == []
+
+
+class FailingExecutor:
+    """A swap executor whose device is gone."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+
+    def execute(self, moves: Sequence[Move]) -> MoveReport:
+        raise RuntimeError(f"device lost while moving {len(moves)} blocks")
+
+
+def test_move_failure_is_counted_and_turns_healthy_gauge_off(
+    registry: CollectorRegistry,
+) -> None:
+    engine, _, _ = make_engine(registry, threshold=0, executor=FailingExecutor(64))
+    engine.step(new_blocks={"near": [1, 2]})
+    assert value(registry, "kvdefrag_healthy") == 1
+
+    with pytest.raises(EngineUnhealthy):
+        engine.step(new_blocks={"far": [40]}, fresh=[])
+
+    assert value(registry, "kvdefrag_defrag_runs_total", result="failed") == 1
+    assert value(registry, "kvdefrag_defrag_runs_total", result="moved") == 0
+    assert value(registry, "kvdefrag_healthy") == 0
+    assert value(registry, "kvdefrag_steps_total") == 1
+    engine.reset()
+    assert value(registry, "kvdefrag_healthy") == 1
+    assert value(registry, "kvdefrag_defrag_runs_total", result="failed") == 1
+
+
+class PaddingExecutor:
+    """Pads every batch to a bucket with the null pair, as static-shape backends do."""
+
+    def __init__(self, inner: TorchSwapExecutor, buckets: Sequence[int]) -> None:
+        self.num_blocks = inner.num_blocks
+        self._inner = inner
+        self._buckets = buckets
+
+    def execute(self, moves: Sequence[Move]) -> MoveReport:
+        src, dst, num_padded = pad_to_bucket(
+            [move.src_physical_id for move in moves],
+            [move.dst_physical_id for move in moves],
+            self._buckets,
+        )
+        two_way = [move.is_two_way for move in moves] + [False] * num_padded
+        report = self._inner.execute([Move(*pair) for pair in zip(src, dst, two_way, strict=True)])
+        num_bytes = report.num_bytes - num_padded * self._inner.bytes_per_block
+        return MoveReport(len(moves), num_padded, num_bytes)
+
+
+def test_padded_slots_are_counted(registry: CollectorRegistry) -> None:
+    kv = SignedKv.create(64, block_size=BLOCK_SIZE)
+    executor = PaddingExecutor(TorchSwapExecutor(kv.kv_caches, BLOCK_SIZE), (8, 16))
+    engine, _, _ = make_engine(registry, threshold=0, executor=executor)
+    engine.step(new_blocks={"far": [40, 41, 42]}, fresh=[])
+
+    assert value(registry, "kvdefrag_moved_blocks_total", direction="one_way") == 3
+    assert value(registry, "kvdefrag_padded_slots_total") == 5
+    assert value(registry, "kvdefrag_moved_bytes_total") == 3 * kv.bytes_per_block
+
+
+def test_pool_gauges_follow_the_engine_at_scrape_time(registry: CollectorRegistry) -> None:
+    engine, _, _ = make_engine(registry, threshold=1000, enable_placement=False)
+    assert value(registry, "kvdefrag_live_blocks") == 0
+    assert value(registry, "kvdefrag_capacity_blocks") == 64
+    assert value(registry, "kvdefrag_fragmentation_ratio") == 1.0
+
+    engine.step(new_blocks={"a": [5, 9], "b": [30]})
+    assert value(registry, "kvdefrag_live_blocks") == 3
+    assert value(registry, "kvdefrag_max_live_block_id") == 30
+    assert value(registry, "kvdefrag_hole_blocks") == 27
+    assert value(registry, "kvdefrag_fragmentation_ratio") == 10.0
+    assert value(registry, "kvdefrag_running_requests") == 2
+    assert value(registry, "kvdefrag_healthy") == 1
+
+    engine.step(finished=["b"])
+    assert value(registry, "kvdefrag_live_blocks") == 2
+    assert value(registry, "kvdefrag_max_live_block_id") == 9
+    assert value(registry, "kvdefrag_fragmentation_ratio") == 4.5
+    assert value(registry, "kvdefrag_running_requests") == 1
+
+
+def test_pool_gauges_are_absent_until_an_engine_is_bound(registry: CollectorRegistry) -> None:
+    metrics = Metrics(registry)
+    assert value(registry, "kvdefrag_live_blocks") is None
+    engine = Engine(
+        SignedKv.create(16, block_size=BLOCK_SIZE).kv_caches, BLOCK_SIZE, observer=metrics
+    )
+    metrics.bind_engine(engine)
+    assert value(registry, "kvdefrag_capacity_blocks") == 16
+
+
+def test_errors_and_replays_are_counted_by_label(registry: CollectorRegistry) -> None:
+    metrics = Metrics(registry)
+    metrics.record_error("Step", "INVALID_ARGUMENT")
+    metrics.record_error("Step", "INVALID_ARGUMENT")
+    metrics.record_error("Resolve", "OUT_OF_RANGE")
+    metrics.record_replay()
+
+    assert value(registry, "kvdefrag_errors_total", method="Step", code="INVALID_ARGUMENT") == 2
+    assert value(registry, "kvdefrag_errors_total", method="Resolve", code="OUT_OF_RANGE") == 1
+    assert value(registry, "kvdefrag_errors_total", method="Step", code="OUT_OF_RANGE") is None
+    assert value(registry, "kvdefrag_replayed_steps_total") == 1
+
+
+def test_duration_histograms_resolve_sub_millisecond_times(registry: CollectorRegistry) -> None:
+    engine, _, _ = make_engine(registry, threshold=0)
+    for _ in range(5):
+        engine.step()
+    for name in ("kvdefrag_step_duration_seconds", "kvdefrag_swap_duration_seconds"):
+        bounds = [
+            float(sample.labels["le"])
+            for family in registry.collect()
+            if family.name == name
+            for sample in family.samples
+            if sample.name == f"{name}_bucket"
+        ]
+        assert bounds == [*DURATION_BUCKETS_S, float("inf")]
+        assert bounds[0] <= 50e-6
+        assert sum(bound < 1e-3 for bound in bounds) >= 4
+        assert 10.0 in bounds
+    assert value(registry, "kvdefrag_step_duration_seconds_count") == 5
+    total = value(registry, "kvdefrag_step_duration_seconds_sum")
+    assert total is not None and total > 0
+
+
+def test_metrics_use_only_the_injected_registry() -> None:
+    first, second = CollectorRegistry(), CollectorRegistry()
+    Metrics(first)
+    Metrics(second).record_replay()  # the same names on another registry: no clash
+
+    assert first.get_sample_value("kvdefrag_replayed_steps_total") == 0
+    assert second.get_sample_value("kvdefrag_replayed_steps_total") == 1
+    assert REGISTRY.get_sample_value("kvdefrag_replayed_steps_total") is None
+    with pytest.raises(ValueError, match="Duplicated timeseries"):
+        Metrics(first)
+
+
+def test_serve_metrics_exposes_the_registry_over_http(registry: CollectorRegistry) -> None:
+    engine, _, _ = make_engine(registry, threshold=0)
+    engine.step(new_blocks={"a": [1, 2, 3]})
+    server = serve_metrics(registry, 0)
+    try:
+        assert server.port > 0
+        url = f"http://127.0.0.1:{server.port}/metrics"
+        with urllib.request.urlopen(url, timeout=10) as response:
+            text = response.read().decode()
+    finally:
+        server.stop()
+    assert "kvdefrag_live_blocks 3.0" in text
+    assert "kvdefrag_steps_total 1.0" in text
+    assert 'kvdefrag_defrag_runs_total{result="failed"} 0.0' in text
+
+
+# --- the server's default metrics ------------------------------------------------------
+def test_metrics_endpoint_follows_the_engine(serve: Serve) -> None:
+    handle = serve(metrics_port=0, threshold=0)
+    assert handle.metrics_port is not None
+    handle.engine.step(new_blocks={"req-a": [40, 41]}, fresh=[])
+    url = f"http://127.0.0.1:{handle.metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as response:
+        text = response.read().decode()
+    assert "kvdefrag_steps_total 1.0" in text
+    assert 'kvdefrag_moved_blocks_total{direction="one_way"} 2.0' in text
+    assert "kvdefrag_live_blocks 2.0" in text
+    assert handle.registry.get_sample_value("kvdefrag_max_live_block_id") == 2.0
+
+
+def test_no_metrics_endpoint_unless_asked(serve: Serve) -> None:
+    handle = serve()
+    assert handle.metrics_port is None
+    handle.engine.step(new_blocks={"req-a": [3]})
+    assert handle.registry.get_sample_value("kvdefrag_steps_total") == 1.0

@@ -1,0 +1,24 @@
+"""The check behind every pinned ``__all__``: exact, sorted, star-importable, documented."""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+
+def assert_public_names(module_name: str, names: set[str]) -> None:
+    """Fails unless ``module_name`` exports exactly ``names``, in ruff's order, documented.
+
+    Adding or removing a public name is an API change: the caller pins the set on purpose.
+    """
+    module: ModuleType = importlib.import_module(module_name)
+    assert set(module.__all__) == names
+    # isort-style order (as ruff keeps it): constants, then classes, then functions
+    assert list(module.__all__) == sorted(module.__all__, key=lambda n: (not n.isupper(), n))
+    star: dict[str, object] = {}
+    exec(f"from {module_name} import *", star)
+    assert set(star) - {"__builtins__"} == names
+    for name in names:
+        if name.isupper():  # a constant: documented where it is defined
+            continue
+        assert getattr(module, name).__doc__, f"{module_name}.{name} has no docstring"

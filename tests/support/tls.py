@@ -1,0 +1,36 @@
+"""TLS material for the tests: a throwaway CA and certificates made with real openssl."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+OPENSSL = shutil.which("openssl")
+
+
+def _openssl(*args: str | Path) -> None:
+    assert OPENSSL is not None, (
+        "the TLS tests make certificates with openssl: run `make system-deps`"
+    )
+    subprocess.run([OPENSSL, *map(str, args)], check=True, capture_output=True, timeout=60)
+
+
+def make_certificates(directory: Path) -> dict[str, Path]:
+    """A CA, and a server (localhost) and a client certificate signed by it."""
+    key = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    ca, ca_key = directory / "ca.pem", directory / "ca.key"
+    _openssl("req", "-x509", *key, "-keyout", ca_key, "-out", ca, "-days", "1",
+             "-subj", "/CN=kvdefrag test CA")  # fmt: skip
+    extensions = directory / "san.ext"
+    extensions.write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
+    paths = {"ca": ca}
+    for name in ("server", "client"):
+        csr = directory / f"{name}.csr"
+        _openssl("req", *key, "-keyout", directory / f"{name}.key", "-out", csr,
+                 "-subj", f"/CN={name}")  # fmt: skip
+        cert = directory / f"{name}.pem"
+        _openssl("x509", "-req", "-in", csr, "-CA", ca, "-CAkey", ca_key, "-CAcreateserial",
+                 "-out", cert, "-days", "1", "-extfile", extensions)  # fmt: skip
+        paths[name], paths[f"{name}_key"] = cert, directory / f"{name}.key"
+    return paths
