@@ -8,15 +8,16 @@ dicts, such as a request id listed twice in one field.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from kvdefrag.common import InvalidArgument, PoolStats, StepEvents
+from kvdefrag.common.errors import quote
 from kvdefrag.server._engine import StepResult
 from kvdefrag.v1 import defrag_pb2 as pb
-from kvdefrag.v1 import defrag_pb2_grpc as pb_grpc
 
 # The proto messages are generated code without type information for mypy.
 Message = Any
@@ -24,9 +25,72 @@ Message = Any
 SERVICE_NAME: str = pb.DESCRIPTOR.services_by_name["DefragService"].full_name
 
 
+@dataclasses.dataclass(frozen=True)
+class Unparsable:
+    """A request whose bytes are not a valid message of its type (see ``parsed``)."""
+
+    type_name: str
+    reason: str
+
+
+def _lenient_parser(message_class: Any) -> Callable[[bytes], Message]:
+    """Parses requests of one type; bytes that do not parse become an ``Unparsable``.
+
+    NOTE: a deserializer that raises makes gRPC answer INTERNAL before any handler runs;
+    a malformed message is the caller's mistake, so the servicer answers it (``parsed``)
+    with INVALID_ARGUMENT and the kvdefrag-error metadata instead.
+    """
+
+    def parse(data: bytes) -> Message:
+        message = message_class()
+        try:
+            message.ParseFromString(data)
+        except DecodeError as err:
+            return Unparsable(message_class.DESCRIPTOR.full_name, str(err))
+        return message
+
+    return parse
+
+
+def parsed(request: Message) -> Message:
+    """Returns a request message as parsed.
+
+    Raises:
+        InvalidArgument: Its bytes were not a valid message of the RPC's request type.
+    """
+    if isinstance(request, Unparsable):
+        raise InvalidArgument(
+            f"the request is not a valid {request.type_name} message ({request.reason})"
+        )
+    return request
+
+
+_HANDLER_KINDS: dict[tuple[bool, bool], Callable[..., grpc.RpcMethodHandler[Any, Any]]] = {
+    (False, False): grpc.unary_unary_rpc_method_handler,
+    (False, True): grpc.unary_stream_rpc_method_handler,
+    (True, False): grpc.stream_unary_rpc_method_handler,
+    (True, True): grpc.stream_stream_rpc_method_handler,
+}
+
+
 def add_service(servicer: object, server: grpc.Server) -> None:
-    """Registers a DefragService servicer (methods named as the RPCs) on a server."""
-    pb_grpc.add_DefragServiceServicer_to_server(servicer, server)
+    """Registers a DefragService servicer (methods named as the RPCs) on a server.
+
+    Like the generated ``add_DefragServiceServicer_to_server``, except that requests are
+    parsed leniently (``parsed`` turns a malformed one into ``InvalidArgument``).
+    """
+    handlers = {}
+    for method in pb.DESCRIPTOR.services_by_name["DefragService"].methods:
+        make_handler = _HANDLER_KINDS[method.client_streaming, method.server_streaming]
+        handlers[method.name] = make_handler(
+            getattr(servicer, method.name),
+            request_deserializer=_lenient_parser(getattr(pb, method.input_type.name)),
+            response_serializer=getattr(pb, method.output_type.name).SerializeToString,
+        )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    # NOTE: what the generated code does too (lets gRPC skip the generic lookup); the
+    # type stubs predate it.
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)  # type: ignore[attr-defined]
 
 
 def _block_lists(field: str, entries: Iterable[Message]) -> dict[str, list[int]]:
@@ -35,7 +99,7 @@ def _block_lists(field: str, entries: Iterable[Message]) -> dict[str, list[int]]
         request_id = entry.request_id
         if request_id in lists:
             raise InvalidArgument(
-                f"{field}[{index}]: request id {request_id!r} appears twice in {field}"
+                f"{field}[{index}]: request id {quote(request_id)} appears twice in {field}"
             )
         lists[request_id] = list(entry.block_ids)
     return lists
@@ -51,8 +115,12 @@ class OpenArgs:
 
 
 def stream_request(request: Message) -> tuple[str | None, Message]:
-    """Splits a StepStreamRequest into its kind (``"open"``, ``"step"`` or None) and body."""
-    kind = request.WhichOneof("kind")
+    """Splits a StepStreamRequest into its kind (``"open"``, ``"step"`` or None) and body.
+
+    Raises:
+        InvalidArgument: The message did not parse.
+    """
+    kind = parsed(request).WhichOneof("kind")
     return kind, (getattr(request, kind) if kind else None)
 
 

@@ -32,6 +32,7 @@ from kvdefrag.common import (
     StepEvents,
     Totals,
 )
+from kvdefrag.common.errors import quote
 from kvdefrag.server import _policy
 from kvdefrag.server._executor import KvCaches, MoveReport, SwapExecutor, make_executor
 from kvdefrag.server._policy import Move
@@ -382,7 +383,7 @@ class Engine:
         with self._lock:
             blocks = self._tracker.requests.get(request_id)
             if blocks is None:
-                raise NotFound(f"request_id {request_id!r} is not running")
+                raise NotFound(f"request_id {quote(request_id)} is not running")
             return list(blocks)
 
     def list_requests(self) -> dict[str, list[int]]:

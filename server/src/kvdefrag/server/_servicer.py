@@ -38,8 +38,10 @@ from kvdefrag.common import (
     SessionConflict,
     StepEvents,
 )
+from kvdefrag.common.errors import quote
 from kvdefrag.server import _convert
 from kvdefrag.server._engine import Engine
+from kvdefrag.server._validate import check_client_name, check_request_id
 from kvdefrag.server.config import ServiceConfig
 
 _LOGGER = logging.getLogger(__name__)
@@ -56,6 +58,10 @@ ERROR_CODES: dict[type[DefragError], grpc.StatusCode] = {
 
 Message = Any
 _T = TypeVar("_T")
+
+# The longest status message sent (gRPC caps all trailing metadata at 16 KiB, and
+# percent-encodes the message: up to 12 bytes per character).
+MAX_ERROR_MESSAGE_CHARS = 1024
 
 
 def status_code(err: DefragError) -> grpc.StatusCode:
@@ -167,40 +173,46 @@ class DefragServicer:
             if session is not None:
                 self._release(session)
 
+    # NOTE: every request goes through _convert.parsed inside _call, so bytes that are
+    # not a valid message are answered INVALID_ARGUMENT like any other caller mistake.
     def Step(self, request: Message, context: grpc.ServicerContext) -> Message:
         """One step without a stream; refused while a stream session is open."""
-        return self._call("Step", context, lambda: self._step(request, None))
+        return self._call("Step", context, lambda: self._step(_convert.parsed(request), None))
 
     def Resolve(self, request: Message, context: grpc.ServicerContext) -> Message:
         """Maps logical ids and block tables to physical ids."""
-        return self._call("Resolve", context, lambda: self._resolve(request))
+        return self._call("Resolve", context, lambda: self._resolve(_convert.parsed(request)))
 
     def GetStats(self, request: Message, context: grpc.ServicerContext) -> Message:
         """Pool statistics and session state, one consistent snapshot."""
-        return self._call("GetStats", context, self._get_stats)
+        return self._call("GetStats", context, lambda: self._get_stats(_convert.parsed(request)))
 
     def GetRequest(self, request: Message, context: grpc.ServicerContext) -> Message:
         """The logical and physical blocks of one running request."""
-        return self._call("GetRequest", context, lambda: self._get_request(request))
+        return self._call(
+            "GetRequest", context, lambda: self._get_request(_convert.parsed(request))
+        )
 
     def ListRequests(self, request: Message, context: grpc.ServicerContext) -> Message:
         """Every running request with its logical blocks."""
-        return self._call("ListRequests", context, self._list_requests)
+        return self._call(
+            "ListRequests", context, lambda: self._list_requests(_convert.parsed(request))
+        )
 
     def Defragment(self, request: Message, context: grpc.ServicerContext) -> Message:
         """Makes the next step compact the pool whatever the threshold."""
-        return self._call("Defragment", context, self._defragment)
+        return self._call("Defragment", context, lambda: self._defragment(_convert.parsed(request)))
 
     def Reset(self, request: Message, context: grpc.ServicerContext) -> Message:
         """Forgets all state and starts a new epoch (healthy again)."""
-        return self._call("Reset", context, lambda: self._reset(request))
+        return self._call("Reset", context, lambda: self._reset(_convert.parsed(request)))
 
     # --- sessions and steps -----------------------------------------------------------
     def _stream_step(self, request: Message, session: _Session) -> Message:
         kind, body = _convert.stream_request(request)
         if kind == "open":
             raise SessionConflict(
-                f"StepStream: the session of {session.client_name!r} is already open; "
+                f"StepStream: the session of {quote(session.client_name)} is already open; "
                 "'open' is only allowed as the first message"
             )
         if kind != "step":
@@ -214,6 +226,7 @@ class DefragServicer:
                 f"StepStream: the first message must be 'open', got {kind or 'an empty one'!r}"
             )
         args = _convert.open_args(body)
+        check_client_name(args.client_name)
         engine = self._engine
         with self._lock:
             if self._is_stopping:
@@ -221,7 +234,7 @@ class DefragServicer:
             if self._session is not None:
                 raise SessionConflict(
                     f"open: another stream session (client_name="
-                    f"{self._session.client_name!r}) is open; one writer at a time"
+                    f"{quote(self._session.client_name)}) is open; one writer at a time"
                 )
             if args.epoch and args.epoch != self._epoch:
                 raise EpochMismatch(
@@ -270,8 +283,9 @@ class DefragServicer:
                 if session is None:
                     assert self._session is not None
                     raise SessionConflict(
-                        f"Step: a stream session (client_name={self._session.client_name!r})"
-                        " is open; unary steps are refused while it is"
+                        "Step: a stream session (client_name="
+                        f"{quote(self._session.client_name)}) is open; unary steps are refused "
+                        "while it is"
                     )
                 raise SessionConflict("step: this stream's session is closed")
             reason = engine.unhealthy_reason
@@ -318,7 +332,7 @@ class DefragServicer:
             response = _convert.resolve_response(self._epoch, physical_ids, physical_tables)
         return self._check_size("Resolve", response)
 
-    def _get_stats(self) -> Message:
+    def _get_stats(self, request: Message) -> Message:
         engine = self._engine
         with self._lock:
             return _convert.get_stats_response(
@@ -331,21 +345,19 @@ class DefragServicer:
             )
 
     def _get_request(self, request: Message) -> Message:
-        request_id = request.request_id
-        if not request_id:
-            raise InvalidArgument("request_id must be a non-empty string, got ''")
+        request_id = check_request_id("request_id", request.request_id)
         with self._lock:
             logical_ids = self._engine.request_blocks(request_id)
             physical_ids = self._engine.resolve(logical_ids).tolist()
         response = _convert.get_request_response(request_id, logical_ids, physical_ids)
         return self._check_size("GetRequest", response)
 
-    def _list_requests(self) -> Message:
+    def _list_requests(self, request: Message) -> Message:
         with self._lock:
             response = _convert.list_requests_response(self._epoch, self._engine.list_requests())
         return self._check_size("ListRequests", response)
 
-    def _defragment(self) -> Message:
+    def _defragment(self, request: Message) -> Message:
         self._engine.schedule_defragment()
         return _convert.defragment_response()
 
@@ -413,6 +425,8 @@ class DefragServicer:
         else:
             code = grpc.StatusCode.INTERNAL
             details = f"internal error: {type(err).__name__}: {err}"
+        if len(details) > MAX_ERROR_MESSAGE_CHARS:
+            details = f"{details[:MAX_ERROR_MESSAGE_CHARS]}... ({len(details)} characters)"
         if self._metrics is not None:
             self._metrics.record_error(method, code.name)
         context.abort(code, details)
