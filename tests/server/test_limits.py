@@ -7,7 +7,9 @@ duration: each test asserts what a call returns, a status code or a bound.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -176,3 +178,21 @@ def test_stream_messages_that_do_not_parse_are_invalid_argument(
     responses = call(messages, timeout=10)
     assert pb.StepStreamResponse.FromString(next(responses)).HasField("opened")
     expect_error(lambda: next(responses), INVALID_ARGUMENT, "InvalidArgument")
+
+
+# --- the message limit ------------------------------------------------------------------
+def test_a_message_limit_no_step_fits_in_is_refused_at_startup(servers: Servers) -> None:
+    address = f"unix:{servers.directory}/small.sock"
+    with pytest.raises(InvalidArgument, match="max_message_bytes=4096 is too small") as info:
+        servers.serve(1024, address=address, max_message_bytes=4096)
+    assert not (Path(servers.directory) / "small.sock").exists()
+    found = re.search(r"at least (\d+)", str(info.value))
+    assert found is not None, info.value
+    minimum = int(found.group(1))
+    assert 4096 < minimum < 16_384
+
+    handle = servers.serve(1024, address=address, max_message_bytes=minimum)
+    client = servers.client(handle)
+    assert client.step().seq == 1
+    assert client.step(new_blocks={"a": [700]}).block_mapping == {700: 1, 1: 700}
+    assert client.audit().is_consistent

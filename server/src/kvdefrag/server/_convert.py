@@ -165,6 +165,16 @@ def max_step_response_bytes(events: StepEvents, num_blocks: int, max_moves_per_s
     return num_entries * 2 * id_bytes + _STEP_RESPONSE_OVERHEAD_BYTES
 
 
+def min_message_bytes(num_blocks: int, max_moves_per_step: int) -> int:
+    """The smallest ``max_message_bytes`` that lets a step of one new block through.
+
+    Below it ``max_step_response_bytes`` refuses every step, an empty one included,
+    since compaction alone may move ``max_moves_per_step`` blocks.
+    """
+    one_block = StepEvents(new_blocks={"r": [1]})
+    return max_step_response_bytes(one_block, num_blocks, max_moves_per_step)
+
+
 def stats_message(stats: PoolStats) -> Message:
     """Converts PoolStats to a Stats message (the gauges and totals by field name)."""
     fields = {name: getattr(stats, name) for name in PoolStats.gauge_names()}

@@ -339,8 +339,8 @@ def serve_in_process(
         The running server's handle; call ``stop()`` when the worker shuts down.
 
     Raises:
-        InvalidArgument: A bad option or address, or a non-loopback TCP address
-            without TLS or ``insecure``.
+        InvalidArgument: A bad option or address, a non-loopback TCP address without
+            TLS or ``insecure``, or a ``max_message_bytes`` too small for a step's reply.
         OSError: The address is taken (``errno.EADDRINUSE``).
     """
     engine_config, service_config = load_config({**config, "address": address})
@@ -357,6 +357,7 @@ def serve_in_process(
         kv_lock=kv_lock,
         observer=observer,
     )
+    servicer = DefragServicer(engine, service_config, metrics=metrics)
     listen_address = parse_address(service_config.address)
     thread_pool = futures.ThreadPoolExecutor(
         max_workers=max_workers, thread_name_prefix="kvdefrag-grpc"
@@ -365,7 +366,6 @@ def serve_in_process(
     health_servicer = health.HealthServicer()
     health_reporter = _HealthReporter(health_servicer)
     engine.add_observer(health_reporter)
-    servicer = DefragServicer(engine, service_config, metrics=metrics)
     _convert.add_service(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(

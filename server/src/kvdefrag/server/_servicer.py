@@ -81,6 +81,24 @@ def new_epoch(previous: int = 0) -> int:
             return epoch
 
 
+def check_message_limit(engine: Engine, config: ServiceConfig) -> None:
+    """Refuses a ``max_message_bytes`` below the reply bound of a one-block step.
+
+    NOTE: ServiceConfig alone cannot tell: the bound grows with ``num_blocks`` (the id
+    width) and the engine's ``max_moves_per_step``. A smaller limit would start a server
+    that refuses every step.
+    """
+    minimum = _convert.min_message_bytes(engine.num_blocks, engine.config.max_moves_per_step)
+    if config.max_message_bytes < minimum:
+        raise InvalidArgument(
+            f"max_message_bytes={config.max_message_bytes} is too small: the reply to a "
+            f"one-block step can reach {minimum} bytes with num_blocks={engine.num_blocks} "
+            f"and max_moves_per_step={engine.config.max_moves_per_step}, so every step would "
+            f"be refused; give max_message_bytes at least {minimum} or lower "
+            "max_moves_per_step"
+        )
+
+
 class ServiceMetrics(Protocol):
     """What the servicer reports to the metrics layer."""
 
@@ -112,6 +130,9 @@ class DefragServicer:
         engine: The engine to serve (the one owner of the pool state).
         config: Service options (``replay_cache_size``, ``max_message_bytes``).
         metrics: Optional error and replay counters.
+
+    Raises:
+        InvalidArgument: ``max_message_bytes`` is too small for any step's reply.
     """
 
     def __init__(
@@ -121,6 +142,7 @@ class DefragServicer:
         *,
         metrics: ServiceMetrics | None = None,
     ) -> None:
+        check_message_limit(engine, config)
         self._engine = engine
         self._replay_cache_size = config.replay_cache_size
         self._max_message_bytes = config.max_message_bytes
