@@ -196,3 +196,23 @@ def test_a_message_limit_no_step_fits_in_is_refused_at_startup(servers: Servers)
     assert client.step().seq == 1
     assert client.step(new_blocks={"a": [700]}).block_mapping == {700: 1, 1: 700}
     assert client.audit().is_consistent
+
+
+# --- state that could grow without bound --------------------------------------------------
+def test_requests_without_blocks_are_not_kept(servers: Servers) -> None:
+    handle = servers.serve()
+    client = servers.client(handle)
+    client.step(new_blocks={"kept": [0, 5]})
+    for batch in range(6):  # 3000 requests holding nothing but the null block, or nothing
+        no_blocks = [0] if batch % 2 else []
+        reply = client.step(new_blocks={f"r{batch}-{i}": no_blocks for i in range(500)})
+        assert reply.stats.num_requests == 1
+    reply = client.step(resumed={"kept": [0, 0]}, new_blocks={"grows": [0]})
+    assert reply.stats.num_requests == 0
+    stub = servers.stub(handle)
+    stats = stub.GetStats(pb.GetStatsRequest(), timeout=10).stats
+    assert (stats.num_requests, stats.num_live) == (0, 0)
+    assert not stub.ListRequests(pb.ListRequestsRequest(), timeout=10).requests
+    assert client.list_requests() == {}
+    assert client.audit().is_consistent
+    assert client.step(finished=["r0-0"]).num_unknown_finished == 1

@@ -100,7 +100,10 @@ class Engine:
 
     Invariants (between calls): the mapping is a permutation of ``[0, num_blocks)`` with
     ``resolve(0) == 0``; the KV data of every live block (and, with prefix caching, of
-    every cached free block) sits at ``resolve(logical_id)``.
+    every cached free block) sits at ``resolve(logical_id)``; every running request
+    holds a block other than the null block. A new or resumed request whose list holds
+    none (``[]``, ``[0]``) is not kept: it is not counted in ``num_requests``, and
+    finishing it later counts as an unknown finished id.
 
     Locks, always taken in this order (see docs/design.md §9)::
 
