@@ -45,6 +45,7 @@ COMMON_NAMES = {
     "PoolStats",
     "ServiceUnavailable",
     "SessionConflict",
+    "StalePageToken",
     "StepEvents",
     "Totals",
     "mapping_digest",
@@ -87,10 +88,11 @@ def test_every_common_error_is_a_defrag_error() -> None:
                 "Diverged",
                 "Found",
                 "Unavailable",
+                "Token",
             )
         )
     ]
-    assert len(errors) == 10
+    assert len(errors) == 11
     assert all(issubclass(error, common.DefragError) for error in errors)
     assert set(common.WIRE_ERRORS.values()) == set(errors) - {
         common.DefragError,

@@ -7,8 +7,14 @@ duration: each test asserts what a call returns, a status code or a bound.
 
 from __future__ import annotations
 
+import json
 import re
+import shutil
+import subprocess
+import sys
+import threading
 from collections.abc import Callable, Iterator
+from concurrent import futures
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +24,7 @@ from kv import SignedKv
 
 from kvdefrag.client import DefragClient
 from kvdefrag.common import InvalidArgument, SessionConflict
-from kvdefrag.server import ServerHandle, serve_in_process
+from kvdefrag.server import ServerHandle, _convert, serve_in_process
 from kvdefrag.v1 import defrag_pb2 as pb
 from kvdefrag.v1 import defrag_pb2_grpc as pb_grpc
 
@@ -216,3 +222,196 @@ def test_requests_without_blocks_are_not_kept(servers: Servers) -> None:
     assert client.list_requests() == {}
     assert client.audit().is_consistent
     assert client.step(finished=["r0-0"]).num_unknown_finished == 1
+
+
+def test_resolve_takes_at_most_num_blocks_ids_per_call(servers: Servers) -> None:
+    handle = servers.serve(1024)
+    client = servers.client(handle)
+    client.step(new_blocks={"a": [700, 900]})
+    stub = servers.stub(handle)
+    before = stub.GetStats(pb.GetStatsRequest(), timeout=10)
+    table = pb.BlockTable(block_ids=list(range(24)))
+    for too_many in (
+        pb.ResolveRequest(logical_block_ids=[1] * 1025),
+        pb.ResolveRequest(logical_block_ids=list(range(1001)), block_tables=[table]),
+        pb.ResolveRequest(block_tables=[pb.BlockTable()] * 1025),
+    ):
+        details = expect_error(
+            lambda request=too_many: stub.Resolve(request, timeout=10),
+            INVALID_ARGUMENT,
+            "InvalidArgument",
+        )
+        assert "over the limit of 1024 ids" in details
+    assert stub.GetStats(pb.GetStatsRequest(), timeout=10) == before
+
+    every_id = list(range(1000))
+    reply = stub.Resolve(
+        pb.ResolveRequest(logical_block_ids=every_id, block_tables=[table]), timeout=10
+    )
+    assert list(reply.physical_block_ids) == client.resolve(every_id)
+    assert list(reply.block_tables[0].block_ids) == client.resolve(range(24))
+    assert client.audit().is_consistent
+
+
+_READS = {
+    "Resolve": ("resolve_response", pb.ResolveRequest(logical_block_ids=list(range(1024)))),
+    "GetStats": ("get_stats_response", pb.GetStatsRequest()),
+    "GetRequest": ("get_request_response", pb.GetRequestRequest(request_id="a")),
+    "ListRequests": ("list_requests_response", pb.ListRequestsRequest()),
+}
+
+
+@pytest.mark.parametrize("method", sorted(_READS))
+def test_a_read_in_flight_does_not_stall_the_writer(
+    servers: Servers, monkeypatch: pytest.MonkeyPatch, method: str
+) -> None:
+    handle = servers.serve(1024)
+    client = servers.client(handle)
+    client.step(new_blocks={"a": [700, 900]})
+    builder, request = _READS[method]
+    build_reply = getattr(_convert, builder)
+    is_building, may_finish = threading.Event(), threading.Event()
+
+    def build_slowly(*args: Any, **kwargs: Any) -> Any:
+        is_building.set()
+        may_finish.wait(timeout=60)
+        return build_reply(*args, **kwargs)
+
+    monkeypatch.setattr(_convert, builder, build_slowly)
+    stub = servers.stub(handle)
+    with futures.ThreadPoolExecutor(1) as pool:
+        read = pool.submit(getattr(stub, method), request, timeout=60)
+        assert is_building.wait(timeout=30)
+        try:  # the read is now building its reply: the writer's steps go on meanwhile
+            seqs = [client.step(new_blocks={f"r{i}": [10 + i]}).seq for i in range(5)]
+            assert not read.done()
+        finally:
+            may_finish.set()
+        reply = read.result()
+    assert seqs == [2, 3, 4, 5, 6]
+    assert reply.ByteSize() > 0
+    assert client.audit().is_consistent
+
+
+def test_a_step_in_flight_does_not_stall_the_reads(
+    servers: Servers, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    handle = servers.serve(1024)
+    client = servers.client(handle)
+    client.step(new_blocks={"a": [700, 900]})
+    build_reply = _convert.step_response
+    is_building, may_finish = threading.Event(), threading.Event()
+
+    def build_slowly(*args: Any, **kwargs: Any) -> Any:
+        is_building.set()
+        may_finish.wait(timeout=60)
+        return build_reply(*args, **kwargs)
+
+    monkeypatch.setattr(_convert, "step_response", build_slowly)
+    stub = servers.stub(handle)
+    with futures.ThreadPoolExecutor(1) as pool:
+        step = pool.submit(client.step, new_blocks={"b": [5]})
+        assert is_building.wait(timeout=30)
+        try:  # the step holds the servicer lock while it builds its reply
+            replies = [
+                stub.GetStats(pb.GetStatsRequest(), timeout=10),
+                stub.Resolve(pb.ResolveRequest(logical_block_ids=[5, 700]), timeout=10),
+                stub.GetRequest(pb.GetRequestRequest(request_id="b"), timeout=10),
+                stub.ListRequests(pb.ListRequestsRequest(), timeout=10),
+            ]
+            assert not step.done()
+        finally:
+            may_finish.set()
+        assert step.result().seq == 2
+    stats, resolved, request, listing = replies
+    assert stats.next_seq in (2, 3) and stats.stats.num_requests == 2
+    assert list(resolved.physical_block_ids) == client.resolve([5, 700])
+    assert list(request.physical_block_ids) == client.resolve([5])
+    assert [entry.request_id for entry in listing.requests] == ["a", "b"]
+
+
+# --- ListRequests pages ---------------------------------------------------------------------
+def list_all(stub: pb_grpc.DefragServiceStub, **fields: Any) -> list[Any]:
+    """Every page of ListRequests, following next_page_token."""
+    pages = [stub.ListRequests(pb.ListRequestsRequest(**fields), timeout=10)]
+    while pages[-1].next_page_token:
+        request = pb.ListRequestsRequest(page_token=pages[-1].next_page_token, **fields)
+        pages.append(stub.ListRequests(request, timeout=10))
+    return pages
+
+
+def test_a_state_larger_than_a_message_is_adopted_page_by_page(servers: Servers) -> None:
+    handle = servers.serve(4096, max_message_bytes=32 * 1024)
+    writer = servers.client(handle)
+    expected: dict[str, list[int]] = {}
+    for batch in range(12):  # 2400 requests with 100-character ids: about 300 kB to list
+        lists = {f"{batch}-{i:03d}-".ljust(100, "x"): [1 + batch * 200 + i] for i in range(200)}
+        writer.step(new_blocks=lists)
+        expected |= lists
+    writer.step(new_blocks={"long": list(range(2401, 4096))})
+    expected["long"] = list(range(2401, 4096))
+    writer.close()
+
+    adopter = servers.client(handle)  # rebuilds its mirror from the server's tables
+    assert adopter.list_requests() == expected
+    assert adopter.audit().is_consistent
+    assert adopter.resolve(range(4096)) == handle.engine.resolve(range(4096)).tolist()
+    assert adopter.step(finished=["long"]).stats.num_requests == 2400
+
+    pages = list_all(servers.stub(handle))
+    assert len(pages) > 2 and all(page.ByteSize() <= 32 * 1024 for page in pages)
+    listed = [entry.request_id for page in pages for entry in page.requests]
+    assert listed == [request_id for request_id in expected if request_id != "long"]
+
+
+def test_pages_hold_page_size_requests_and_refuse_a_changed_state(servers: Servers) -> None:
+    handle = servers.serve(4096)
+    client = servers.client(handle)
+    client.step(new_blocks={f"r{i}": [1 + i] for i in range(2500)})
+    stub = servers.stub(handle)
+    assert [len(page.requests) for page in list_all(stub)] == [1000, 1000, 500]
+    assert [len(page.requests) for page in list_all(stub, page_size=1200)] == [1200, 1200, 100]
+    assert len(list_all(stub, page_size=50_000)[0].requests) == 2500
+
+    first = stub.ListRequests(pb.ListRequestsRequest(page_size=10), timeout=10)
+    client.step(finished=["r0"])
+    details = expect_error(
+        lambda: stub.ListRequests(pb.ListRequestsRequest(page_token=first.next_page_token)),
+        grpc.StatusCode.ABORTED,
+        "StalePageToken",
+    )
+    assert "list again from the first page" in details
+    for bad in (
+        pb.ListRequestsRequest(page_token="x" * 100_000),
+        pb.ListRequestsRequest(page_size=-1),
+    ):
+        expect_error(
+            lambda bad=bad: stub.ListRequests(bad, timeout=10), INVALID_ARGUMENT, "InvalidArgument"
+        )
+    assert len(client.list_requests()) == 2499
+
+
+def grpcurl_path() -> str:
+    """The grpcurl of this virtualenv (requirements-dev.txt), else the one on PATH."""
+    beside_python = Path(sys.executable).parent / "grpcurl"
+    found = str(beside_python) if beside_python.exists() else shutil.which("grpcurl")
+    assert found, "grpcurl is not installed: pip install -r requirements-dev.txt"
+    return found
+
+
+def test_grpcurl_lists_without_paging_fields_and_pages_with_them(servers: Servers) -> None:
+    handle = servers.serve(4096)
+    servers.client(handle).step(new_blocks={f"r{i}": [1 + i] for i in range(1500)})
+    target = ["-unix", handle.address.removeprefix("unix:")]
+    method = "kvdefrag.v1.DefragService/ListRequests"
+
+    def grpcurl(*data: str) -> Any:
+        command = [grpcurl_path(), "-plaintext", *data, *target, method]
+        result = subprocess.run(command, capture_output=True, text=True, timeout=60)
+        assert result.returncode == 0, result.stderr
+        return json.loads(result.stdout)
+
+    first = grpcurl()
+    second = grpcurl("-d", json.dumps({"page_token": first["next_page_token"]}))
+    assert (len(first["requests"]), len(second["requests"])) == (1000, 500)
+    assert "next_page_token" not in second

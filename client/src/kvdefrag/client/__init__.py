@@ -23,6 +23,7 @@ from kvdefrag.common import (
     PoolStats,
     ServiceUnavailable,
     SessionConflict,
+    StalePageToken,
     StepEvents,
     Totals,
 )
@@ -43,6 +44,7 @@ __all__ = [
     "ServiceUnavailable",
     "SessionConflict",
     "SessionInfo",
+    "StalePageToken",
     "StepEvents",
     "StepReply",
     "Totals",

@@ -20,6 +20,7 @@ from kvdefrag.common.errors import (
     OutOfOrder,
     ServiceUnavailable,
     SessionConflict,
+    StalePageToken,
 )
 from kvdefrag.common.events import NULL_BLOCK_ID, StepEvents
 from kvdefrag.common.stats import PoolStats, Totals
@@ -39,6 +40,7 @@ __all__ = [
     "PoolStats",
     "ServiceUnavailable",
     "SessionConflict",
+    "StalePageToken",
     "StepEvents",
     "Totals",
     "mapping_digest",

@@ -61,6 +61,11 @@ class NotFound(DefragError):
     """The named object (for example a request id) does not exist."""
 
 
+class StalePageToken(DefragError):
+    """A ``ListRequests`` page token belongs to a state that has changed since its first
+    page (a step or a reset was applied): list again from the first page."""
+
+
 class MirrorDiverged(DefragError):
     """The client's mirror of the mapping no longer matches the server's (digest or seq).
 
@@ -87,5 +92,6 @@ WIRE_ERRORS: dict[str, type[DefragError]] = {
         EngineUnhealthy,
         MessageTooLarge,
         NotFound,
+        StalePageToken,
     )
 }

@@ -7,8 +7,11 @@ dicts, such as a request id listed twice in one field.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import dataclasses
-from collections.abc import Callable, Iterable, Mapping, Sequence
+import struct
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import grpc
@@ -16,7 +19,7 @@ from google.protobuf.message import DecodeError
 
 from kvdefrag.common import InvalidArgument, PoolStats, StepEvents
 from kvdefrag.common.errors import quote
-from kvdefrag.server._engine import StepResult
+from kvdefrag.server._engine import RequestPage, StepResult
 from kvdefrag.v1 import defrag_pb2 as pb
 
 # The proto messages are generated code without type information for mypy.
@@ -232,8 +235,23 @@ def stream_step_response(response: Message) -> Message:
     return pb.StepStreamResponse(step=response)
 
 
-def resolve_request(request: Message) -> tuple[list[int], list[list[int]]]:
-    """Returns a ResolveRequest's logical ids and block tables."""
+def resolve_request(request: Message, max_ids: int) -> tuple[list[int], list[list[int]]]:
+    """Returns a ResolveRequest's logical ids and block tables.
+
+    Raises:
+        InvalidArgument: More than ``max_ids`` ids in all, or more than ``max_ids``
+            tables (counted before anything is copied).
+    """
+    num_tables = len(request.block_tables)
+    num_ids = len(request.logical_block_ids)
+    if num_tables <= max_ids:
+        num_ids += sum(len(table.block_ids) for table in request.block_tables)
+    if num_ids > max_ids or num_tables > max_ids:
+        raise InvalidArgument(
+            f"Resolve: {num_ids} ids in {num_tables} block tables, over the limit of {max_ids} "
+            "ids (num_blocks) per call, logical_block_ids and every table's ids together; "
+            "split the lookup"
+        )
     tables = [list(table.block_ids) for table in request.block_tables]
     return list(request.logical_block_ids), tables
 
@@ -280,15 +298,68 @@ def get_request_response(
     )
 
 
-def list_requests_response(epoch: int, requests: Mapping[str, Sequence[int]]) -> Message:
-    """Builds a ListRequestsResponse (requests in the engine's order)."""
-    return pb.ListRequestsResponse(
-        epoch=epoch,
-        requests=[
-            pb.RequestBlocks(request_id=request_id, block_ids=list(block_ids))
-            for request_id, block_ids in requests.items()
-        ],
-    )
+def list_requests_args(request: Message) -> tuple[int, str]:
+    """Returns a ListRequestsRequest's page size and page token."""
+    return request.page_size, request.page_token
+
+
+# A page token: epoch, generation of the first page, position of the next request.
+_PAGE_TOKEN = struct.Struct("<QQQ")
+
+
+def page_token(epoch: int, generation: int, start: int) -> str:
+    """Encodes where the next page of ListRequests starts (opaque to callers)."""
+    return base64.urlsafe_b64encode(_PAGE_TOKEN.pack(epoch, generation, start)).decode()
+
+
+def parse_page_token(token: str) -> tuple[int, int, int]:
+    """Decodes a ``page_token``: (epoch, generation, start).
+
+    Raises:
+        InvalidArgument: The token is not one ``page_token`` made.
+    """
+    try:
+        epoch, generation, start = _PAGE_TOKEN.unpack(base64.urlsafe_b64decode(token))
+    except (binascii.Error, ValueError, struct.error):
+        raise InvalidArgument(
+            f"page_token {quote(token)} is not a next_page_token this server issued"
+        ) from None
+    return epoch, generation, start
+
+
+# Bytes of a ListRequestsResponse besides its entries: epoch, next_page_token, headers.
+_LIST_RESPONSE_OVERHEAD_BYTES = 128
+# Bytes of one entry besides its request id and ids: tags and length prefixes.
+_REQUEST_BLOCKS_OVERHEAD_BYTES = 16
+
+
+def list_requests_response(
+    epoch: int, page: RequestPage, start: int, *, num_blocks: int, max_bytes: int
+) -> Message:
+    """Builds a ListRequestsResponse of the page's first requests that fit in
+    ``max_bytes`` (at least one), and the token of the page after them.
+
+    Args:
+        epoch: The epoch the page belongs to.
+        page: Requests read from position ``start`` (in the engine's order).
+        start: The page's position.
+        num_blocks: The pool size (how wide an id's varint can be).
+        max_bytes: The size the response must stay within.
+    """
+    id_bytes = max(1, ((num_blocks - 1).bit_length() + 6) // 7)
+    budget_bytes = max_bytes - _LIST_RESPONSE_OVERHEAD_BYTES
+    entries: list[Message] = []
+    for request_id, block_ids in page.requests.items():
+        size_bytes = (
+            len(request_id.encode()) + len(block_ids) * id_bytes + _REQUEST_BLOCKS_OVERHEAD_BYTES
+        )
+        if entries and size_bytes > budget_bytes:
+            break
+        budget_bytes -= size_bytes
+        entries.append(pb.RequestBlocks(request_id=request_id, block_ids=block_ids))
+    next_start = start + len(entries) if len(entries) < len(page.requests) else page.next_start
+    token = "" if next_start is None else page_token(epoch, page.generation, next_start)
+    return pb.ListRequestsResponse(epoch=epoch, requests=entries, next_page_token=token)
 
 
 def defragment_response() -> Message:

@@ -1,12 +1,17 @@
 """The DefragService servicer: sessions, exactly-once steps, errors and health.
 
-State besides the engine (all guarded by one lock, which a step holds while the engine
-applies it, so steps are applied one at a time and in ``seq`` order)::
+State besides the engine (all changed under one lock, which a step holds while the
+engine applies it, so steps are applied one at a time and in ``seq`` order)::
 
     epoch     random non-zero uint64, new at start and at every Reset
     next_seq  the seq the next applied step must carry (1 at the start of an epoch)
     replies   the last ``replay_cache_size`` StepResponses, by seq (exactly-once replay)
     session   the open stream session (one writer), or None
+
+The read RPCs (Resolve, GetStats, GetRequest, ListRequests) never take that lock: they
+read what the engine published (or take the engine lock only to copy a request table)
+and build their replies with no lock held, so a large read never stalls the writer's
+steps, and a step never stalls a probe.
 
 Every caller mistake is a ``DefragError``; ``ERROR_CODES`` is the one table that turns
 it into a gRPC status, and the class name travels in the trailing metadata
@@ -35,7 +40,9 @@ from kvdefrag.common import (
     MessageTooLarge,
     NotFound,
     OutOfOrder,
+    PoolStats,
     SessionConflict,
+    StalePageToken,
     StepEvents,
 )
 from kvdefrag.common.errors import quote
@@ -54,10 +61,15 @@ ERROR_CODES: dict[type[DefragError], grpc.StatusCode] = {
     EngineUnhealthy: grpc.StatusCode.UNAVAILABLE,
     MessageTooLarge: grpc.StatusCode.RESOURCE_EXHAUSTED,
     NotFound: grpc.StatusCode.NOT_FOUND,
+    StalePageToken: grpc.StatusCode.ABORTED,
 }
 
 Message = Any
 _T = TypeVar("_T")
+
+# ListRequests: requests per page when the caller names no page_size, and at most.
+DEFAULT_PAGE_SIZE = 1000
+MAX_PAGE_SIZE = 10_000
 
 # The longest status message sent (gRPC caps all trailing metadata at 16 KiB, and
 # percent-encodes the message: up to 12 bytes per character).
@@ -153,6 +165,8 @@ class DefragServicer:
         self._replies: collections.OrderedDict[int, Message] = collections.OrderedDict()
         self._session: _Session | None = None
         self._is_stopping = False
+        # Odd while a Reset runs: lock-free reads check it around what they read (_read).
+        self._reset_version = 0
 
     @property
     def epoch(self) -> int:
@@ -345,38 +359,93 @@ class DefragServicer:
             self._next_seq += 1
         return response
 
-    # --- other RPCs -------------------------------------------------------------------
-    def _resolve(self, request: Message) -> Message:
-        logical_ids, tables = _convert.resolve_request(request)
+    # --- reads (no servicer lock) -----------------------------------------------------
+    def _read(self, read: Callable[[], _T]) -> tuple[int, _T]:
+        """Runs ``read`` without the lock; returns the epoch it belongs to with its value.
+
+        NOTE: a seqlock. Reset makes ``_reset_version`` odd, resets the engine, changes
+        the epoch, and makes it even again, all under the lock. A read that saw the same
+        even version before and after ran wholly within one epoch; one that raced a
+        Reset (rare) reads again under the lock, which waits for the Reset.
+        """
+        version = self._reset_version
+        if version % 2 == 0:
+            epoch = self._epoch
+            value = read()
+            if self._reset_version == version:
+                return epoch, value
         with self._lock:
-            physical_ids = self._engine.resolve(logical_ids).tolist()
-            physical_tables = self._engine.resolve_tables(tables)
-            response = _convert.resolve_response(self._epoch, physical_ids, physical_tables)
+            return self._epoch, read()
+
+    def _resolve(self, request: Message) -> Message:
+        engine = self._engine
+        logical_ids, tables = _convert.resolve_request(request, max_ids=engine.num_blocks)
+        # One resolve_tables call: the ids and the tables come from one published mapping.
+        epoch, resolved = self._read(lambda: engine.resolve_tables([logical_ids, *tables]))
+        response = _convert.resolve_response(epoch, resolved[0], resolved[1:])
         return self._check_size("Resolve", response)
 
     def _get_stats(self, request: Message) -> Message:
         engine = self._engine
-        with self._lock:
-            return _convert.get_stats_response(
-                epoch=self._epoch,
-                next_seq=self._next_seq,
-                is_session_open=self._session is not None,
-                digest=engine.digest,
-                stats=engine.stats(),
-                unhealthy_reason=engine.unhealthy_reason,
+
+        def read() -> tuple[int, bool, tuple[int, PoolStats], str | None]:
+            # NOTE: next_seq first: a step publishes the engine's figures before the
+            # servicer counts it, so they are never older than next_seq says.
+            return (
+                self._next_seq,
+                self._session is not None,
+                engine.digest_and_stats(),
+                engine.unhealthy_reason,
             )
+
+        epoch, (next_seq, is_session_open, (digest, stats), reason) = self._read(read)
+        return _convert.get_stats_response(
+            epoch=epoch,
+            next_seq=next_seq,
+            is_session_open=is_session_open,
+            digest=digest,
+            stats=stats,
+            unhealthy_reason=reason,
+        )
 
     def _get_request(self, request: Message) -> Message:
         request_id = check_request_id("request_id", request.request_id)
-        with self._lock:
-            logical_ids = self._engine.request_blocks(request_id)
-            physical_ids = self._engine.resolve(logical_ids).tolist()
+        logical_ids, physical_ids = self._engine.resolve_request(request_id)
         response = _convert.get_request_response(request_id, logical_ids, physical_ids)
         return self._check_size("GetRequest", response)
 
     def _list_requests(self, request: Message) -> Message:
-        with self._lock:
-            response = _convert.list_requests_response(self._epoch, self._engine.list_requests())
+        """One page of the running requests.
+
+        NOTE: a token names the epoch and the engine's generation (steps and resets
+        applied) of the first page, and the position of the next request. Pages of one
+        generation are slices of one request table, so the pages add up to one
+        consistent table, with no snapshot kept on the server; once a step has changed
+        the table, the next page is refused (StalePageToken) and the caller starts
+        again. A client rebuilding its mirror holds the one writer session meanwhile,
+        so no step can come between its pages.
+        """
+        page_size, token = _convert.list_requests_args(request)
+        if page_size < 0:
+            raise InvalidArgument(f"page_size must be >= 0, got {page_size}")
+        max_requests = min(page_size or DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE)
+        token_epoch, generation, start = (
+            _convert.parse_page_token(token) if token else (None, None, 0)
+        )
+        engine = self._engine
+        epoch, page = self._read(lambda: engine.list_requests_page(start, max_requests, generation))
+        if token_epoch is not None and token_epoch != epoch:
+            raise StalePageToken(
+                f"page_token belongs to epoch {token_epoch}, not to the server's epoch "
+                f"{epoch} (it restarted or was reset); list again from the first page"
+            )
+        response = _convert.list_requests_response(
+            epoch,
+            page,
+            start,
+            num_blocks=engine.num_blocks,
+            max_bytes=self._max_message_bytes,
+        )
         return self._check_size("ListRequests", response)
 
     def _defragment(self, request: Message) -> Message:
@@ -389,10 +458,14 @@ class DefragServicer:
                 raise EpochMismatch(
                     f"reset.epoch {request.epoch} is not the server epoch {self._epoch}"
                 )
-            self._engine.reset(prefix_caching=request.prefix_caching)
-            self._epoch = new_epoch(self._epoch)
-            self._next_seq = 1
-            self._replies.clear()
+            self._reset_version += 1
+            try:
+                self._engine.reset(prefix_caching=request.prefix_caching)
+                self._epoch = new_epoch(self._epoch)
+                self._next_seq = 1
+                self._replies.clear()
+            finally:
+                self._reset_version += 1
             epoch = self._epoch
         _LOGGER.info("reset: new epoch %d (prefix_caching=%s)", epoch, request.prefix_caching)
         return _convert.reset_response(epoch)
