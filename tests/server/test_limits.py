@@ -8,6 +8,7 @@ duration: each test asserts what a call returns, a status code or a bound.
 from __future__ import annotations
 
 import json
+import queue
 import re
 import shutil
 import subprocess
@@ -20,6 +21,8 @@ from typing import Any
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2_grpc
 from kv import SignedKv
 
 from kvdefrag.client import DefragClient
@@ -63,9 +66,17 @@ class Servers:
         self.clients.append(client)
         return client
 
+    def silent_stream(self, open_call: Callable[..., Any]) -> Any:
+        """Opens a stream that never sends a message (until teardown)."""
+        never: queue.Queue[Any] = queue.Queue()
+        call = open_call(iter(never.get, None), timeout=120)
+        self.calls.append((call, never))
+        return call
+
     def close(self) -> None:
-        for call in self.calls:
+        for call, never in self.calls:
             call.cancel()
+            never.put(None)
         for client in self.clients:
             client.close()
         for handle in self.handles:
@@ -95,6 +106,51 @@ def expect_error(call: Callable[[], Any], code: grpc.StatusCode, error: str) -> 
 
 def blocks(request_id: str, block_ids: list[int]) -> Any:
     return pb.RequestBlocks(request_id=request_id, block_ids=block_ids)
+
+
+# --- handler threads ------------------------------------------------------------------
+def test_silent_streams_leave_room_for_probes_and_the_writer(servers: Servers) -> None:
+    # A handshake timeout far beyond the test: only the streams' bounded share helps here.
+    handle = servers.serve(handshake_timeout_s=3600)
+    writer = servers.client(handle, client_name="writer")
+    writer.step(new_blocks={"a": [5, 9]})
+    channel = servers.channel(handle)
+    stub = pb_grpc.DefragServiceStub(channel)
+    for _ in range(10):  # more than the 8 handler threads
+        servers.silent_stream(stub.StepStream)
+    reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
+    for _ in range(4):
+        servers.silent_stream(reflection.ServerReflectionInfo)
+    health = health_pb2_grpc.HealthStub(channel)
+    watches = [health.Watch(health_pb2.HealthCheckRequest(), timeout=120) for _ in range(4)]
+    servers.calls += [(watch, queue.Queue()) for watch in watches]
+
+    check = health.Check(health_pb2.HealthCheckRequest(), timeout=10)
+    assert check.status == health_pb2.HealthCheckResponse.SERVING
+    assert stub.GetStats(pb.GetStatsRequest(), timeout=10).next_seq == 2
+    assert writer.step(new_blocks={"b": [7]}).seq == 2
+    assert writer.stats().stats.num_requests == 2
+    writer.close()  # the writer comes back: a new client adopts the state
+    again = servers.client(handle, client_name="writer again")
+    assert again.step(finished=["a"]).seq == 3
+    assert again.audit().is_consistent
+    assert next(watches[-1]).status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_a_stream_that_does_not_open_in_time_is_ended(servers: Servers) -> None:
+    handle = servers.serve(handshake_timeout_s=0.2)
+    stub = servers.stub(handle)
+    silent = servers.silent_stream(stub.StepStream)
+    with pytest.raises(grpc.RpcError) as info:
+        next(silent)
+    assert info.value.code() == grpc.StatusCode.CANCELLED  # by the server, before 120 s
+    writer = servers.client(handle)  # sends open at once
+    assert writer.step(new_blocks={"a": [5]}).seq == 1
+
+
+def test_too_few_handler_threads_are_refused(servers: Servers) -> None:
+    with pytest.raises(InvalidArgument, match="max_workers must be >= 7"):
+        servers.serve(max_workers=4)
 
 
 # --- error messages ---------------------------------------------------------------------

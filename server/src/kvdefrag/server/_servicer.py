@@ -48,6 +48,7 @@ from kvdefrag.common import (
 from kvdefrag.common.errors import quote
 from kvdefrag.server import _convert
 from kvdefrag.server._engine import Engine
+from kvdefrag.server._limits import Handshakes
 from kvdefrag.server._validate import check_client_name, check_request_id
 from kvdefrag.server.config import ServiceConfig
 
@@ -167,6 +168,7 @@ class DefragServicer:
         self._is_stopping = False
         # Odd while a Reset runs: lock-free reads check it around what they read (_read).
         self._reset_version = 0
+        self._handshakes = Handshakes(config.handshake_timeout_s, self._on_handshake_ended)
 
     @property
     def epoch(self) -> int:
@@ -179,6 +181,7 @@ class DefragServicer:
         with self._lock:
             self._is_stopping = True
             session = self._session
+        self._handshakes.end_all()
         if session is not None:
             # NOTE: an open stream waits for the scheduler's next step and would hold
             # the server's stop for its whole grace period; the step in flight, if any,
@@ -189,11 +192,18 @@ class DefragServicer:
     def StepStream(
         self, request_iterator: Iterator[Message], context: grpc.ServicerContext
     ) -> Iterator[Message]:
-        """The hot path: an ``open`` message, then one reply per ``step`` message."""
+        """The hot path: an ``open`` message, then one reply per ``step`` message.
+
+        The ``open`` must come within ``handshake_timeout_s``, and only a few streams may
+        wait for theirs at once (``_limits``): a stream that sends nothing is ended.
+        """
+        finish_handshake = self._handshakes.begin(context.cancel)
         session: _Session | None = None
         try:
             for request in request_iterator:
                 if session is None:
+                    if not finish_handshake():
+                        return  # ended meanwhile (too late, or pushed out): cancelled
                     session, reply = self._call(
                         "StepStream", context, functools.partial(self._open, request, context)
                     )
@@ -206,6 +216,7 @@ class DefragServicer:
                     )
                 yield reply
         finally:
+            finish_handshake()
             if session is not None:
                 self._release(session)
 
@@ -302,6 +313,11 @@ class DefragServicer:
             )
         _LOGGER.info("stream session opened by %r", session.client_name)
         return session, opened
+
+    def _on_handshake_ended(self, reason: str) -> None:
+        _LOGGER.info("StepStream ended before its 'open': %s", reason)
+        if self._metrics is not None:
+            self._metrics.record_error("StepStream", grpc.StatusCode.CANCELLED.name)
 
     def _release(self, session: _Session) -> None:
         with self._lock:
