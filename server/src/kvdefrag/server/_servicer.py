@@ -231,7 +231,7 @@ class DefragServicer:
         return self._call("Resolve", context, lambda: self._resolve(_convert.parsed(request)))
 
     def GetStats(self, request: Message, context: grpc.ServicerContext) -> Message:
-        """Pool statistics and session state, one consistent snapshot."""
+        """Pool statistics and session state, as of the last step (never waits for one)."""
         return self._call("GetStats", context, lambda: self._get_stats(_convert.parsed(request)))
 
     def GetRequest(self, request: Message, context: grpc.ServicerContext) -> Message:
@@ -241,7 +241,7 @@ class DefragServicer:
         )
 
     def ListRequests(self, request: Message, context: grpc.ServicerContext) -> Message:
-        """Every running request with its logical blocks."""
+        """A page of the running requests with their logical blocks."""
         return self._call(
             "ListRequests", context, lambda: self._list_requests(_convert.parsed(request))
         )
