@@ -33,6 +33,7 @@ def test_client_exports_are_pinned() -> None:
         "ServiceUnavailable",
         "SessionConflict",
         "SessionInfo",
+        "StalePageToken",
         "StepEvents",
         "StepOutcomeUnknown",
         "StepPending",

@@ -105,7 +105,8 @@ class ReferenceModel:
                 newly_live.append(logical_id)
             self.requests.setdefault(request_id, []).append(logical_id)
             self.cached.discard(logical_id)
-        self.requests.setdefault(request_id, [])
+        if set(self.requests.get(request_id, [])) <= {NULL_BLOCK_ID}:
+            self.requests.pop(request_id, None)  # nothing but the null block: not kept
         return newly_live
 
     def apply(self, events: StepEvents) -> StepOutcome:

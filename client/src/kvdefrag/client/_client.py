@@ -42,6 +42,7 @@ import grpc
 
 from kvdefrag.client import _convert
 from kvdefrag.client._channel import call_unary, open_channel
+from kvdefrag.client._rebuild import fetch_requests
 from kvdefrag.client._session import StepSession
 from kvdefrag.client._types import AuditReport, ServiceStats, StepReply
 from kvdefrag.client.record import StepRecorder
@@ -324,10 +325,9 @@ class DefragClient:
         )
 
     def list_requests(self) -> dict[str, list[int]]:
-        """Fetches every running request's logical block ids from the server."""
-        return _convert.request_lists(
-            self._unary("ListRequests", _convert.list_requests_request(), "list requests")
-        )[1]
+        """Fetches every running request's logical block ids from the server (page by
+        page; a listing that a step invalidates starts again)."""
+        return fetch_requests(self._stub, "list requests", timeout_s=self.timeout_s)[1]
 
     def defragment(self) -> None:
         """Makes the server compact the pool in the next step, whatever the threshold."""
@@ -345,9 +345,7 @@ class DefragClient:
         """
         with self._lock:
             stats = self.stats()
-            epoch, server_requests = _convert.request_lists(
-                self._unary("ListRequests", _convert.list_requests_request(), "audit")
-            )
+            epoch, server_requests = fetch_requests(self._stub, "audit", timeout_s=self.timeout_s)
             mirror = self._session.require_settled_mirror("audit")
             report = AuditReport.compare(
                 epoch=epoch,

@@ -29,6 +29,7 @@ _ERRORS_BY_CODE: dict[grpc.StatusCode, type[errors.DefragError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: errors.InvalidArgument,
     grpc.StatusCode.RESOURCE_EXHAUSTED: errors.MessageTooLarge,
     grpc.StatusCode.NOT_FOUND: errors.NotFound,
+    grpc.StatusCode.ABORTED: errors.StalePageToken,
     grpc.StatusCode.UNAVAILABLE: errors.ServiceUnavailable,
     grpc.StatusCode.DEADLINE_EXCEEDED: errors.ServiceUnavailable,
 }
@@ -149,8 +150,8 @@ def get_stats_request() -> Message:
     return pb.GetStatsRequest()
 
 
-def list_requests_request() -> Message:
-    return pb.ListRequestsRequest()
+def list_requests_request(page_token: str = "") -> Message:
+    return pb.ListRequestsRequest(page_token=page_token)
 
 
 def defragment_request() -> Message:
@@ -216,9 +217,11 @@ def service_stats(message: Message) -> ServiceStats:
     )
 
 
-def request_lists(message: Message) -> tuple[int, dict[str, list[int]]]:
-    """Converts a ListRequestsResponse into (epoch, request id -> logical ids)."""
-    return message.epoch, {entry.request_id: list(entry.block_ids) for entry in message.requests}
+def request_page(message: Message) -> tuple[int, dict[str, list[int]], str]:
+    """Converts a ListRequestsResponse into (epoch, request id -> logical ids, the next
+    page's token, empty after the last page)."""
+    requests = {entry.request_id: list(entry.block_ids) for entry in message.requests}
+    return message.epoch, requests, message.next_page_token
 
 
 def resolved_ids(message: Message) -> tuple[int, list[int]]:

@@ -3,7 +3,8 @@
 The server sends, per step, only the mapping entries that changed; the mirror keeps the
 whole permutation so that ``resolve`` never needs a round trip. It also replays the
 step's events on its own reference counts (the engine's rules: finished releases,
-resumed replaces, new blocks append, block 0 never counted) so it can keep the digest of
+resumed replaces, new blocks append, block 0 never counted, a request holding no other
+block not kept) so it can keep the digest of
 the live mapping incrementally and compare it with the one in every reply::
 
     events (sent)  --refs-->  live set ┐
@@ -164,7 +165,12 @@ class Mirror:
                 self.digest ^= self._live_digests[logical_id]
 
     def _append(self, request_id: str, logical_ids: list[int]) -> None:
-        self.requests.setdefault(request_id, []).extend(logical_ids)
+        held = self.requests.get(request_id)
+        if held is None:
+            if all(logical_id == NULL_BLOCK_ID for logical_id in logical_ids):
+                return  # the engine keeps no request without a block but the null one
+            held = self.requests[request_id] = []
+        held.extend(logical_ids)
         refs = self.refs
         fwd = self.fwd
         for logical_id in logical_ids:

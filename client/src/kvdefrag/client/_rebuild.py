@@ -8,10 +8,53 @@ from kvdefrag.client import _convert
 from kvdefrag.client._channel import call_unary
 from kvdefrag.client._mirror import Mirror
 from kvdefrag.client._types import SessionInfo
-from kvdefrag.common import InvalidArgument, MirrorDiverged
+from kvdefrag.common import InvalidArgument, MirrorDiverged, StalePageToken
 
-# Resolve at most this many ids per call when rebuilding the mirror (keeps messages small).
+# Resolve at most this many ids per call when rebuilding the mirror (keeps messages small;
+# the server takes at most num_blocks per call, which a chunk never exceeds).
 _RESOLVE_CHUNK = 1 << 18
+# A listing that a step or a reset invalidated starts again at most this many times.
+_MAX_LISTING_RESTARTS = 2
+
+
+def fetch_requests(
+    stub: Any, context: str, *, timeout_s: float
+) -> tuple[int, dict[str, list[int]]]:
+    """Fetches every running request from the server, page by page (``ListRequests``).
+
+    Args:
+        stub: The service stub.
+        context: What the listing is for, prefixed to an error's message.
+        timeout_s: Deadline of each call.
+
+    Returns:
+        The epoch the requests belong to, and request id -> logical block ids.
+
+    Raises:
+        StalePageToken: Steps or resets kept changing the requests between pages.
+        DefragError: A call failed.
+    """
+    for restart in range(_MAX_LISTING_RESTARTS + 1):
+        requests: dict[str, list[int]] = {}
+        token = ""
+        try:
+            while True:
+                epoch, page, token = _convert.request_page(
+                    call_unary(
+                        stub,
+                        "ListRequests",
+                        _convert.list_requests_request(token),
+                        context,
+                        timeout_s=timeout_s,
+                    )
+                )
+                requests.update(page)
+                if not token:
+                    return epoch, requests
+        except StalePageToken:
+            if restart == _MAX_LISTING_RESTARTS:
+                raise
+    raise AssertionError("unreachable: the last restart returns or raises")
 
 
 def fetch_mirror(stub: Any, info: SessionInfo, *, timeout_s: float) -> Mirror:
@@ -29,15 +72,7 @@ def fetch_mirror(stub: Any, info: SessionInfo, *, timeout_s: float) -> Mirror:
         MirrorDiverged: The tables do not add up to the session's epoch and digest.
         DefragError: A call failed.
     """
-    epoch, requests = _convert.request_lists(
-        call_unary(
-            stub,
-            "ListRequests",
-            _convert.list_requests_request(),
-            "rebuild mirror",
-            timeout_s=timeout_s,
-        )
-    )
+    epoch, requests = fetch_requests(stub, "rebuild mirror", timeout_s=timeout_s)
     fwd: list[int] = []
     for start in range(0, info.num_blocks, _RESOLVE_CHUNK):
         ids = list(range(start, min(start + _RESOLVE_CHUNK, info.num_blocks)))

@@ -20,6 +20,7 @@ from kvdefrag.common.errors import (
     OutOfOrder,
     ServiceUnavailable,
     SessionConflict,
+    StalePageToken,
     StepOutcomeUnknown,
     StepPending,
 )
@@ -41,6 +42,7 @@ __all__ = [
     "PoolStats",
     "ServiceUnavailable",
     "SessionConflict",
+    "StalePageToken",
     "StepEvents",
     "StepOutcomeUnknown",
     "StepPending",

@@ -8,6 +8,26 @@ over gRPC.
 # The trailing-metadata key under which the server names the error class of a failed call.
 ERROR_METADATA_KEY = "kvdefrag-error"
 
+# How much of a caller's value an error message repeats.
+MAX_QUOTED_CHARS = 64
+
+
+def quote(value: object, max_chars: int = MAX_QUOTED_CHARS) -> str:
+    """Returns ``repr(value)`` for an error message, a long one cut to ``max_chars``.
+
+    NOTE: an error message travels in gRPC's trailing metadata, which gRPC caps (16 KiB in
+    all); past that the caller gets RESOURCE_EXHAUSTED instead of the error. Every value a
+    caller sent (request ids, client names) is echoed through here, never as it came.
+    """
+    if isinstance(value, str):
+        if len(value) <= max_chars:
+            return repr(value)
+        return f"{value[:max_chars]!r}... ({len(value)} characters)"
+    text = repr(value)
+    if len(text) <= max_chars:
+        return text
+    return f"{text[:max_chars]}... ({len(text)} characters)"
+
 
 class DefragError(Exception):
     """Base class of every error kvdefrag reports to its caller."""
@@ -39,6 +59,11 @@ class MessageTooLarge(DefragError):
 
 class NotFound(DefragError):
     """The named object (for example a request id) does not exist."""
+
+
+class StalePageToken(DefragError):
+    """A ``ListRequests`` page token belongs to a state that has changed since its first
+    page (a step or a reset was applied): list again from the first page."""
 
 
 class MirrorDiverged(DefragError):
@@ -101,5 +126,6 @@ WIRE_ERRORS: dict[str, type[DefragError]] = {
         EngineUnhealthy,
         MessageTooLarge,
         NotFound,
+        StalePageToken,
     )
 }

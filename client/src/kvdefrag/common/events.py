@@ -12,7 +12,7 @@ import operator
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from kvdefrag.common.errors import InvalidArgument
+from kvdefrag.common.errors import InvalidArgument, quote
 
 NULL_BLOCK_ID = 0
 """Logical and physical id 0: vLLM's null block, never allocated, never moved."""
@@ -23,13 +23,15 @@ _INT64_MAX = (1 << 63) - 1
 
 def _block_ids(field: str, ids: Iterable[int]) -> list[int]:
     if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
-        raise InvalidArgument(f"{field}: expected a sequence of block ids, got {ids!r}")
+        raise InvalidArgument(f"{field}: expected a sequence of block ids, got {quote(ids)}")
     checked: list[int] = []
     for block_id in ids:
         try:
             checked.append(operator.index(block_id))
         except TypeError:
-            raise InvalidArgument(f"{field}: block id {block_id!r} is not an integer") from None
+            raise InvalidArgument(
+                f"{field}: block id {quote(block_id)} is not an integer"
+            ) from None
     for position, block_id in enumerate(checked):
         if not _INT64_MIN <= block_id <= _INT64_MAX:
             raise InvalidArgument(f"{field}[{position}]: block id {block_id} is not an int64")
@@ -38,7 +40,7 @@ def _block_ids(field: str, ids: Iterable[int]) -> list[int]:
 
 def _request_id(field: str, request_id: object) -> str:
     if not isinstance(request_id, str):
-        raise InvalidArgument(f"{field}: request id must be a str, got {request_id!r}")
+        raise InvalidArgument(f"{field}: request id must be a str, got {quote(request_id)}")
     return request_id
 
 
@@ -50,7 +52,7 @@ def _block_lists(field: str, lists: Mapping[str, Sequence[int]] | None) -> dict[
             f"{field}: expected a mapping of request id -> block ids, got {type(lists).__name__}"
         )
     return {
-        _request_id(field, request_id): _block_ids(f"{field}[{request_id!r}]", ids)
+        _request_id(field, request_id): _block_ids(f"{field}[{quote(request_id)}]", ids)
         for request_id, ids in lists.items()
     }
 
@@ -100,7 +102,7 @@ class StepEvents:
         if isinstance(finished, (str, bytes)) or not isinstance(finished, Iterable):
             raise InvalidArgument(
                 "finished: expected a collection of request ids, "
-                f"got a {type(finished).__name__} ({finished!r})"
+                f"got a {type(finished).__name__} ({quote(finished)})"
             )
         return cls(
             finished=tuple(_request_id("finished", request_id) for request_id in finished),

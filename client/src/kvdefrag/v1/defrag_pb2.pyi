@@ -197,16 +197,22 @@ class GetRequestResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., logical_block_ids: _Optional[_Iterable[int]] = ..., physical_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ListRequestsRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("page_size", "page_token")
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    page_size: int
+    page_token: str
+    def __init__(self, page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
 
 class ListRequestsResponse(_message.Message):
-    __slots__ = ("epoch", "requests")
+    __slots__ = ("epoch", "requests", "next_page_token")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     requests: _containers.RepeatedCompositeFieldContainer[RequestBlocks]
-    def __init__(self, epoch: _Optional[int] = ..., requests: _Optional[_Iterable[_Union[RequestBlocks, _Mapping]]] = ...) -> None: ...
+    next_page_token: str
+    def __init__(self, epoch: _Optional[int] = ..., requests: _Optional[_Iterable[_Union[RequestBlocks, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
 
 class DefragmentRequest(_message.Message):
     __slots__ = ()

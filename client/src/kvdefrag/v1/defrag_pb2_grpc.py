@@ -98,7 +98,8 @@ class DefragServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Resolve(self, request, context):
-        """Maps logical block ids (and whole block tables) to physical ids.
+        """Maps logical block ids (and whole block tables) to physical ids: at most num_blocks
+        ids per call.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -119,7 +120,7 @@ class DefragServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ListRequests(self, request, context):
-        """Every running request with its blocks (an audit call: its size grows with the pool).
+        """The running requests with their blocks, a page at a time (an audit call).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

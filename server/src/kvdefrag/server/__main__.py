@@ -109,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     service.add_argument("--max-message-bytes", type=int)
     service.add_argument("--replay-cache-size", type=int)
+    service.add_argument(
+        "--handshake-timeout-s", type=float, help="seconds a new step stream has to send open"
+    )
     parser.add_argument(
         "--grace-s", type=float, default=5.0, help="seconds in-flight calls get on stop"
     )

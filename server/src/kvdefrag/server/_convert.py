@@ -7,16 +7,20 @@ dicts, such as a request id listed twice in one field.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import dataclasses
-from collections.abc import Iterable, Mapping, Sequence
+import struct
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from kvdefrag.common import InvalidArgument, PoolStats, StepEvents
-from kvdefrag.server._engine import StepResult
+from kvdefrag.common.errors import quote
+from kvdefrag.server._engine import RequestPage, StepResult
 from kvdefrag.v1 import defrag_pb2 as pb
-from kvdefrag.v1 import defrag_pb2_grpc as pb_grpc
 
 # The proto messages are generated code without type information for mypy.
 Message = Any
@@ -24,9 +28,72 @@ Message = Any
 SERVICE_NAME: str = pb.DESCRIPTOR.services_by_name["DefragService"].full_name
 
 
+@dataclasses.dataclass(frozen=True)
+class Unparsable:
+    """A request whose bytes are not a valid message of its type (see ``parsed``)."""
+
+    type_name: str
+    reason: str
+
+
+def _lenient_parser(message_class: Any) -> Callable[[bytes], Message]:
+    """Parses requests of one type; bytes that do not parse become an ``Unparsable``.
+
+    NOTE: a deserializer that raises makes gRPC answer INTERNAL before any handler runs;
+    a malformed message is the caller's mistake, so the servicer answers it (``parsed``)
+    with INVALID_ARGUMENT and the kvdefrag-error metadata instead.
+    """
+
+    def parse(data: bytes) -> Message:
+        message = message_class()
+        try:
+            message.ParseFromString(data)
+        except DecodeError as err:
+            return Unparsable(message_class.DESCRIPTOR.full_name, str(err))
+        return message
+
+    return parse
+
+
+def parsed(request: Message) -> Message:
+    """Returns a request message as parsed.
+
+    Raises:
+        InvalidArgument: Its bytes were not a valid message of the RPC's request type.
+    """
+    if isinstance(request, Unparsable):
+        raise InvalidArgument(
+            f"the request is not a valid {request.type_name} message ({request.reason})"
+        )
+    return request
+
+
+_HANDLER_KINDS: dict[tuple[bool, bool], Callable[..., grpc.RpcMethodHandler[Any, Any]]] = {
+    (False, False): grpc.unary_unary_rpc_method_handler,
+    (False, True): grpc.unary_stream_rpc_method_handler,
+    (True, False): grpc.stream_unary_rpc_method_handler,
+    (True, True): grpc.stream_stream_rpc_method_handler,
+}
+
+
 def add_service(servicer: object, server: grpc.Server) -> None:
-    """Registers a DefragService servicer (methods named as the RPCs) on a server."""
-    pb_grpc.add_DefragServiceServicer_to_server(servicer, server)
+    """Registers a DefragService servicer (methods named as the RPCs) on a server.
+
+    Like the generated ``add_DefragServiceServicer_to_server``, except that requests are
+    parsed leniently (``parsed`` turns a malformed one into ``InvalidArgument``).
+    """
+    handlers = {}
+    for method in pb.DESCRIPTOR.services_by_name["DefragService"].methods:
+        make_handler = _HANDLER_KINDS[method.client_streaming, method.server_streaming]
+        handlers[method.name] = make_handler(
+            getattr(servicer, method.name),
+            request_deserializer=_lenient_parser(getattr(pb, method.input_type.name)),
+            response_serializer=getattr(pb, method.output_type.name).SerializeToString,
+        )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    # NOTE: what the generated code does too (lets gRPC skip the generic lookup); the
+    # type stubs predate it.
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)  # type: ignore[attr-defined]
 
 
 def _block_lists(field: str, entries: Iterable[Message]) -> dict[str, list[int]]:
@@ -35,7 +102,7 @@ def _block_lists(field: str, entries: Iterable[Message]) -> dict[str, list[int]]
         request_id = entry.request_id
         if request_id in lists:
             raise InvalidArgument(
-                f"{field}[{index}]: request id {request_id!r} appears twice in {field}"
+                f"{field}[{index}]: request id {quote(request_id)} appears twice in {field}"
             )
         lists[request_id] = list(entry.block_ids)
     return lists
@@ -51,8 +118,12 @@ class OpenArgs:
 
 
 def stream_request(request: Message) -> tuple[str | None, Message]:
-    """Splits a StepStreamRequest into its kind (``"open"``, ``"step"`` or None) and body."""
-    kind = request.WhichOneof("kind")
+    """Splits a StepStreamRequest into its kind (``"open"``, ``"step"`` or None) and body.
+
+    Raises:
+        InvalidArgument: The message did not parse.
+    """
+    kind = parsed(request).WhichOneof("kind")
     return kind, (getattr(request, kind) if kind else None)
 
 
@@ -95,6 +166,16 @@ def max_step_response_bytes(events: StepEvents, num_blocks: int, max_moves_per_s
     num_entries = 2 * num_ids + 2 * max_moves_per_step
     id_bytes = max(1, ((num_blocks - 1).bit_length() + 6) // 7)  # varint length
     return num_entries * 2 * id_bytes + _STEP_RESPONSE_OVERHEAD_BYTES
+
+
+def min_message_bytes(num_blocks: int, max_moves_per_step: int) -> int:
+    """The smallest ``max_message_bytes`` that lets a step of one new block through.
+
+    Below it ``max_step_response_bytes`` refuses every step, an empty one included,
+    since compaction alone may move ``max_moves_per_step`` blocks.
+    """
+    one_block = StepEvents(new_blocks={"r": [1]})
+    return max_step_response_bytes(one_block, num_blocks, max_moves_per_step)
 
 
 def stats_message(stats: PoolStats) -> Message:
@@ -154,8 +235,23 @@ def stream_step_response(response: Message) -> Message:
     return pb.StepStreamResponse(step=response)
 
 
-def resolve_request(request: Message) -> tuple[list[int], list[list[int]]]:
-    """Returns a ResolveRequest's logical ids and block tables."""
+def resolve_request(request: Message, max_ids: int) -> tuple[list[int], list[list[int]]]:
+    """Returns a ResolveRequest's logical ids and block tables.
+
+    Raises:
+        InvalidArgument: More than ``max_ids`` ids in all, or more than ``max_ids``
+            tables (counted before anything is copied).
+    """
+    num_tables = len(request.block_tables)
+    num_ids = len(request.logical_block_ids)
+    if num_tables <= max_ids:
+        num_ids += sum(len(table.block_ids) for table in request.block_tables)
+    if num_ids > max_ids or num_tables > max_ids:
+        raise InvalidArgument(
+            f"Resolve: {num_ids} ids in {num_tables} block tables, over the limit of {max_ids} "
+            "ids (num_blocks) per call, logical_block_ids and every table's ids together; "
+            "split the lookup"
+        )
     tables = [list(table.block_ids) for table in request.block_tables]
     return list(request.logical_block_ids), tables
 
@@ -202,15 +298,68 @@ def get_request_response(
     )
 
 
-def list_requests_response(epoch: int, requests: Mapping[str, Sequence[int]]) -> Message:
-    """Builds a ListRequestsResponse (requests in the engine's order)."""
-    return pb.ListRequestsResponse(
-        epoch=epoch,
-        requests=[
-            pb.RequestBlocks(request_id=request_id, block_ids=list(block_ids))
-            for request_id, block_ids in requests.items()
-        ],
-    )
+def list_requests_args(request: Message) -> tuple[int, str]:
+    """Returns a ListRequestsRequest's page size and page token."""
+    return request.page_size, request.page_token
+
+
+# A page token: epoch, generation of the first page, position of the next request.
+_PAGE_TOKEN = struct.Struct("<QQQ")
+
+
+def page_token(epoch: int, generation: int, start: int) -> str:
+    """Encodes where the next page of ListRequests starts (opaque to callers)."""
+    return base64.urlsafe_b64encode(_PAGE_TOKEN.pack(epoch, generation, start)).decode()
+
+
+def parse_page_token(token: str) -> tuple[int, int, int]:
+    """Decodes a ``page_token``: (epoch, generation, start).
+
+    Raises:
+        InvalidArgument: The token is not one ``page_token`` made.
+    """
+    try:
+        epoch, generation, start = _PAGE_TOKEN.unpack(base64.urlsafe_b64decode(token))
+    except (binascii.Error, ValueError, struct.error):
+        raise InvalidArgument(
+            f"page_token {quote(token)} is not a next_page_token this server issued"
+        ) from None
+    return epoch, generation, start
+
+
+# Bytes of a ListRequestsResponse besides its entries: epoch, next_page_token, headers.
+_LIST_RESPONSE_OVERHEAD_BYTES = 128
+# Bytes of one entry besides its request id and ids: tags and length prefixes.
+_REQUEST_BLOCKS_OVERHEAD_BYTES = 16
+
+
+def list_requests_response(
+    epoch: int, page: RequestPage, start: int, *, num_blocks: int, max_bytes: int
+) -> Message:
+    """Builds a ListRequestsResponse of the page's first requests that fit in
+    ``max_bytes`` (at least one), and the token of the page after them.
+
+    Args:
+        epoch: The epoch the page belongs to.
+        page: Requests read from position ``start`` (in the engine's order).
+        start: The page's position.
+        num_blocks: The pool size (how wide an id's varint can be).
+        max_bytes: The size the response must stay within.
+    """
+    id_bytes = max(1, ((num_blocks - 1).bit_length() + 6) // 7)
+    budget_bytes = max_bytes - _LIST_RESPONSE_OVERHEAD_BYTES
+    entries: list[Message] = []
+    for request_id, block_ids in page.requests.items():
+        size_bytes = (
+            len(request_id.encode()) + len(block_ids) * id_bytes + _REQUEST_BLOCKS_OVERHEAD_BYTES
+        )
+        if entries and size_bytes > budget_bytes:
+            break
+        budget_bytes -= size_bytes
+        entries.append(pb.RequestBlocks(request_id=request_id, block_ids=block_ids))
+    next_start = start + len(entries) if len(entries) < len(page.requests) else page.next_start
+    token = "" if next_start is None else page_token(epoch, page.generation, next_start)
+    return pb.ListRequestsResponse(epoch=epoch, requests=entries, next_page_token=token)
 
 
 def defragment_response() -> Message:

@@ -14,6 +14,7 @@ live block) and the engine refuses further steps until ``reset()``.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import threading
 import time
@@ -29,9 +30,11 @@ from kvdefrag.common import (
     InvalidArgument,
     NotFound,
     PoolStats,
+    StalePageToken,
     StepEvents,
     Totals,
 )
+from kvdefrag.common.errors import quote
 from kvdefrag.server import _policy
 from kvdefrag.server._executor import KvCaches, MoveReport, SwapExecutor, make_executor
 from kvdefrag.server._policy import Move
@@ -71,6 +74,21 @@ class StepResult:
     stats: PoolStats
 
 
+@dataclasses.dataclass(frozen=True)
+class RequestPage:
+    """A slice of the running requests, in the engine's order (``list_requests_page``).
+
+    Attributes:
+        requests: Request id -> logical block ids, for the requests of this page.
+        generation: The state the page was read from (see ``list_requests_page``).
+        next_start: The position of the next page, None after the last one.
+    """
+
+    requests: dict[str, list[int]]
+    generation: int
+    next_start: int | None
+
+
 class StepObserver(Protocol):
     """Told about every step, failure and reset (metrics and health implement it).
 
@@ -99,13 +117,17 @@ class Engine:
 
     Invariants (between calls): the mapping is a permutation of ``[0, num_blocks)`` with
     ``resolve(0) == 0``; the KV data of every live block (and, with prefix caching, of
-    every cached free block) sits at ``resolve(logical_id)``.
+    every cached free block) sits at ``resolve(logical_id)``; every running request
+    holds a block other than the null block. A new or resumed request whose list holds
+    none (``[]``, ``[0]``) is not kept: it is not counted in ``num_requests``, and
+    finishing it later counts as an unknown finished id.
 
     Locks, always taken in this order (see docs/design.md §9)::
 
         servicer lock  ->  engine lock (_lock)  ->  kv_lock
 
-    ``_lock`` serialises steps, resets and the request reads. ``kv_lock`` is the worker's:
+    ``_lock`` serialises steps, resets and the request reads (which hold it only to copy
+    what they return). ``kv_lock`` is the worker's:
     it holds it during its forward pass, and the engine takes it (inside ``_lock``) to
     move KV data and publish the new mapping. ``resolve``, ``resolve_tables``, ``stats``
     and ``digest`` take no lock: they read the mapping published by the last step, so a
@@ -151,6 +173,9 @@ class Engine:
         self._totals = Totals()
         self._unhealthy_reason: str | None = None
         self._force_defrag = False
+        # Counts the steps applied (failed ones included) and resets: a request page
+        # token names the generation its first page saw.
+        self._generation = 0
         self._published = self._publish_locked(is_new_tracker=True)
 
     def add_observer(self, observer: StepObserver) -> None:
@@ -188,6 +213,7 @@ class Engine:
             if self._unhealthy_reason is not None:
                 raise EngineUnhealthy(self._unhealthy_reason)
             validate_step(self._tracker, events)
+            self._generation += 1
             try:
                 result = self._apply(events)
             except EngineUnhealthy:
@@ -348,6 +374,11 @@ class Engine:
         """The pool as of the last step or reset (lock-free)."""
         return self._published.stats
 
+    def digest_and_stats(self) -> tuple[int, PoolStats]:
+        """``digest`` and ``stats()`` of one and the same step (lock-free)."""
+        published = self._published
+        return published.digest, published.stats
+
     def _stats_locked(self) -> PoolStats:
         tracker = self._tracker
         max_live = tracker.max_live
@@ -382,13 +413,61 @@ class Engine:
         with self._lock:
             blocks = self._tracker.requests.get(request_id)
             if blocks is None:
-                raise NotFound(f"request_id {request_id!r} is not running")
+                raise NotFound(f"request_id {quote(request_id)} is not running")
             return list(blocks)
+
+    def resolve_request(self, request_id: str) -> tuple[list[int], list[int]]:
+        """Returns a running request's logical block ids and their physical ids.
+
+        Raises:
+            NotFound: The engine holds no request with that id.
+        """
+        with self._lock:
+            blocks = self._tracker.requests.get(request_id)
+            if blocks is None:
+                raise NotFound(f"request_id {quote(request_id)} is not running")
+            # NOTE: under the lock no step is half done, so the published mapping is
+            # the one of the tracker's request table.
+            physical_ids: list[int] = self._published.fwd[blocks].tolist()
+            return list(blocks), physical_ids
 
     def list_requests(self) -> dict[str, list[int]]:
         """Returns every running request's logical block ids (an O(pool) audit call)."""
         with self._lock:
             return {rid: list(ids) for rid, ids in self._tracker.requests.items()}
+
+    def list_requests_page(
+        self, start: int, max_requests: int, generation: int | None = None
+    ) -> RequestPage:
+        """Returns up to ``max_requests`` running requests from position ``start``.
+
+        Pages of one generation are slices of one request table, so reading them all
+        gives every request exactly once. The lock is held only to copy the slice.
+
+        Args:
+            start: Position of the page's first request (0 for the first page).
+            max_requests: At most this many requests (>= 1).
+            generation: The ``generation`` of the first page; None for a first page.
+
+        Raises:
+            StalePageToken: A step or a reset was applied since that generation.
+        """
+        assert max_requests >= 1, f"a page holds at least one request, got {max_requests}"
+        with self._lock:
+            if generation is not None and generation != self._generation:
+                raise StalePageToken(
+                    "the running requests changed since the first page (a step or a reset "
+                    "was applied); list again from the first page"
+                )
+            requests = self._tracker.requests
+            page = {
+                request_id: list(logical_ids)
+                for request_id, logical_ids in itertools.islice(
+                    requests.items(), start, start + max_requests
+                )
+            }
+            end = start + len(page)
+            return RequestPage(page, self._generation, end if end < len(requests) else None)
 
     def reset(self, *, prefix_caching: bool | None = None) -> None:
         """Forgets every request, restores the identity mapping and zeroes the totals;
@@ -407,5 +486,6 @@ class Engine:
             self._totals = Totals()
             self._unhealthy_reason = None
             self._force_defrag = False
+            self._generation += 1
             self._published = self._publish_locked(is_new_tracker=True)
         self._notify("on_reset")

@@ -29,6 +29,7 @@ from kvdefrag.common import InvalidArgument
 from kvdefrag.server import _convert
 from kvdefrag.server._engine import Engine, StepObserver, StepResult
 from kvdefrag.server._executor import KvCaches, SwapExecutor
+from kvdefrag.server._limits import MAX_OTHER_STREAMS, MIN_WORKERS, StreamShare, StreamSlots
 from kvdefrag.server._servicer import DefragServicer, ServiceMetrics
 from kvdefrag.server.config import ServiceConfig, load_config
 from kvdefrag.server.metrics import Metrics, MetricsServer, serve_metrics
@@ -329,7 +330,8 @@ def serve_in_process(
         metrics: Told about errors and replayed steps; default: the same ``Metrics``.
         registry: Where the default ``Metrics`` registers (a new registry if None);
             served on ``/metrics`` when ``metrics_port`` is set.
-        max_workers: gRPC handler threads (a stream session holds one).
+        max_workers: gRPC handler threads (a stream holds one while it is open), at
+            least 7: streams get a bounded share, unary calls the rest (``_limits``).
         **config: Fields of ``EngineConfig`` (threshold, max_moves_per_step,
             pad_buckets, enable_placement, prefix_caching) and of ``ServiceConfig``
             (insecure, tls_*, max_message_bytes, replay_cache_size, metrics_port,
@@ -339,11 +341,16 @@ def serve_in_process(
         The running server's handle; call ``stop()`` when the worker shuts down.
 
     Raises:
-        InvalidArgument: A bad option or address, or a non-loopback TCP address
-            without TLS or ``insecure``.
+        InvalidArgument: A bad option or address, a non-loopback TCP address without
+            TLS or ``insecure``, or a ``max_message_bytes`` too small for a step's reply.
         OSError: The address is taken (``errno.EADDRINUSE``).
     """
     engine_config, service_config = load_config({**config, "address": address})
+    if max_workers < MIN_WORKERS:
+        raise InvalidArgument(
+            f"max_workers must be >= {MIN_WORKERS} (the writer, the streams' shares and room "
+            f"for unary calls), got {max_workers}"
+        )
     registry = registry if registry is not None else CollectorRegistry()
     default_metrics = Metrics(registry)
     observer = observer if observer is not None else default_metrics
@@ -357,15 +364,24 @@ def serve_in_process(
         kv_lock=kv_lock,
         observer=observer,
     )
+    servicer = DefragServicer(engine, service_config, metrics=metrics)
     listen_address = parse_address(service_config.address)
     thread_pool = futures.ThreadPoolExecutor(
         max_workers=max_workers, thread_name_prefix="kvdefrag-grpc"
     )
-    server = grpc.server(thread_pool, options=grpc_options(service_config))
+    other_streams = StreamShare(
+        StreamSlots(
+            MAX_OTHER_STREAMS,
+            lambda reason: _LOGGER.info("a health or reflection stream was ended: %s", reason),
+        ),
+        exempt_methods=frozenset({f"/{_convert.SERVICE_NAME}/StepStream"}),
+    )
+    server = grpc.server(
+        thread_pool, options=grpc_options(service_config), interceptors=[other_streams]
+    )
     health_servicer = health.HealthServicer()
     health_reporter = _HealthReporter(health_servicer)
     engine.add_observer(health_reporter)
-    servicer = DefragServicer(engine, service_config, metrics=metrics)
     _convert.add_service(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(

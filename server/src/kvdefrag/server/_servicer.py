@@ -1,12 +1,17 @@
 """The DefragService servicer: sessions, exactly-once steps, errors and health.
 
-State besides the engine (all guarded by one lock, which a step holds while the engine
-applies it, so steps are applied one at a time and in ``seq`` order)::
+State besides the engine (all changed under one lock, which a step holds while the
+engine applies it, so steps are applied one at a time and in ``seq`` order)::
 
     epoch     random non-zero uint64, new at start and at every Reset
     next_seq  the seq the next applied step must carry (1 at the start of an epoch)
     replies   the last ``replay_cache_size`` StepResponses, by seq (exactly-once replay)
     session   the open stream session (one writer), or None
+
+The read RPCs (Resolve, GetStats, GetRequest, ListRequests) never take that lock: they
+read what the engine published (or take the engine lock only to copy a request table)
+and build their replies with no lock held, so a large read never stalls the writer's
+steps, and a step never stalls a probe.
 
 Every caller mistake is a ``DefragError``; ``ERROR_CODES`` is the one table that turns
 it into a gRPC status, and the class name travels in the trailing metadata
@@ -35,11 +40,16 @@ from kvdefrag.common import (
     MessageTooLarge,
     NotFound,
     OutOfOrder,
+    PoolStats,
     SessionConflict,
+    StalePageToken,
     StepEvents,
 )
+from kvdefrag.common.errors import quote
 from kvdefrag.server import _convert
 from kvdefrag.server._engine import Engine
+from kvdefrag.server._limits import Handshakes
+from kvdefrag.server._validate import check_client_name, check_request_id
 from kvdefrag.server.config import ServiceConfig
 
 _LOGGER = logging.getLogger(__name__)
@@ -52,10 +62,19 @@ ERROR_CODES: dict[type[DefragError], grpc.StatusCode] = {
     EngineUnhealthy: grpc.StatusCode.UNAVAILABLE,
     MessageTooLarge: grpc.StatusCode.RESOURCE_EXHAUSTED,
     NotFound: grpc.StatusCode.NOT_FOUND,
+    StalePageToken: grpc.StatusCode.ABORTED,
 }
 
 Message = Any
 _T = TypeVar("_T")
+
+# ListRequests: requests per page when the caller names no page_size, and at most.
+DEFAULT_PAGE_SIZE = 1000
+MAX_PAGE_SIZE = 10_000
+
+# The longest status message sent (gRPC caps all trailing metadata at 16 KiB, and
+# percent-encodes the message: up to 12 bytes per character).
+MAX_ERROR_MESSAGE_CHARS = 1024
 
 
 def status_code(err: DefragError) -> grpc.StatusCode:
@@ -73,6 +92,24 @@ def new_epoch(previous: int = 0) -> int:
         epoch = secrets.randbits(64)
         if epoch not in (0, previous):
             return epoch
+
+
+def check_message_limit(engine: Engine, config: ServiceConfig) -> None:
+    """Refuses a ``max_message_bytes`` below the reply bound of a one-block step.
+
+    NOTE: ServiceConfig alone cannot tell: the bound grows with ``num_blocks`` (the id
+    width) and the engine's ``max_moves_per_step``. A smaller limit would start a server
+    that refuses every step.
+    """
+    minimum = _convert.min_message_bytes(engine.num_blocks, engine.config.max_moves_per_step)
+    if config.max_message_bytes < minimum:
+        raise InvalidArgument(
+            f"max_message_bytes={config.max_message_bytes} is too small: the reply to a "
+            f"one-block step can reach {minimum} bytes with num_blocks={engine.num_blocks} "
+            f"and max_moves_per_step={engine.config.max_moves_per_step}, so every step would "
+            f"be refused; give max_message_bytes at least {minimum} or lower "
+            "max_moves_per_step"
+        )
 
 
 class ServiceMetrics(Protocol):
@@ -106,6 +143,9 @@ class DefragServicer:
         engine: The engine to serve (the one owner of the pool state).
         config: Service options (``replay_cache_size``, ``max_message_bytes``).
         metrics: Optional error and replay counters.
+
+    Raises:
+        InvalidArgument: ``max_message_bytes`` is too small for any step's reply.
     """
 
     def __init__(
@@ -115,6 +155,7 @@ class DefragServicer:
         *,
         metrics: ServiceMetrics | None = None,
     ) -> None:
+        check_message_limit(engine, config)
         self._engine = engine
         self._replay_cache_size = config.replay_cache_size
         self._max_message_bytes = config.max_message_bytes
@@ -125,6 +166,9 @@ class DefragServicer:
         self._replies: collections.OrderedDict[int, Message] = collections.OrderedDict()
         self._session: _Session | None = None
         self._is_stopping = False
+        # Odd while a Reset runs: lock-free reads check it around what they read (_read).
+        self._reset_version = 0
+        self._handshakes = Handshakes(config.handshake_timeout_s, self._on_handshake_ended)
 
     @property
     def epoch(self) -> int:
@@ -137,6 +181,7 @@ class DefragServicer:
         with self._lock:
             self._is_stopping = True
             session = self._session
+        self._handshakes.end_all()
         if session is not None:
             # NOTE: an open stream waits for the scheduler's next step and would hold
             # the server's stop for its whole grace period; the step in flight, if any,
@@ -147,11 +192,18 @@ class DefragServicer:
     def StepStream(
         self, request_iterator: Iterator[Message], context: grpc.ServicerContext
     ) -> Iterator[Message]:
-        """The hot path: an ``open`` message, then one reply per ``step`` message."""
+        """The hot path: an ``open`` message, then one reply per ``step`` message.
+
+        The ``open`` must come within ``handshake_timeout_s``, and only a few streams may
+        wait for theirs at once (``_limits``): a stream that sends nothing is ended.
+        """
+        finish_handshake = self._handshakes.begin(context.cancel)
         session: _Session | None = None
         try:
             for request in request_iterator:
                 if session is None:
+                    if not finish_handshake():
+                        return  # ended meanwhile (too late, or pushed out): cancelled
                     session, reply = self._call(
                         "StepStream", context, functools.partial(self._open, request, context)
                     )
@@ -164,43 +216,50 @@ class DefragServicer:
                     )
                 yield reply
         finally:
+            finish_handshake()
             if session is not None:
                 self._release(session)
 
+    # NOTE: every request goes through _convert.parsed inside _call, so bytes that are
+    # not a valid message are answered INVALID_ARGUMENT like any other caller mistake.
     def Step(self, request: Message, context: grpc.ServicerContext) -> Message:
         """One step without a stream; refused while a stream session is open."""
-        return self._call("Step", context, lambda: self._step(request, None))
+        return self._call("Step", context, lambda: self._step(_convert.parsed(request), None))
 
     def Resolve(self, request: Message, context: grpc.ServicerContext) -> Message:
         """Maps logical ids and block tables to physical ids."""
-        return self._call("Resolve", context, lambda: self._resolve(request))
+        return self._call("Resolve", context, lambda: self._resolve(_convert.parsed(request)))
 
     def GetStats(self, request: Message, context: grpc.ServicerContext) -> Message:
-        """Pool statistics and session state, one consistent snapshot."""
-        return self._call("GetStats", context, self._get_stats)
+        """Pool statistics and session state, as of the last step (never waits for one)."""
+        return self._call("GetStats", context, lambda: self._get_stats(_convert.parsed(request)))
 
     def GetRequest(self, request: Message, context: grpc.ServicerContext) -> Message:
         """The logical and physical blocks of one running request."""
-        return self._call("GetRequest", context, lambda: self._get_request(request))
+        return self._call(
+            "GetRequest", context, lambda: self._get_request(_convert.parsed(request))
+        )
 
     def ListRequests(self, request: Message, context: grpc.ServicerContext) -> Message:
-        """Every running request with its logical blocks."""
-        return self._call("ListRequests", context, self._list_requests)
+        """A page of the running requests with their logical blocks."""
+        return self._call(
+            "ListRequests", context, lambda: self._list_requests(_convert.parsed(request))
+        )
 
     def Defragment(self, request: Message, context: grpc.ServicerContext) -> Message:
         """Makes the next step compact the pool whatever the threshold."""
-        return self._call("Defragment", context, self._defragment)
+        return self._call("Defragment", context, lambda: self._defragment(_convert.parsed(request)))
 
     def Reset(self, request: Message, context: grpc.ServicerContext) -> Message:
         """Forgets all state and starts a new epoch (healthy again)."""
-        return self._call("Reset", context, lambda: self._reset(request))
+        return self._call("Reset", context, lambda: self._reset(_convert.parsed(request)))
 
     # --- sessions and steps -----------------------------------------------------------
     def _stream_step(self, request: Message, session: _Session) -> Message:
         kind, body = _convert.stream_request(request)
         if kind == "open":
             raise SessionConflict(
-                f"StepStream: the session of {session.client_name!r} is already open; "
+                f"StepStream: the session of {quote(session.client_name)} is already open; "
                 "'open' is only allowed as the first message"
             )
         if kind != "step":
@@ -214,6 +273,7 @@ class DefragServicer:
                 f"StepStream: the first message must be 'open', got {kind or 'an empty one'!r}"
             )
         args = _convert.open_args(body)
+        check_client_name(args.client_name)
         engine = self._engine
         with self._lock:
             if self._is_stopping:
@@ -221,7 +281,7 @@ class DefragServicer:
             if self._session is not None:
                 raise SessionConflict(
                     f"open: another stream session (client_name="
-                    f"{self._session.client_name!r}) is open; one writer at a time"
+                    f"{quote(self._session.client_name)}) is open; one writer at a time"
                 )
             if args.epoch and args.epoch != self._epoch:
                 raise EpochMismatch(
@@ -254,6 +314,11 @@ class DefragServicer:
         _LOGGER.info("stream session opened by %r", session.client_name)
         return session, opened
 
+    def _on_handshake_ended(self, reason: str) -> None:
+        _LOGGER.info("StepStream ended before its 'open': %s", reason)
+        if self._metrics is not None:
+            self._metrics.record_error("StepStream", grpc.StatusCode.CANCELLED.name)
+
     def _release(self, session: _Session) -> None:
         with self._lock:
             if self._session is session:
@@ -270,8 +335,9 @@ class DefragServicer:
                 if session is None:
                     assert self._session is not None
                     raise SessionConflict(
-                        f"Step: a stream session (client_name={self._session.client_name!r})"
-                        " is open; unary steps are refused while it is"
+                        "Step: a stream session (client_name="
+                        f"{quote(self._session.client_name)}) is open; unary steps are refused "
+                        "while it is"
                     )
                 raise SessionConflict("step: this stream's session is closed")
             reason = engine.unhealthy_reason
@@ -309,43 +375,96 @@ class DefragServicer:
             self._next_seq += 1
         return response
 
-    # --- other RPCs -------------------------------------------------------------------
-    def _resolve(self, request: Message) -> Message:
-        logical_ids, tables = _convert.resolve_request(request)
+    # --- reads (no servicer lock) -----------------------------------------------------
+    def _read(self, read: Callable[[], _T]) -> tuple[int, _T]:
+        """Runs ``read`` without the lock; returns the epoch it belongs to with its value.
+
+        NOTE: a seqlock. Reset makes ``_reset_version`` odd, resets the engine, changes
+        the epoch, and makes it even again, all under the lock. A read that saw the same
+        even version before and after ran wholly within one epoch; one that raced a
+        Reset (rare) reads again under the lock, which waits for the Reset.
+        """
+        version = self._reset_version
+        if version % 2 == 0:
+            epoch = self._epoch
+            value = read()
+            if self._reset_version == version:
+                return epoch, value
         with self._lock:
-            physical_ids = self._engine.resolve(logical_ids).tolist()
-            physical_tables = self._engine.resolve_tables(tables)
-            response = _convert.resolve_response(self._epoch, physical_ids, physical_tables)
+            return self._epoch, read()
+
+    def _resolve(self, request: Message) -> Message:
+        engine = self._engine
+        logical_ids, tables = _convert.resolve_request(request, max_ids=engine.num_blocks)
+        # One resolve_tables call: the ids and the tables come from one published mapping.
+        epoch, resolved = self._read(lambda: engine.resolve_tables([logical_ids, *tables]))
+        response = _convert.resolve_response(epoch, resolved[0], resolved[1:])
         return self._check_size("Resolve", response)
 
-    def _get_stats(self) -> Message:
+    def _get_stats(self, request: Message) -> Message:
         engine = self._engine
-        with self._lock:
-            return _convert.get_stats_response(
-                epoch=self._epoch,
-                next_seq=self._next_seq,
-                is_session_open=self._session is not None,
-                digest=engine.digest,
-                stats=engine.stats(),
-                unhealthy_reason=engine.unhealthy_reason,
+
+        def read() -> tuple[int, bool, tuple[int, PoolStats], str | None]:
+            # NOTE: next_seq first: a step publishes the engine's figures before the
+            # servicer counts it, so they are never older than next_seq says.
+            return (
+                self._next_seq,
+                self._session is not None,
+                engine.digest_and_stats(),
+                engine.unhealthy_reason,
             )
 
+        epoch, (next_seq, is_session_open, (digest, stats), reason) = self._read(read)
+        return _convert.get_stats_response(
+            epoch=epoch,
+            next_seq=next_seq,
+            is_session_open=is_session_open,
+            digest=digest,
+            stats=stats,
+            unhealthy_reason=reason,
+        )
+
     def _get_request(self, request: Message) -> Message:
-        request_id = request.request_id
-        if not request_id:
-            raise InvalidArgument("request_id must be a non-empty string, got ''")
-        with self._lock:
-            logical_ids = self._engine.request_blocks(request_id)
-            physical_ids = self._engine.resolve(logical_ids).tolist()
+        request_id = check_request_id("request_id", request.request_id)
+        logical_ids, physical_ids = self._engine.resolve_request(request_id)
         response = _convert.get_request_response(request_id, logical_ids, physical_ids)
         return self._check_size("GetRequest", response)
 
-    def _list_requests(self) -> Message:
-        with self._lock:
-            response = _convert.list_requests_response(self._epoch, self._engine.list_requests())
+    def _list_requests(self, request: Message) -> Message:
+        """One page of the running requests.
+
+        NOTE: a token names the epoch and the engine's generation (steps and resets
+        applied) of the first page, and the position of the next request. Pages of one
+        generation are slices of one request table, so the pages add up to one
+        consistent table, with no snapshot kept on the server; once a step has changed
+        the table, the next page is refused (StalePageToken) and the caller starts
+        again. A client rebuilding its mirror holds the one writer session meanwhile,
+        so no step can come between its pages.
+        """
+        page_size, token = _convert.list_requests_args(request)
+        if page_size < 0:
+            raise InvalidArgument(f"page_size must be >= 0, got {page_size}")
+        max_requests = min(page_size or DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE)
+        token_epoch, generation, start = (
+            _convert.parse_page_token(token) if token else (None, None, 0)
+        )
+        engine = self._engine
+        epoch, page = self._read(lambda: engine.list_requests_page(start, max_requests, generation))
+        if token_epoch is not None and token_epoch != epoch:
+            raise StalePageToken(
+                f"page_token belongs to epoch {token_epoch}, not to the server's epoch "
+                f"{epoch} (it restarted or was reset); list again from the first page"
+            )
+        response = _convert.list_requests_response(
+            epoch,
+            page,
+            start,
+            num_blocks=engine.num_blocks,
+            max_bytes=self._max_message_bytes,
+        )
         return self._check_size("ListRequests", response)
 
-    def _defragment(self) -> Message:
+    def _defragment(self, request: Message) -> Message:
         self._engine.schedule_defragment()
         return _convert.defragment_response()
 
@@ -355,10 +474,14 @@ class DefragServicer:
                 raise EpochMismatch(
                     f"reset.epoch {request.epoch} is not the server epoch {self._epoch}"
                 )
-            self._engine.reset(prefix_caching=request.prefix_caching)
-            self._epoch = new_epoch(self._epoch)
-            self._next_seq = 1
-            self._replies.clear()
+            self._reset_version += 1
+            try:
+                self._engine.reset(prefix_caching=request.prefix_caching)
+                self._epoch = new_epoch(self._epoch)
+                self._next_seq = 1
+                self._replies.clear()
+            finally:
+                self._reset_version += 1
             epoch = self._epoch
         _LOGGER.info("reset: new epoch %d (prefix_caching=%s)", epoch, request.prefix_caching)
         return _convert.reset_response(epoch)
@@ -413,6 +536,8 @@ class DefragServicer:
         else:
             code = grpc.StatusCode.INTERNAL
             details = f"internal error: {type(err).__name__}: {err}"
+        if len(details) > MAX_ERROR_MESSAGE_CHARS:
+            details = f"{details[:MAX_ERROR_MESSAGE_CHARS]}... ({len(details)} characters)"
         if self._metrics is not None:
             self._metrics.record_error(method, code.name)
         context.abort(code, details)

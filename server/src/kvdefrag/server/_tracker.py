@@ -91,6 +91,8 @@ class BlockTracker:
         * ``digest`` is the XOR of ``pair_digest(l, fwd[l])`` over live ``l``.
         * ``cached[l]`` (meaningful while ``refs[l] == 0``) says the free block's content
           must be kept (prefix caching).
+        * Every request in ``requests`` holds at least one block other than the null
+          block (``append_blocks`` keeps no other).
     """
 
     def __init__(self, num_blocks: int, prefix_caching: bool) -> None:
@@ -287,8 +289,17 @@ class BlockTracker:
         return True
 
     def append_blocks(self, request_id: str, logical_ids: list[int]) -> list[int]:
-        """Adds references for a request's new blocks; returns those that became live."""
-        self.requests.setdefault(request_id, []).extend(logical_ids)
+        """Adds references for a request's new blocks; returns those that became live.
+
+        A request that would hold no block but the null block is not kept (it holds
+        nothing to track, and would stay forever if the scheduler never finishes it).
+        """
+        held = self.requests.get(request_id)
+        if held is None:
+            if all(logical_id == NULL_BLOCK_ID for logical_id in logical_ids):
+                return []
+            held = self.requests[request_id] = []
+        held.extend(logical_ids)
         return [
             logical_id
             for logical_id in logical_ids

@@ -10,9 +10,11 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 
 from kvdefrag.common import NULL_BLOCK_ID, InvalidArgument, StepEvents
+from kvdefrag.common.errors import quote
 from kvdefrag.server._tracker import BlockTracker
 
 MAX_REQUEST_ID_CHARS = 256
+MAX_CLIENT_NAME_CHARS = 256
 
 
 def validate_step(tracker: BlockTracker, events: StepEvents) -> None:
@@ -36,13 +38,25 @@ def validate_step(tracker: BlockTracker, events: StepEvents) -> None:
 def check_request_id(field: str, request_id: object) -> str:
     """Returns a well-formed request id: a non-empty str of bounded length."""
     if not isinstance(request_id, str) or not request_id:
-        raise InvalidArgument(f"{field}: request id must be a non-empty str, got {request_id!r}")
+        raise InvalidArgument(
+            f"{field}: request id must be a non-empty str, got {quote(request_id)}"
+        )
     if len(request_id) > MAX_REQUEST_ID_CHARS:
         raise InvalidArgument(
-            f"{field}: request id {request_id[:32]!r}... is longer "
-            f"than {MAX_REQUEST_ID_CHARS} characters"
+            f"{field}: request id {quote(request_id)} is longer than {MAX_REQUEST_ID_CHARS} "
+            "characters"
         )
     return request_id
+
+
+def check_client_name(client_name: str) -> str:
+    """Returns a stream's client name if it is at most ``MAX_CLIENT_NAME_CHARS`` long."""
+    if len(client_name) > MAX_CLIENT_NAME_CHARS:
+        raise InvalidArgument(
+            f"open.client_name {quote(client_name)} is longer than {MAX_CLIENT_NAME_CHARS} "
+            "characters"
+        )
+    return client_name
 
 
 def _check_ids(field: str, block_ids: Sequence[int], num_blocks: int) -> None:
@@ -54,7 +68,7 @@ def _check_ids(field: str, block_ids: Sequence[int], num_blocks: int) -> None:
 def _check_block_lists(field: str, lists: Mapping[str, Sequence[int]], num_blocks: int) -> None:
     for request_id, block_ids in lists.items():
         check_request_id(field, request_id)
-        name = f"{field}[{request_id!r}]"
+        name = f"{field}[{quote(request_id)}]"
         _check_ids(name, block_ids, num_blocks)
         seen: set[int] = set()
         for block_id in block_ids:

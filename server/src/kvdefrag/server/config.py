@@ -20,11 +20,17 @@ DEFAULT_ADDRESS = "unix:/tmp/kvdefrag.sock"
 ENV_PREFIX = "KVDEFRAG_"
 
 
-def _check_types(config: object, ints: tuple[str, ...], bools: tuple[str, ...]) -> None:
+def _check_types(
+    config: object, ints: tuple[str, ...], bools: tuple[str, ...], floats: tuple[str, ...] = ()
+) -> None:
     for name in ints:
         value = getattr(config, name)
         if not isinstance(value, int) or isinstance(value, bool):
             raise InvalidArgument(f"{name} must be an int, got {value!r}")
+    for name in floats:
+        value = getattr(config, name)
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise InvalidArgument(f"{name} must be a number, got {value!r}")
     for name in bools:
         if not isinstance(getattr(config, name), bool):
             raise InvalidArgument(f"{name} must be a bool, got {getattr(config, name)!r}")
@@ -79,6 +85,8 @@ class ServiceConfig:
         tls_client_ca_file: CA bundle; when set, clients must present a certificate (mTLS).
         max_message_bytes: Largest gRPC message accepted or sent.
         replay_cache_size: Replies kept for exactly-once replay of resent steps.
+        handshake_timeout_s: How long a new StepStream may take to send its ``open``
+            before the server ends it (a silent stream holds a handler thread).
     """
 
     address: str = DEFAULT_ADDRESS
@@ -90,15 +98,25 @@ class ServiceConfig:
     tls_client_ca_file: str | None = None
     max_message_bytes: int = 16 * 1024 * 1024
     replay_cache_size: int = 64
+    handshake_timeout_s: float = 5.0
 
     def __post_init__(self) -> None:
-        _check_types(self, ("max_message_bytes", "replay_cache_size"), ("insecure",))
+        _check_types(
+            self,
+            ("max_message_bytes", "replay_cache_size"),
+            ("insecure",),
+            ("handshake_timeout_s",),
+        )
         if self.max_message_bytes < 1024:
             raise InvalidArgument(
                 f"max_message_bytes must be >= 1024, got {self.max_message_bytes}"
             )
         if self.replay_cache_size < 1:
             raise InvalidArgument(f"replay_cache_size must be >= 1, got {self.replay_cache_size}")
+        if not 0 < self.handshake_timeout_s <= 3600:
+            raise InvalidArgument(
+                f"handshake_timeout_s must be > 0 and <= 3600, got {self.handshake_timeout_s}"
+            )
 
 
 _CONFIG_CLASSES = (EngineConfig, ServiceConfig)
@@ -120,6 +138,8 @@ def _parse_field(field: dataclasses.Field[Any], name: str, text: str) -> Any:
             return _parse_bool(name, text)
         if kind == "int":
             return int(text)
+        if kind == "float":
+            return float(text)
         if kind == "int | None":
             return None if text.strip().lower() in ("", "none") else int(text)
         if kind == "tuple[int, ...]":
