@@ -3,7 +3,8 @@
 ``serve_in_process`` runs inside the worker, in background threads, next to the KV
 tensors the engine moves. Addresses::
 
-    unix:/abs/path.sock   default; file mode 0600; a stale socket file is replaced
+    unix:/abs/path.sock   default; file mode 0600, bound privately (see _socket_file); a
+                          stale socket file is replaced; stop() removes only its own
     HOST:PORT             TCP; port 0 picks one; a non-loopback HOST needs TLS or insecure
 """
 
@@ -14,8 +15,6 @@ import errno
 import ipaddress
 import logging
 import os
-import socket
-import stat
 import threading
 from concurrent import futures
 from typing import Any
@@ -26,18 +25,17 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
 from kvdefrag.common import InvalidArgument
-from kvdefrag.server import _convert
+from kvdefrag.server import _convert, _socket_file
 from kvdefrag.server._engine import Engine, StepObserver, StepResult
 from kvdefrag.server._executor import KvCaches, SwapExecutor
 from kvdefrag.server._servicer import DefragServicer, ServiceMetrics
+from kvdefrag.server._socket_file import MAX_SOCKET_PATH_BYTES, SocketFile
 from kvdefrag.server.config import ServiceConfig, load_config
 from kvdefrag.server.metrics import Metrics, MetricsServer, serve_metrics
 
 _LOGGER = logging.getLogger(__name__)
 
 HEALTH_SERVICE_NAMES = ("", _convert.SERVICE_NAME)
-# sockaddr_un.sun_path holds 108 bytes, the terminating NUL included.
-_MAX_SOCKET_PATH_BYTES = 107
 _LOOPBACK_NAMES = ("localhost", "ip6-localhost")
 
 
@@ -81,9 +79,9 @@ def parse_address(address: str) -> ListenAddress:
         if not path:
             raise InvalidArgument(f"address {address!r}: the unix socket path is empty")
         path = os.path.abspath(path)
-        if len(os.fsencode(path)) > _MAX_SOCKET_PATH_BYTES:
+        if len(os.fsencode(path)) > MAX_SOCKET_PATH_BYTES:
             raise InvalidArgument(
-                f"address {address!r}: a unix socket path is at most {_MAX_SOCKET_PATH_BYTES} bytes"
+                f"address {address!r}: a unix socket path is at most {MAX_SOCKET_PATH_BYTES} bytes"
             )
         return ListenAddress(socket_path=path)
     host, sep, port_text = address.rpartition(":")
@@ -93,28 +91,6 @@ def parse_address(address: str) -> ListenAddress:
             "(port 0-65535, 0 picks a free one)"
         )
     return ListenAddress(host=host, port=int(port_text))
-
-
-def _prepare_socket_path(path: str) -> None:
-    """Removes a stale socket file; refuses a live one or a file that is not a socket."""
-    try:
-        mode = os.lstat(path).st_mode
-    except FileNotFoundError:
-        if not os.path.isdir(os.path.dirname(path)):
-            raise InvalidArgument(
-                f"address unix:{path}: directory {os.path.dirname(path)} does not exist"
-            ) from None
-        return
-    if not stat.S_ISSOCK(mode):
-        raise InvalidArgument(f"address unix:{path}: {path} exists and is not a socket")
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-        try:
-            probe.connect(path)
-        except ConnectionRefusedError:
-            _LOGGER.info("removing stale socket file %s (nobody listens on it)", path)
-            os.unlink(path)
-            return
-    raise OSError(errno.EADDRINUSE, f"address unix:{path} is taken: a live server listens on it")
 
 
 def _read_file(option: str, path: str) -> bytes:
@@ -180,7 +156,7 @@ class ServerHandle:
         server: grpc.Server,
         servicer: DefragServicer,
         health_servicer: Any,
-        socket_path: str | None,
+        socket_file: SocketFile | None,
         thread_pool: futures.ThreadPoolExecutor,
         registry: CollectorRegistry,
         metrics_server: MetricsServer | None,
@@ -191,7 +167,7 @@ class ServerHandle:
         self._server = server
         self._servicer = servicer
         self._health = health_servicer
-        self._socket_path = socket_path
+        self._socket_file = socket_file
         self._thread_pool = thread_pool
         self.registry = registry
         self._metrics_server = metrics_server
@@ -221,8 +197,8 @@ class ServerHandle:
         self._thread_pool.shutdown(wait=False)
         if self._metrics_server is not None:
             self._metrics_server.stop()
-        if self._socket_path is not None and _is_socket(self._socket_path):
-            os.unlink(self._socket_path)
+        if self._socket_file is not None:
+            self._socket_file.remove()
         self._stopped.set()
         _LOGGER.info("kvdefrag server on %s stopped", self.address)
 
@@ -235,13 +211,6 @@ class ServerHandle:
 
     def __exit__(self, *exc_info: object) -> None:
         self.stop()
-
-
-def _is_socket(path: str) -> bool:
-    try:
-        return stat.S_ISSOCK(os.lstat(path).st_mode)
-    except FileNotFoundError:
-        return False
 
 
 class _HealthReporter:
@@ -274,8 +243,10 @@ class _HealthReporter:
         self.set_serving(True)
 
 
-def _listen(server: grpc.Server, address: ListenAddress, config: ServiceConfig) -> str:
-    """Binds the server's port and returns the address it listens on."""
+def _listen(
+    server: grpc.Server, address: ListenAddress, config: ServiceConfig
+) -> tuple[str, SocketFile | None]:
+    """Binds the server's port; returns the address it listens on and its socket file."""
     credentials = _server_credentials(config)
     if not address.is_loopback and credentials is None and not config.insecure:
         raise InvalidArgument(
@@ -283,23 +254,35 @@ def _listen(server: grpc.Server, address: ListenAddress, config: ServiceConfig) 
             "tls_key_file (TLS, optionally tls_client_ca_file for mTLS) or set insecure "
             "(--insecure) to serve it in plain text"
         )
-    if address.socket_path is not None:
-        _prepare_socket_path(address.socket_path)
+    if address.socket_path is None:
+        port = _add_port(server, address.target(), credentials, config)
+        return address.target(port), None
+    path = address.socket_path
+    _socket_file.check_path(path)
+    # NOTE: gRPC creates the file with the process umask (0777 under umask 0) and
+    # unlinks its bound path when it stops; binding in a private directory and linking
+    # the finished 0600 file into place closes both holes (see _socket_file).
+    with _socket_file.private_bind_path(path) as private_path:
+        _add_port(server, f"unix:{private_path}", credentials, config)
+        socket_file = _socket_file.publish(private_path, path)
+    return address.target(), socket_file
+
+
+def _add_port(
+    server: grpc.Server,
+    target: str,
+    credentials: grpc.ServerCredentials | None,
+    config: ServiceConfig,
+) -> int:
     try:
         if credentials is None:
-            port = server.add_insecure_port(address.target())
-        else:
-            port = server.add_secure_port(address.target(), credentials)
+            return server.add_insecure_port(target)
+        return server.add_secure_port(target, credentials)
     except RuntimeError as err:
         raise OSError(
             errno.EADDRINUSE,
             f"cannot listen on {config.address}: the address is taken or not local ({err})",
         ) from err
-    if address.socket_path is not None:
-        # NOTE: gRPC binds in add_*_port and creates the file with the process umask;
-        # restrict it before start() accepts anyone (only this user may connect).
-        os.chmod(address.socket_path, 0o600)
-    return address.target(port)
 
 
 def serve_in_process(
@@ -374,7 +357,7 @@ def serve_in_process(
     default_metrics.bind_engine(engine)
     metrics_server: MetricsServer | None = None
     try:
-        bound_address = _listen(server, listen_address, service_config)
+        bound_address, socket_file = _listen(server, listen_address, service_config)
         if service_config.metrics_port is not None:
             metrics_server = serve_metrics(
                 registry, service_config.metrics_port, service_config.metrics_host
@@ -393,7 +376,7 @@ def serve_in_process(
         server,
         servicer,
         health_servicer,
-        listen_address.socket_path,
+        socket_file,
         thread_pool,
         registry,
         metrics_server,
