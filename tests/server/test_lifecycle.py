@@ -11,11 +11,18 @@ compaction, and every number says so; bad TLS material is reported by file.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import os
 import shutil
+import socket
 import stat
+import subprocess
+import sys
+import textwrap
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -24,8 +31,11 @@ import grpc
 import pytest
 from kv import SignedKv
 
-from kvdefrag.client import DefragClient
+from kvdefrag.client import DefragClient, EngineUnhealthy, ServiceUnavailable
+from kvdefrag.common import InvalidArgument
 from kvdefrag.server import Move, MoveReport, ServerHandle, make_executor, serve_in_process
+from kvdefrag.server._server import grpc_options
+from kvdefrag.server.config import ServiceConfig
 from kvdefrag.v1 import defrag_pb2 as pb
 from kvdefrag.v1 import defrag_pb2_grpc as pb_grpc
 
@@ -118,6 +128,54 @@ def test_stop_leaves_the_socket_file_of_a_replacement_server_alone(
     assert not path.exists()  # its own file it does remove
 
 
+# --- 2. stop(grace_s) is bounded --------------------------------------------------------
+def step_until_stopped(client: DefragClient) -> None:
+    """The step that hangs; the server stops under it, so it ends unacknowledged."""
+    with contextlib.suppress(ServiceUnavailable):
+        client.step(finished=["a"])
+
+
+def test_stop_returns_after_its_grace_while_a_step_hangs(
+    servers: list[ServerHandle], tmp_path: Path
+) -> None:
+    kv = SignedKv.create(64, block_size=BLOCK_SIZE)
+    executor = GatedExecutor(kv)
+    handle = serve(servers, f"unix:{tmp_path}/kv.sock", kv=kv, executor=executor, threshold=0)
+    client = DefragClient(handle.address, timeout_s=5)
+    try:
+        fragment(client, kv)
+        executor.go_ahead.clear()
+        stepping = threading.Thread(target=step_until_stopped, args=(client,))
+        stepping.start()
+        assert executor.entered.wait(30)
+        stopped: list[bool] = []
+        stopping = threading.Thread(target=lambda: stopped.append(handle.stop(0.5)))
+
+        started = time.monotonic()
+        stopping.start()
+        # NOTE: the bound is the point here (stop must not wait for a step that hangs
+        # for a minute), so it is generous: the grace plus 5 s for a loaded machine.
+        stopping.join(0.5 + 5.0)
+        elapsed_s = time.monotonic() - started
+
+        assert not stopping.is_alive(), f"stop(0.5) still waiting after {elapsed_s:.1f} s"
+        assert stopped == [False]  # a step was still running when it returned
+        assert handle.wait(0)
+    finally:
+        executor.go_ahead.set()  # the step completes after stop() has returned ...
+        stepping.join(60)
+        client.close()
+    engine = handle.engine
+    wait_until(lambda: engine.stats().totals.num_steps == 2)
+    # ... and leaves the engine whole: a permutation, compacted, and every live block
+    # reads its own data where the mapping says it is.
+    mapping = engine.resolve(range(engine.num_blocks)).tolist()
+    assert sorted(mapping) == list(range(engine.num_blocks))
+    stats = engine.stats()
+    assert stats.is_healthy and stats.holes == 0 and stats.totals.num_moves > 0
+    assert kv.lost_blocks(engine, [40, 41, 42]) == []
+
+
 # --- 3. the socket is never reachable by others while it binds --------------------------
 class BindObserver:
     """A real gRPC server that looks at the file system right after each bind."""
@@ -182,3 +240,5 @@ def test_socket_is_never_reachable_by_others_while_binding_with_umask_0(
     assert _mode(path) == 0o600 and stat.S_ISSOCK(os.lstat(path).st_mode)
     assert os.listdir(shared) == ["kv.sock"]  # nothing left of the bind
     assert get_stats(handle.address).epoch == handle.epoch
+
+

@@ -16,6 +16,7 @@ import ipaddress
 import logging
 import os
 import threading
+import time
 from concurrent import futures
 from typing import Any
 
@@ -37,6 +38,8 @@ _LOGGER = logging.getLogger(__name__)
 
 HEALTH_SERVICE_NAMES = ("", _convert.SERVICE_NAME)
 _LOOPBACK_NAMES = ("localhost", "ip6-localhost")
+# How long stop() waits past its grace for gRPC to report the shutdown done.
+_SHUTDOWN_WAIT_S = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,7 +174,9 @@ class ServerHandle:
         self._thread_pool = thread_pool
         self.registry = registry
         self._metrics_server = metrics_server
+        self._stop_lock = threading.Lock()
         self._stopped = threading.Event()
+        self._is_stopped_cleanly = True
 
     @property
     def metrics_port(self) -> int | None:
@@ -183,24 +188,46 @@ class ServerHandle:
         """The server's current epoch."""
         return self._servicer.epoch
 
-    def stop(self, grace_s: float | None = 5.0) -> None:
+    def stop(self, grace_s: float | None = 5.0) -> bool:
         """Stops serving: health NOT_SERVING first, then in-flight steps finish.
 
         New steps are refused (UNAVAILABLE) from the moment health flips; RPCs still
-        running after ``grace_s`` seconds are cancelled. Idempotent.
+        running after ``grace_s`` seconds (None: 0) are cancelled, and ``stop`` returns
+        then, a step that hangs in the executor included: it finishes or fails later in
+        its handler thread, applied whole by the engine (docs/design.md §5). Idempotent.
+
+        Returns:
+            True when every step had finished by then; False when one was still running.
         """
-        if self._stopped.is_set():
-            return
-        self._health.enter_graceful_shutdown()
-        self._servicer.begin_shutdown()
-        self._server.stop(grace_s).wait()
-        self._thread_pool.shutdown(wait=False)
-        if self._metrics_server is not None:
-            self._metrics_server.stop()
-        if self._socket_file is not None:
-            self._socket_file.remove()
-        self._stopped.set()
-        _LOGGER.info("kvdefrag server on %s stopped", self.address)
+        with self._stop_lock:
+            if self._stopped.is_set():
+                return self._is_stopped_cleanly
+            grace_s = 0.0 if grace_s is None else max(grace_s, 0.0)
+            deadline = time.monotonic() + grace_s
+            self._health.enter_graceful_shutdown()
+            is_idle = self._servicer.begin_shutdown(grace_s)
+            remaining_s = max(deadline - time.monotonic(), 0.0)
+            # NOTE: gRPC cancels the calls left after the grace and then reports the
+            # shutdown done, even while a handler thread still runs; the extra second
+            # bounds the wait should it not.
+            self._server.stop(remaining_s).wait(remaining_s + _SHUTDOWN_WAIT_S)
+            self._thread_pool.shutdown(wait=False)
+            if self._metrics_server is not None:
+                self._metrics_server.stop()
+            if self._socket_file is not None:
+                self._socket_file.remove()
+            self._is_stopped_cleanly = is_idle
+            self._stopped.set()
+        if is_idle:
+            _LOGGER.info("kvdefrag server on %s stopped", self.address)
+        else:
+            _LOGGER.warning(
+                "kvdefrag server on %s stopped after its %.1f s grace while a step was still "
+                "running; it completes or fails in its handler thread, and its reply is lost",
+                self.address,
+                grace_s,
+            )
+        return is_idle
 
     def wait(self, timeout_s: float | None = None) -> bool:
         """Blocks until ``stop`` has finished; False if ``timeout_s`` passed first."""

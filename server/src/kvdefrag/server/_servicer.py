@@ -124,7 +124,8 @@ class DefragServicer:
         self._next_seq = 1
         self._replies: collections.OrderedDict[int, Message] = collections.OrderedDict()
         self._session: _Session | None = None
-        self._is_stopping = False
+        # Set without the lock: stop() must not wait behind a step that hangs.
+        self._is_stopping = threading.Event()
 
     @property
     def epoch(self) -> int:
@@ -132,16 +133,29 @@ class DefragServicer:
         with self._lock:
             return self._epoch
 
-    def begin_shutdown(self) -> None:
-        """Refuses every later step and ends the open stream once its step is done."""
-        with self._lock:
-            self._is_stopping = True
+    def begin_shutdown(self, timeout_s: float) -> bool:
+        """Refuses every later step and ends the open stream once its step is done.
+
+        Waits at most ``timeout_s`` for a step in flight. A step that takes longer is
+        left to finish (or fail) in its handler thread: the engine applies it whole, so
+        it leaves nothing half-committed, and its reply goes nowhere.
+
+        Returns:
+            True when no step was in flight by ``timeout_s``; False when one still runs.
+        """
+        self._is_stopping.set()
+        is_idle = self._lock.acquire(timeout=max(timeout_s, 0.0))
+        try:
             session = self._session
+        finally:
+            if is_idle:
+                self._lock.release()
         if session is not None:
             # NOTE: an open stream waits for the scheduler's next step and would hold
             # the server's stop for its whole grace period; the step in flight, if any,
-            # has finished (we held the lock), so end the stream now.
+            # has finished (we held the lock) or outlived the grace, so end it now.
             session.cancel_stream()
+        return is_idle
 
     # --- RPCs -------------------------------------------------------------------------
     def StepStream(
@@ -216,7 +230,7 @@ class DefragServicer:
         args = _convert.open_args(body)
         engine = self._engine
         with self._lock:
-            if self._is_stopping:
+            if self._is_stopping.is_set():
                 raise _ShuttingDown("the server is shutting down")
             if self._session is not None:
                 raise SessionConflict(
@@ -264,7 +278,7 @@ class DefragServicer:
         seq, epoch = request.seq, request.epoch
         engine = self._engine
         with self._lock:
-            if self._is_stopping:
+            if self._is_stopping.is_set():
                 raise _ShuttingDown("the server is shutting down")
             if self._session is not session:
                 if session is None:
