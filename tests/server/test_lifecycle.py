@@ -12,17 +12,12 @@ compaction, and every number says so; bad TLS material is reported by file.
 from __future__ import annotations
 
 import contextlib
-import gc
 import os
 import shutil
 import socket
 import stat
-import subprocess
-import sys
-import textwrap
 import threading
 import time
-import weakref
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -31,8 +26,7 @@ import grpc
 import pytest
 from kv import SignedKv
 
-from kvdefrag.client import DefragClient, EngineUnhealthy, ServiceUnavailable
-from kvdefrag.common import InvalidArgument
+from kvdefrag.client import DefragClient, ServiceUnavailable
 from kvdefrag.server import Move, MoveReport, ServerHandle, make_executor, serve_in_process
 from kvdefrag.server._server import grpc_options
 from kvdefrag.server.config import ServiceConfig
@@ -242,3 +236,134 @@ def test_socket_is_never_reachable_by_others_while_binding_with_umask_0(
     assert get_stats(handle.address).epoch == handle.epoch
 
 
+# --- 4. client keepalive: a half-open TCP path is noticed -------------------------------
+class BlackholeProxy:
+    """A TCP proxy that can stop forwarding its open connections without closing them.
+
+    Connections accepted after ``blackhole()`` are forwarded normally: the old path is
+    half-open (nothing arrives, nothing fails), a new one works.
+    """
+
+    def __init__(self, target_port: int) -> None:
+        self._target_port = target_port
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self._listener.settimeout(0.05)
+        self.port = self._listener.getsockname()[1]
+        self._lock = threading.Lock()
+        self._blackholed: set[int] = set()
+        self._sockets: list[socket.socket] = []
+        self._pairs: list[tuple[int, threading.Event]] = []
+        self._is_closed = threading.Event()
+        self.num_accepted = 0
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self._is_closed.is_set():
+            try:
+                downstream, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self._target_port))
+            with self._lock:
+                self.num_accepted += 1
+                connection_id = self.num_accepted
+                self._sockets += [downstream, upstream]
+            for source, sink in ((downstream, upstream), (upstream, downstream)):
+                threading.Thread(
+                    target=self._pump, args=(connection_id, source, sink), daemon=True
+                ).start()
+
+    def _pump(self, connection_id: int, source: socket.socket, sink: socket.socket) -> None:
+        source.settimeout(0.05)
+        while not self._is_closed.is_set():
+            with self._lock:
+                if connection_id in self._blackholed:
+                    break
+            try:
+                data = source.recv(65536)
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            if not data:
+                with contextlib.suppress(OSError):
+                    sink.shutdown(socket.SHUT_WR)
+                return
+            with self._lock:
+                if connection_id in self._blackholed:
+                    break  # dropped, as a dead path drops it
+            try:
+                sink.sendall(data)
+            except OSError:
+                return
+        self._is_closed.wait()  # blackholed: hold the connection open, silently
+
+    def blackhole(self) -> None:
+        """Stops forwarding on every connection open now; new ones are forwarded."""
+        with self._lock:
+            self._blackholed.update(range(1, self.num_accepted + 1))
+
+    def close(self) -> None:
+        self._is_closed.set()
+        self._listener.close()
+        with self._lock:
+            for sock in self._sockets:
+                sock.close()
+
+
+def test_client_keepalive_agrees_with_the_server_ping_policy() -> None:
+    from kvdefrag.client._channel import channel_options
+
+    client = dict(channel_options(max_message_bytes=1 << 20))
+    server = dict(grpc_options(ServiceConfig()))
+    # The client pings an idle stream, and the server accepts pings that often (a ping
+    # sooner than the server's minimum is a strike; a few strikes and it says GOAWAY).
+    assert client["grpc.keepalive_permit_without_calls"] == 1
+    assert client["grpc.http2.max_pings_without_data"] == 0
+    assert server["grpc.keepalive_permit_without_calls"] == 1
+    assert client["grpc.keepalive_time_ms"] > server["grpc.http2.min_ping_interval_without_data_ms"]
+    # A dead peer is noticed within seconds (an unanswered ping ends the connection
+    # after the ping timeout, 60 s unless set), sooner than a step's default deadline.
+    for options in (client, server):
+        assert options["grpc.http2.ping_timeout_ms"] == options["grpc.keepalive_timeout_ms"]
+    assert client["grpc.keepalive_time_ms"] + client["grpc.keepalive_timeout_ms"] <= 10_000
+
+
+@pytest.mark.slow
+def test_client_reconnects_when_its_tcp_path_goes_half_open(
+    servers: list[ServerHandle],
+) -> None:
+    kv = SignedKv.create(64, block_size=BLOCK_SIZE)
+    handle = serve(servers, "127.0.0.1:0", kv=kv)
+    proxy = BlackholeProxy(int(handle.address.rsplit(":", 1)[1]))
+    try:
+        with DefragClient(f"127.0.0.1:{proxy.port}", timeout_s=30) as client:
+            step_and_write(client, kv, new_blocks={"a": [3, 4]})
+            # An idle session sees four client pings; pings the server's policy did
+            # not allow would get the connection closed (GOAWAY too_many_pings).
+            time.sleep(22)
+            client.step()
+            assert proxy.num_accepted == 1
+            proxy.blackhole()
+
+            # NOTE: keepalive notices the dead path on each side within 10-15 s (the
+            # client's pings, and the server's, which end the old session), so the step
+            # sent into it is resent on a new connection within its 30 s deadline. The
+            # bound on trying is generous for a loaded machine; without keepalive no
+            # step ever gets through again.
+            deadline = time.monotonic() + 90.0
+            while True:
+                try:
+                    client.step(new_blocks={"b": [7]})
+                    break
+                except ServiceUnavailable:
+                    assert time.monotonic() < deadline, "no step got through in 90 s"
+
+            assert proxy.num_accepted == 2  # the client came back on a new connection
+            kv.write([7], client.resolve([7]))
+            assert client.audit().is_consistent
+            assert kv.mismatched([3, 4, 7], client.resolve([3, 4, 7])) == []
+    finally:
+        proxy.close()

@@ -133,10 +133,21 @@ def grpc_options(config: ServiceConfig) -> list[tuple[str, Any]]:
         ("grpc.max_receive_message_length", config.max_message_bytes),
         # NOTE: with SO_REUSEPORT a second server could bind a taken port silently.
         ("grpc.so_reuseport", 0),
-        # A crashed client on TCP must not hold the one writer session for hours.
-        ("grpc.keepalive_time_ms", 20_000),
-        ("grpc.keepalive_timeout_ms", 10_000),
-        ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+        # A crashed or cut-off client on TCP must not hold the one writer session for
+        # long: the connection of a silent peer ends within 15 s (a ping after 10 s of
+        # silence, unanswered for 5 s), so its client, which notices within 10 s and
+        # reconnects, can open the session again soon after.
+        ("grpc.keepalive_time_ms", 10_000),
+        ("grpc.keepalive_timeout_ms", 5_000),
+        # NOTE: gRPC closes the connection when a ping goes unanswered for this long
+        # (60 s by default), whatever keepalive_timeout_ms says.
+        ("grpc.http2.ping_timeout_ms", 5_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+        # NOTE: the client pings every 5 s, with or without calls and data (its
+        # _channel.KEEPALIVE_TIME_MS); a ping sooner than this minimum is a strike, and
+        # after two strikes the server ends the connection (GOAWAY too_many_pings).
+        ("grpc.http2.min_ping_interval_without_data_ms", 4_000),
     ]
 
 
