@@ -12,12 +12,17 @@ compaction, and every number says so; bad TLS material is reported by file.
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import shutil
 import socket
 import stat
+import subprocess
+import sys
+import textwrap
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -367,3 +372,54 @@ def test_client_reconnects_when_its_tcp_path_goes_half_open(
             assert kv.mismatched([3, 4, 7], client.resolve([3, 4, 7])) == []
     finally:
         proxy.close()
+
+
+# --- 5. a process with a server and a client exits after an uncaught exception ----------
+EXITING_SCRIPT = """
+    import tempfile
+    import torch
+    from kvdefrag.client import DefragClient
+    from kvdefrag.server import serve_in_process
+
+    kv_caches = [(torch.zeros(64 * 2, 4), torch.zeros(64 * 2, 4))]
+    address = f"unix:{tempfile.mkdtemp()}/kv.sock"
+    handle = serve_in_process(kv_caches, block_size=2, address=address)
+    client = DefragClient(address)
+    client.step(new_blocks={"a": [3, 4]})
+    print("stepped", flush=True)
+    raise RuntimeError("uncaught")
+"""
+
+
+def test_process_with_a_server_and_an_open_client_stream_exits_after_an_uncaught_error(
+    tmp_path: Path,
+) -> None:
+    script = tmp_path / "uncaught.py"
+    script.write_text(textwrap.dedent(EXITING_SCRIPT))
+    process = subprocess.Popen(
+        [sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        # NOTE: generous: importing torch on a loaded machine takes seconds; a process
+        # that hangs at exit never ends at all.
+        stdout, stderr = process.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        stdout, stderr = process.communicate()
+        pytest.fail(f"the process did not exit; it printed {stdout!r}, {stderr[-2000:]!r}")
+    assert "stepped" in stdout
+    assert process.returncode == 1 and "RuntimeError: uncaught" in stderr
+
+
+def test_exit_hooks_keep_no_server_or_client_alive(tmp_path: Path) -> None:
+    kv = SignedKv.create(16, block_size=BLOCK_SIZE)
+    handle = serve_in_process(kv.kv_caches, kv.block_size, f"unix:{tmp_path}/kv.sock")
+    client = DefragClient(handle.address)
+    client.close()
+    handle.stop(0)
+    handle_ref, client_ref = weakref.ref(handle), weakref.ref(client)
+
+    del handle, client
+    gc.collect()
+
+    assert handle_ref() is None and client_ref() is None

@@ -26,6 +26,7 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
 from kvdefrag.common import InvalidArgument
+from kvdefrag.common._exit import call_at_exit
 from kvdefrag.server import _convert, _socket_file
 from kvdefrag.server._engine import Engine, StepObserver, StepResult
 from kvdefrag.server._executor import KvCaches, SwapExecutor
@@ -40,6 +41,8 @@ HEALTH_SERVICE_NAMES = ("", _convert.SERVICE_NAME)
 _LOOPBACK_NAMES = ("localhost", "ip6-localhost")
 # How long stop() waits past its grace for gRPC to report the shutdown done.
 _SHUTDOWN_WAIT_S = 1.0
+# The grace of the stop at interpreter exit: a step in flight may finish, nothing more.
+_EXIT_GRACE_S = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,6 +191,7 @@ class ServerHandle:
         self._stop_lock = threading.Lock()
         self._stopped = threading.Event()
         self._is_stopped_cleanly = True
+        call_at_exit(self._stop_at_exit)
 
     @property
     def metrics_port(self) -> int | None:
@@ -239,6 +243,12 @@ class ServerHandle:
                 grace_s,
             )
         return is_idle
+
+    def _stop_at_exit(self) -> None:
+        """Stops at interpreter exit, with a short grace (see ``kvdefrag.common._exit``)."""
+        if not self._stopped.is_set():
+            _LOGGER.info("stopping kvdefrag server on %s: the interpreter exits", self.address)
+            self.stop(_EXIT_GRACE_S)
 
     def wait(self, timeout_s: float | None = None) -> bool:
         """Blocks until ``stop`` has finished; False if ``timeout_s`` passed first."""
