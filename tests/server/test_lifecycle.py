@@ -31,7 +31,7 @@ import grpc
 import pytest
 from kv import SignedKv
 
-from kvdefrag.client import DefragClient, ServiceUnavailable
+from kvdefrag.client import DefragClient, EngineUnhealthy, ServiceUnavailable
 from kvdefrag.server import Move, MoveReport, ServerHandle, make_executor, serve_in_process
 from kvdefrag.server._server import grpc_options
 from kvdefrag.server.config import ServiceConfig
@@ -423,3 +423,44 @@ def test_exit_hooks_keep_no_server_or_client_alive(tmp_path: Path) -> None:
     gc.collect()
 
     assert handle_ref() is None and client_ref() is None
+
+
+# --- 6. a failed KV move: the step is applied without its compaction --------------------
+def test_a_failed_move_applies_the_step_without_its_compaction_and_says_so(
+    servers: list[ServerHandle], tmp_path: Path
+) -> None:
+    kv = SignedKv.create(64, block_size=BLOCK_SIZE)
+    executor = GatedExecutor(kv)
+    handle = serve(servers, f"unix:{tmp_path}/kv.sock", kv=kv, executor=executor, threshold=0)
+    with DefragClient(handle.address, timeout_s=5) as client:
+        fragment(client, kv)  # seq 1
+        executor.is_failing = True
+
+        with pytest.raises(EngineUnhealthy, match="injected KV copy failure"):
+            client.step(finished=["a"], new_blocks={"c": [20, 21]})  # seq 2
+
+        stats = client.stats()
+        # Step 2's events stand (a finished, c running), so the numbers count it ...
+        assert handle.engine.list_requests() == {"b": [40, 41, 42], "c": [20, 21]}
+        assert stats.next_seq == 3
+        assert stats.stats.totals.num_steps == 2 and stats.stats.totals.num_moves == 0
+        # ... and the reason says what the state is.
+        assert not stats.stats.is_healthy
+        assert "step 2" in stats.unhealthy_reason
+        assert "applied without its compaction" in stats.unhealthy_reason
+        assert "reset() is required" in stats.unhealthy_reason
+        with pytest.raises(EngineUnhealthy, match="reset\\(\\) is required"):
+            client.step(new_blocks={"d": [30]})  # the client's mirror lacks step 2
+
+        client.rebuild_mirror()  # adopts exactly what the server holds
+
+        assert client.next_seq == 3
+        assert client.live_requests() == {"b": [40, 41, 42], "c": [20, 21]}
+        assert client.audit().is_consistent
+        live = [40, 41, 42]  # c's blocks are fresh: they hold no data yet
+        assert kv.mismatched(live, client.resolve(live)) == []  # nothing moved, nothing lost
+        with pytest.raises(EngineUnhealthy, match="step 2"):
+            client.step(new_blocks={"d": [30]})
+        executor.is_failing = False
+        client.reset()
+        assert client.step(new_blocks={"d": [30]}).seq == 1

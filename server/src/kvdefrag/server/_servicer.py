@@ -242,6 +242,10 @@ class DefragServicer:
                     f"open.epoch {args.epoch} is not the server epoch {self._epoch}: the "
                     "server restarted or was reset, so the client's state is stale"
                 )
+            if args.epoch and engine.unhealthy_reason is not None:
+                # NOTE: the writer's mirror may lack the events of the step whose move
+                # failed; it may only reset, or adopt the state (an open without epoch).
+                raise EngineUnhealthy(engine.unhealthy_reason)
             if args.prefix_caching != engine.config.prefix_caching:
                 is_pristine = (
                     self._next_seq == 1
@@ -315,7 +319,16 @@ class DefragServicer:
                 raise OutOfOrder(f"seq {seq} skips ahead: expected seq {self._next_seq}")
             events = _convert.step_events(request)
             self._check_reply_bound(events)
-            result = engine.step(**events.as_kwargs())
+            num_steps = engine.stats().totals.num_steps
+            try:
+                result = engine.step(**events.as_kwargs())
+            except EngineUnhealthy:
+                if engine.stats().totals.num_steps > num_steps:
+                    # NOTE: applied without its compaction (docs/design.md §4): the seq
+                    # is used up. A resend gets EngineUnhealthy, as every step does until
+                    # a Reset starts a new epoch, so no reply is cached for it.
+                    self._next_seq += 1
+                raise
             response = _convert.step_response(result, seq, self._epoch)
             self._replies[seq] = response
             while len(self._replies) > self._replay_cache_size:
