@@ -32,6 +32,7 @@ import pytest
 from kv import SignedKv
 
 from kvdefrag.client import DefragClient, EngineUnhealthy, ServiceUnavailable
+from kvdefrag.common import InvalidArgument
 from kvdefrag.server import Move, MoveReport, ServerHandle, make_executor, serve_in_process
 from kvdefrag.server._server import grpc_options
 from kvdefrag.server.config import ServiceConfig
@@ -464,3 +465,58 @@ def test_a_failed_move_applies_the_step_without_its_compaction_and_says_so(
         executor.is_failing = False
         client.reset()
         assert client.step(new_blocks={"d": [30]}).seq == 1
+
+
+# --- 7. bad TLS material is reported by file, before binding ----------------------------
+def _openssl(*args: str | Path) -> None:
+    assert OPENSSL is not None, (
+        "the TLS tests make certificates with openssl: run `make system-deps`"
+    )
+    subprocess.run([OPENSSL, *map(str, args)], check=True, capture_output=True, timeout=60)
+
+
+def _self_signed(directory: Path, name: str) -> tuple[Path, Path]:
+    cert, key = directory / f"{name}.pem", directory / f"{name}.key"
+    _openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+             "-nodes", "-keyout", key, "-out", cert, "-days", "1",
+             "-subj", "/CN=localhost")  # fmt: skip
+    return cert, key
+
+
+@pytest.mark.parametrize(
+    ("case", "option", "problem"),
+    [
+        ("garbage certificate", "tls_cert_file", "no certificate"),
+        ("key of another certificate", "tls_key_file", "does not match"),
+        ("garbage key", "tls_key_file", "not an unencrypted PEM private key"),
+        ("missing key", "tls_key_file", "cannot be read"),
+        ("garbage client CA", "tls_client_ca_file", "no certificate"),
+    ],
+)
+def test_bad_tls_material_is_named_by_file(
+    servers: list[ServerHandle], tmp_path: Path, case: str, option: str, problem: str
+) -> None:
+    cert, key = _self_signed(tmp_path, "server")
+    _, other_key = _self_signed(tmp_path, "other")
+    garbage = tmp_path / "garbage.pem"
+    garbage.write_text("this is not PEM\n")
+    files = {"tls_cert_file": cert, "tls_key_file": key}
+    if case == "garbage certificate":
+        files["tls_cert_file"] = garbage
+    elif case == "key of another certificate":
+        files["tls_key_file"] = other_key
+    elif case == "garbage key":
+        files["tls_key_file"] = garbage
+    elif case == "missing key":
+        files["tls_key_file"] = tmp_path / "missing.key"
+    else:
+        files["tls_client_ca_file"] = garbage
+    options = {name: str(path) for name, path in files.items()}
+
+    with pytest.raises(InvalidArgument) as info:
+        serve(servers, "127.0.0.1:0", **options)
+
+    message = str(info.value)
+    assert option in message and str(files[option]) in message and problem in message
+    handle = serve(servers, "127.0.0.1:0", tls_cert_file=str(cert), tls_key_file=str(key))
+    assert handle.address  # the good pair serves

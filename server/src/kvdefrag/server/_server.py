@@ -15,6 +15,7 @@ import errno
 import ipaddress
 import logging
 import os
+import ssl
 import threading
 import time
 from concurrent import futures
@@ -124,9 +125,45 @@ def _server_credentials(config: ServiceConfig) -> grpc.ServerCredentials | None:
         if config.tls_client_ca_file is None
         else _read_file("tls_client_ca_file", config.tls_client_ca_file)
     )
+    _check_tls_files(config.tls_cert_file, config.tls_key_file, config.tls_client_ca_file)
     return grpc.ssl_server_credentials(
         [(key, cert)], root_certificates=client_ca, require_client_auth=client_ca is not None
     )
+
+
+def _check_tls_files(cert_file: str, key_file: str, client_ca_file: str | None) -> None:
+    """Loads the PEM files with OpenSSL, so a bad one is named before the server binds.
+
+    NOTE: gRPC only finds out when it binds, and then says no more than that it failed
+    to bind, which reads as a taken address.
+
+    Raises:
+        InvalidArgument: A file holds no certificate, the key is not an unencrypted PEM
+            private key, or it does not match the certificate.
+    """
+    _check_certificates("tls_cert_file", cert_file)
+    if client_ca_file is not None:
+        _check_certificates("tls_client_ca_file", client_ca_file)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        # An encrypted key gets an empty passphrase and fails (gRPC takes none).
+        context.load_cert_chain(cert_file, key_file, password=lambda: b"")
+    except ssl.SSLError as err:
+        if err.reason == "KEY_VALUES_MISMATCH":
+            raise InvalidArgument(
+                f"tls_key_file {key_file!r} does not match the certificate in tls_cert_file "
+                f"{cert_file!r}"
+            ) from err
+        raise InvalidArgument(
+            f"tls_key_file {key_file!r} is not an unencrypted PEM private key ({err})"
+        ) from err
+
+
+def _check_certificates(option: str, path: str) -> None:
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_verify_locations(cafile=path)
+    except ssl.SSLError as err:
+        raise InvalidArgument(f"{option} {path!r}: no certificate found in it ({err})") from err
 
 
 def grpc_options(config: ServiceConfig) -> list[tuple[str, Any]]:
