@@ -15,7 +15,6 @@ import errno
 import ipaddress
 import logging
 import os
-import ssl
 import threading
 import time
 from concurrent import futures
@@ -33,6 +32,7 @@ from kvdefrag.server._engine import Engine, StepObserver, StepResult
 from kvdefrag.server._executor import KvCaches, SwapExecutor
 from kvdefrag.server._servicer import DefragServicer, ServiceMetrics
 from kvdefrag.server._socket_file import MAX_SOCKET_PATH_BYTES, SocketFile
+from kvdefrag.server._tls import server_credentials
 from kvdefrag.server.config import ServiceConfig, load_config
 from kvdefrag.server.metrics import Metrics, MetricsServer, serve_metrics
 
@@ -98,72 +98,6 @@ def parse_address(address: str) -> ListenAddress:
             "(port 0-65535, 0 picks a free one)"
         )
     return ListenAddress(host=host, port=int(port_text))
-
-
-def _read_file(option: str, path: str) -> bytes:
-    try:
-        with open(path, "rb") as file:
-            return file.read()
-    except OSError as err:
-        raise InvalidArgument(f"{option} {path!r} cannot be read: {err.strerror}") from err
-
-
-def _server_credentials(config: ServiceConfig) -> grpc.ServerCredentials | None:
-    """TLS credentials from the config (mTLS with a client CA), None without TLS."""
-    if config.tls_cert_file is None and config.tls_key_file is None:
-        if config.tls_client_ca_file is not None:
-            raise InvalidArgument(
-                "tls_client_ca_file needs tls_cert_file and tls_key_file (the server's TLS)"
-            )
-        return None
-    if config.tls_cert_file is None or config.tls_key_file is None:
-        raise InvalidArgument("TLS needs both tls_cert_file and tls_key_file")
-    cert = _read_file("tls_cert_file", config.tls_cert_file)
-    key = _read_file("tls_key_file", config.tls_key_file)
-    client_ca = (
-        None
-        if config.tls_client_ca_file is None
-        else _read_file("tls_client_ca_file", config.tls_client_ca_file)
-    )
-    _check_tls_files(config.tls_cert_file, config.tls_key_file, config.tls_client_ca_file)
-    return grpc.ssl_server_credentials(
-        [(key, cert)], root_certificates=client_ca, require_client_auth=client_ca is not None
-    )
-
-
-def _check_tls_files(cert_file: str, key_file: str, client_ca_file: str | None) -> None:
-    """Loads the PEM files with OpenSSL, so a bad one is named before the server binds.
-
-    NOTE: gRPC only finds out when it binds, and then says no more than that it failed
-    to bind, which reads as a taken address.
-
-    Raises:
-        InvalidArgument: A file holds no certificate, the key is not an unencrypted PEM
-            private key, or it does not match the certificate.
-    """
-    _check_certificates("tls_cert_file", cert_file)
-    if client_ca_file is not None:
-        _check_certificates("tls_client_ca_file", client_ca_file)
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    try:
-        # An encrypted key gets an empty passphrase and fails (gRPC takes none).
-        context.load_cert_chain(cert_file, key_file, password=lambda: b"")
-    except ssl.SSLError as err:
-        if err.reason == "KEY_VALUES_MISMATCH":
-            raise InvalidArgument(
-                f"tls_key_file {key_file!r} does not match the certificate in tls_cert_file "
-                f"{cert_file!r}"
-            ) from err
-        raise InvalidArgument(
-            f"tls_key_file {key_file!r} is not an unencrypted PEM private key ({err})"
-        ) from err
-
-
-def _check_certificates(option: str, path: str) -> None:
-    try:
-        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_verify_locations(cafile=path)
-    except ssl.SSLError as err:
-        raise InvalidArgument(f"{option} {path!r}: no certificate found in it ({err})") from err
 
 
 def grpc_options(config: ServiceConfig) -> list[tuple[str, Any]]:
@@ -332,7 +266,7 @@ def _listen(
     server: grpc.Server, address: ListenAddress, config: ServiceConfig
 ) -> tuple[str, SocketFile | None]:
     """Binds the server's port; returns the address it listens on and its socket file."""
-    credentials = _server_credentials(config)
+    credentials = server_credentials(config)
     if not address.is_loopback and credentials is None and not config.insecure:
         raise InvalidArgument(
             f"address {config.address!r} is not a loopback address: give tls_cert_file and "
