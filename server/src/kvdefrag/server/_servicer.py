@@ -136,12 +136,13 @@ class DefragServicer:
     def begin_shutdown(self, timeout_s: float) -> bool:
         """Refuses every later step and ends the open stream once its step is done.
 
-        Waits at most ``timeout_s`` for a step in flight. A step that takes longer is
-        left to finish (or fail) in its handler thread: the engine applies it whole, so
-        it leaves nothing half-committed, and its reply goes nowhere.
+        Waits at most ``timeout_s`` for the lock, which a step in flight holds. A step
+        that takes longer is left to finish (or fail) in its handler thread: the engine
+        applies it whole, so it leaves nothing half-committed, and its reply goes nowhere.
 
         Returns:
-            True when no step was in flight by ``timeout_s``; False when one still runs.
+            True when it got the lock within ``timeout_s``; False when a call still held
+            it (a step in flight, or with no grace at all also a read that was running).
         """
         self._is_stopping.set()
         is_idle = self._lock.acquire(timeout=max(timeout_s, 0.0))
