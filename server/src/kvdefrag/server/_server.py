@@ -120,7 +120,7 @@ def grpc_options(config: ServiceConfig) -> list[tuple[str, Any]]:
         ("grpc.http2.max_pings_without_data", 0),
         # NOTE: the client pings every 5 s, with or without calls and data (its
         # _channel.KEEPALIVE_TIME_MS); a ping sooner than this minimum is a strike, and
-        # after two strikes the server ends the connection (GOAWAY too_many_pings).
+        # after more than two the server ends the connection (GOAWAY too_many_pings).
         ("grpc.http2.min_ping_interval_without_data_ms", 4_000),
     ]
 
