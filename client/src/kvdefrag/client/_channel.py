@@ -12,6 +12,33 @@ from kvdefrag.client import _convert
 # Retries of a broken transport wait this long at first, doubling up to the maximum.
 BACKOFF_START_S = 0.02
 BACKOFF_MAX_S = 0.5
+# A dead peer is noticed within KEEPALIVE_TIME_MS + KEEPALIVE_TIMEOUT_MS (10 s).
+KEEPALIVE_TIME_MS = 5_000
+KEEPALIVE_TIMEOUT_MS = 5_000
+
+
+def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    """The client channel's options: message limits, quick reconnects, keepalive."""
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        # NOTE: a sidecar is local; come back quickly after a restart.
+        ("grpc.initial_reconnect_backoff_ms", 100),
+        ("grpc.min_reconnect_backoff_ms", 100),
+        ("grpc.max_reconnect_backoff_ms", 1000),
+        # NOTE: on a half-open TCP connection (a peer or a middlebox gone silent) every
+        # call would wait on it forever; a ping unanswered for KEEPALIVE_TIMEOUT_MS
+        # closes it, the call fails UNAVAILABLE and the session reconnects. The stream
+        # is open but quiet between steps, so ping without calls and without data;
+        # the server's ping policy (kvdefrag.server grpc_options) allows this interval.
+        ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+        ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+        # NOTE: gRPC closes the connection when a ping goes unanswered for this long
+        # (60 s by default), whatever keepalive_timeout_ms says.
+        ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+    ]
 
 
 def open_channel(
@@ -34,14 +61,7 @@ def open_channel(
     Returns:
         The channel, without interceptors.
     """
-    options = [
-        ("grpc.max_send_message_length", max_message_bytes),
-        ("grpc.max_receive_message_length", max_message_bytes),
-        # NOTE: a sidecar is local; come back quickly after a restart.
-        ("grpc.initial_reconnect_backoff_ms", 100),
-        ("grpc.min_reconnect_backoff_ms", 100),
-        ("grpc.max_reconnect_backoff_ms", 1000),
-    ]
+    options = channel_options(max_message_bytes)
     if root_certificates or private_key or certificate_chain:
         credentials = grpc.ssl_channel_credentials(
             root_certificates, private_key, certificate_chain

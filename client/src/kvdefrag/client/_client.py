@@ -47,8 +47,11 @@ from kvdefrag.client._session import StepSession
 from kvdefrag.client._types import AuditReport, ServiceStats, StepReply
 from kvdefrag.client.record import StepRecorder
 from kvdefrag.common import DefragError, InvalidArgument, MirrorDiverged, StepEvents
+from kvdefrag.common._exit import call_at_exit
 
 DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+# At interpreter exit, how long closing waits for a step running in another thread.
+_EXIT_LOCK_WAIT_S = 1.0
 
 
 def _default_client_name() -> str:
@@ -151,6 +154,7 @@ class DefragClient:
         except BaseException:
             self._channel.close()
             raise
+        call_at_exit(self._close_at_exit)
 
     # --- properties -------------------------------------------------------------------
     @property
@@ -399,16 +403,33 @@ class DefragClient:
     # --- lifetime ---------------------------------------------------------------------
     def close(self) -> None:
         """Ends the session and closes the channel (idempotent)."""
+        self._close(cancel=False)
+
+    def _close(self, *, cancel: bool) -> None:
         with self._lock:
             if self._is_closed:
                 return
             self._is_closed = True
             try:
-                self._session.drop_stream(cancel=False)
+                self._session.drop_stream(cancel=cancel)
             finally:
                 self._channel.close()
                 if self._recorder is not None:
                     self._recorder.close()
+
+    def _close_at_exit(self) -> None:
+        """Ends the session at interpreter exit without waiting for the server.
+
+        NOTE: a step still running in another thread holds the lock; closing the
+        channel under it cancels that step's call, and nobody waits for it.
+        """
+        if not self._lock.acquire(timeout=_EXIT_LOCK_WAIT_S):
+            self._channel.close()
+            return
+        try:
+            self._close(cancel=True)
+        finally:
+            self._lock.release()
 
     def __enter__(self) -> DefragClient:
         return self

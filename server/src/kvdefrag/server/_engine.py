@@ -8,7 +8,8 @@ moves::
 
 Validation reads only; nothing changes until every field has passed. If the executor
 fails, the compaction is not committed (the mapping still matches the data of every
-live block) and the engine refuses further steps until ``reset()``.
+live block), the step counts as applied without its compaction (its events stand) and
+the engine refuses further steps until ``reset()``.
 """
 
 from __future__ import annotations
@@ -203,7 +204,9 @@ class Engine:
 
         Raises:
             InvalidArgument: A field is malformed; nothing changed.
-            EngineUnhealthy: A previous KV move failed, or this one did.
+            EngineUnhealthy: A previous KV move failed (nothing changed), or this one
+                did: the step is applied without its compaction and counted in
+                ``stats().totals.num_steps``.
         """
         events = StepEvents.build(
             finished=finished, new_blocks=new_blocks, resumed=resumed, fresh=fresh, evicted=evicted
@@ -265,18 +268,14 @@ class Engine:
         if fresh is None:
             fresh = [] if tracker.prefix_caching else newly_live
         num_placed = self._place(fresh, touched) if self.config.enable_placement else 0
-        moves, report, swap_s = self._compact(touched)
-        totals = self._totals
-        self._totals = dataclasses.replace(
-            totals,
-            num_steps=totals.num_steps + 1,
-            num_placements=totals.num_placements + num_placed,
-            num_unknown_finished=totals.num_unknown_finished + num_unknown,
-            num_defrag_runs=totals.num_defrag_runs + bool(moves),
-            num_moves=totals.num_moves + len(moves),
-            num_two_way_moves=totals.num_two_way_moves + sum(m.is_two_way for m in moves),
-            num_bytes_moved=totals.num_bytes_moved + report.num_bytes,
-        )
+        try:
+            moves, report, swap_s = self._compact(touched)
+        except EngineUnhealthy:
+            # NOTE: the events stand: the step is applied without its compaction, and
+            # counted, so that num_steps (and the service's seq) say what the state is.
+            self._count_step(num_placed, num_unknown, [], MoveReport(0, 0, 0))
+            raise
+        self._count_step(num_placed, num_unknown, moves, report)
         fwd = tracker.fwd
         return StepResult(
             block_mapping={i: fwd[i] for i in touched if i != NULL_BLOCK_ID},
@@ -288,6 +287,21 @@ class Engine:
             swap_duration_s=swap_s,
             digest=tracker.digest,
             stats=self._stats_locked(),
+        )
+
+    def _count_step(
+        self, num_placed: int, num_unknown: int, moves: list[Move], report: MoveReport
+    ) -> None:
+        totals = self._totals
+        self._totals = dataclasses.replace(
+            totals,
+            num_steps=totals.num_steps + 1,
+            num_placements=totals.num_placements + num_placed,
+            num_unknown_finished=totals.num_unknown_finished + num_unknown,
+            num_defrag_runs=totals.num_defrag_runs + bool(moves),
+            num_moves=totals.num_moves + len(moves),
+            num_two_way_moves=totals.num_two_way_moves + sum(m.is_two_way for m in moves),
+            num_bytes_moved=totals.num_bytes_moved + report.num_bytes,
         )
 
     def _place(self, fresh: list[int], touched: list[int]) -> int:
@@ -318,9 +332,12 @@ class Engine:
             except Exception as err:
                 tracker.restore_slots([slot for move in moves for slot in move[:2]])
                 self._unhealthy_reason = (
-                    f"KV move of {len(moves)} blocks failed ({type(err).__name__}: {err}); "
-                    "the mapping was not changed, so live blocks resolve to their old "
-                    "slots; cached free blocks in the batch may be lost. reset() is required."
+                    f"the events of step {self._totals.num_steps + 1} (counted since the "
+                    "last reset, like seq) were applied without its compaction: the KV "
+                    f"move of {len(moves)} blocks failed ({type(err).__name__}: {err}). "
+                    "The compaction's mapping was not committed, so live blocks resolve to "
+                    "their old, intact slots; cached free blocks in the batch may be lost. "
+                    "reset() is required."
                 )
                 raise EngineUnhealthy(self._unhealthy_reason) from err
             swap_s = time.perf_counter() - started

@@ -3,7 +3,8 @@
 ``serve_in_process`` runs inside the worker, in background threads, next to the KV
 tensors the engine moves. Addresses::
 
-    unix:/abs/path.sock   default; file mode 0600; a stale socket file is replaced
+    unix:/abs/path.sock   default; file mode 0600, bound privately (see _socket_file); a
+                          stale socket file is replaced; stop() removes only its own
     HOST:PORT             TCP; port 0 picks one; a non-loopback HOST needs TLS or insecure
 """
 
@@ -14,9 +15,8 @@ import errno
 import ipaddress
 import logging
 import os
-import socket
-import stat
 import threading
+import time
 from concurrent import futures
 from typing import Any
 
@@ -26,20 +26,25 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
 from kvdefrag.common import InvalidArgument
-from kvdefrag.server import _convert
+from kvdefrag.common._exit import call_at_exit
+from kvdefrag.server import _convert, _socket_file
 from kvdefrag.server._engine import Engine, StepObserver, StepResult
 from kvdefrag.server._executor import KvCaches, SwapExecutor
 from kvdefrag.server._limits import MAX_OTHER_STREAMS, MIN_WORKERS, StreamShare, StreamSlots
 from kvdefrag.server._servicer import DefragServicer, ServiceMetrics
+from kvdefrag.server._socket_file import MAX_SOCKET_PATH_BYTES, SocketFile
+from kvdefrag.server._tls import server_credentials
 from kvdefrag.server.config import ServiceConfig, load_config
 from kvdefrag.server.metrics import Metrics, MetricsServer, serve_metrics
 
 _LOGGER = logging.getLogger(__name__)
 
 HEALTH_SERVICE_NAMES = ("", _convert.SERVICE_NAME)
-# sockaddr_un.sun_path holds 108 bytes, the terminating NUL included.
-_MAX_SOCKET_PATH_BYTES = 107
 _LOOPBACK_NAMES = ("localhost", "ip6-localhost")
+# How long stop() waits past its grace for gRPC to report the shutdown done.
+_SHUTDOWN_WAIT_S = 1.0
+# The grace of the stop at interpreter exit: a step in flight may finish, nothing more.
+_EXIT_GRACE_S = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,9 +87,9 @@ def parse_address(address: str) -> ListenAddress:
         if not path:
             raise InvalidArgument(f"address {address!r}: the unix socket path is empty")
         path = os.path.abspath(path)
-        if len(os.fsencode(path)) > _MAX_SOCKET_PATH_BYTES:
+        if len(os.fsencode(path)) > MAX_SOCKET_PATH_BYTES:
             raise InvalidArgument(
-                f"address {address!r}: a unix socket path is at most {_MAX_SOCKET_PATH_BYTES} bytes"
+                f"address {address!r}: a unix socket path is at most {MAX_SOCKET_PATH_BYTES} bytes"
             )
         return ListenAddress(socket_path=path)
     host, sep, port_text = address.rpartition(":")
@@ -96,58 +101,6 @@ def parse_address(address: str) -> ListenAddress:
     return ListenAddress(host=host, port=int(port_text))
 
 
-def _prepare_socket_path(path: str) -> None:
-    """Removes a stale socket file; refuses a live one or a file that is not a socket."""
-    try:
-        mode = os.lstat(path).st_mode
-    except FileNotFoundError:
-        if not os.path.isdir(os.path.dirname(path)):
-            raise InvalidArgument(
-                f"address unix:{path}: directory {os.path.dirname(path)} does not exist"
-            ) from None
-        return
-    if not stat.S_ISSOCK(mode):
-        raise InvalidArgument(f"address unix:{path}: {path} exists and is not a socket")
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-        try:
-            probe.connect(path)
-        except ConnectionRefusedError:
-            _LOGGER.info("removing stale socket file %s (nobody listens on it)", path)
-            os.unlink(path)
-            return
-    raise OSError(errno.EADDRINUSE, f"address unix:{path} is taken: a live server listens on it")
-
-
-def _read_file(option: str, path: str) -> bytes:
-    try:
-        with open(path, "rb") as file:
-            return file.read()
-    except OSError as err:
-        raise InvalidArgument(f"{option} {path!r} cannot be read: {err.strerror}") from err
-
-
-def _server_credentials(config: ServiceConfig) -> grpc.ServerCredentials | None:
-    """TLS credentials from the config (mTLS with a client CA), None without TLS."""
-    if config.tls_cert_file is None and config.tls_key_file is None:
-        if config.tls_client_ca_file is not None:
-            raise InvalidArgument(
-                "tls_client_ca_file needs tls_cert_file and tls_key_file (the server's TLS)"
-            )
-        return None
-    if config.tls_cert_file is None or config.tls_key_file is None:
-        raise InvalidArgument("TLS needs both tls_cert_file and tls_key_file")
-    cert = _read_file("tls_cert_file", config.tls_cert_file)
-    key = _read_file("tls_key_file", config.tls_key_file)
-    client_ca = (
-        None
-        if config.tls_client_ca_file is None
-        else _read_file("tls_client_ca_file", config.tls_client_ca_file)
-    )
-    return grpc.ssl_server_credentials(
-        [(key, cert)], root_certificates=client_ca, require_client_auth=client_ca is not None
-    )
-
-
 def grpc_options(config: ServiceConfig) -> list[tuple[str, Any]]:
     """Channel options of the server: message limits, no port sharing, keepalive."""
     return [
@@ -155,10 +108,21 @@ def grpc_options(config: ServiceConfig) -> list[tuple[str, Any]]:
         ("grpc.max_receive_message_length", config.max_message_bytes),
         # NOTE: with SO_REUSEPORT a second server could bind a taken port silently.
         ("grpc.so_reuseport", 0),
-        # A crashed client on TCP must not hold the one writer session for hours.
-        ("grpc.keepalive_time_ms", 20_000),
-        ("grpc.keepalive_timeout_ms", 10_000),
-        ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+        # A crashed or cut-off client on TCP must not hold the one writer session for
+        # long: the connection of a silent peer ends within 15 s (a ping after 10 s of
+        # silence, unanswered for 5 s), so its client, which notices within 10 s and
+        # reconnects, can open the session again soon after.
+        ("grpc.keepalive_time_ms", 10_000),
+        ("grpc.keepalive_timeout_ms", 5_000),
+        # NOTE: gRPC closes the connection when a ping goes unanswered for this long
+        # (60 s by default), whatever keepalive_timeout_ms says.
+        ("grpc.http2.ping_timeout_ms", 5_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+        # NOTE: the client pings every 5 s, with or without calls and data (its
+        # _channel.KEEPALIVE_TIME_MS); a ping sooner than this minimum is a strike, and
+        # after more than two the server ends the connection (GOAWAY too_many_pings).
+        ("grpc.http2.min_ping_interval_without_data_ms", 4_000),
     ]
 
 
@@ -181,7 +145,7 @@ class ServerHandle:
         server: grpc.Server,
         servicer: DefragServicer,
         health_servicer: Any,
-        socket_path: str | None,
+        socket_file: SocketFile | None,
         thread_pool: futures.ThreadPoolExecutor,
         registry: CollectorRegistry,
         metrics_server: MetricsServer | None,
@@ -192,11 +156,14 @@ class ServerHandle:
         self._server = server
         self._servicer = servicer
         self._health = health_servicer
-        self._socket_path = socket_path
+        self._socket_file = socket_file
         self._thread_pool = thread_pool
         self.registry = registry
         self._metrics_server = metrics_server
+        self._stop_lock = threading.Lock()
         self._stopped = threading.Event()
+        self._is_stopped_cleanly = True
+        call_at_exit(self._stop_at_exit)
 
     @property
     def metrics_port(self) -> int | None:
@@ -208,24 +175,52 @@ class ServerHandle:
         """The server's current epoch."""
         return self._servicer.epoch
 
-    def stop(self, grace_s: float | None = 5.0) -> None:
+    def stop(self, grace_s: float | None = 5.0) -> bool:
         """Stops serving: health NOT_SERVING first, then in-flight steps finish.
 
         New steps are refused (UNAVAILABLE) from the moment health flips; RPCs still
-        running after ``grace_s`` seconds are cancelled. Idempotent.
+        running after ``grace_s`` seconds (None: 0) are cancelled, and ``stop`` returns
+        then, a step that hangs in the executor included: it finishes or fails later in
+        its handler thread, applied whole by the engine (docs/design.md §5). Idempotent.
+
+        Returns:
+            True when every step had finished by then; False when one was still running.
         """
-        if self._stopped.is_set():
-            return
-        self._health.enter_graceful_shutdown()
-        self._servicer.begin_shutdown()
-        self._server.stop(grace_s).wait()
-        self._thread_pool.shutdown(wait=False)
-        if self._metrics_server is not None:
-            self._metrics_server.stop()
-        if self._socket_path is not None and _is_socket(self._socket_path):
-            os.unlink(self._socket_path)
-        self._stopped.set()
-        _LOGGER.info("kvdefrag server on %s stopped", self.address)
+        with self._stop_lock:
+            if self._stopped.is_set():
+                return self._is_stopped_cleanly
+            grace_s = 0.0 if grace_s is None else max(grace_s, 0.0)
+            deadline = time.monotonic() + grace_s
+            self._health.enter_graceful_shutdown()
+            is_idle = self._servicer.begin_shutdown(grace_s)
+            remaining_s = max(deadline - time.monotonic(), 0.0)
+            # NOTE: gRPC cancels the calls left after the grace and then reports the
+            # shutdown done, even while a handler thread still runs; the extra second
+            # bounds the wait should it not.
+            self._server.stop(remaining_s).wait(remaining_s + _SHUTDOWN_WAIT_S)
+            self._thread_pool.shutdown(wait=False)
+            if self._metrics_server is not None:
+                self._metrics_server.stop()
+            if self._socket_file is not None:
+                self._socket_file.remove()
+            self._is_stopped_cleanly = is_idle
+            self._stopped.set()
+        if is_idle:
+            _LOGGER.info("kvdefrag server on %s stopped", self.address)
+        else:
+            _LOGGER.warning(
+                "kvdefrag server on %s stopped after its %.1f s grace while a step was still "
+                "running; it completes or fails in its handler thread, and its reply is lost",
+                self.address,
+                grace_s,
+            )
+        return is_idle
+
+    def _stop_at_exit(self) -> None:
+        """Stops at interpreter exit, with a short grace (see ``kvdefrag.common._exit``)."""
+        if not self._stopped.is_set():
+            _LOGGER.info("stopping kvdefrag server on %s: the interpreter exits", self.address)
+            self.stop(_EXIT_GRACE_S)
 
     def wait(self, timeout_s: float | None = None) -> bool:
         """Blocks until ``stop`` has finished; False if ``timeout_s`` passed first."""
@@ -236,13 +231,6 @@ class ServerHandle:
 
     def __exit__(self, *exc_info: object) -> None:
         self.stop()
-
-
-def _is_socket(path: str) -> bool:
-    try:
-        return stat.S_ISSOCK(os.lstat(path).st_mode)
-    except FileNotFoundError:
-        return False
 
 
 class _HealthReporter:
@@ -275,32 +263,46 @@ class _HealthReporter:
         self.set_serving(True)
 
 
-def _listen(server: grpc.Server, address: ListenAddress, config: ServiceConfig) -> str:
-    """Binds the server's port and returns the address it listens on."""
-    credentials = _server_credentials(config)
+def _listen(
+    server: grpc.Server, address: ListenAddress, config: ServiceConfig
+) -> tuple[str, SocketFile | None]:
+    """Binds the server's port; returns the address it listens on and its socket file."""
+    credentials = server_credentials(config)
     if not address.is_loopback and credentials is None and not config.insecure:
         raise InvalidArgument(
             f"address {config.address!r} is not a loopback address: give tls_cert_file and "
             "tls_key_file (TLS, optionally tls_client_ca_file for mTLS) or set insecure "
             "(--insecure) to serve it in plain text"
         )
-    if address.socket_path is not None:
-        _prepare_socket_path(address.socket_path)
+    if address.socket_path is None:
+        port = _add_port(server, address.target(), credentials, config)
+        return address.target(port), None
+    path = address.socket_path
+    _socket_file.check_path(path)
+    # NOTE: gRPC creates the file with the process umask (0777 under umask 0) and
+    # unlinks its bound path when it stops; binding in a private directory and linking
+    # the finished 0600 file into place closes both holes (see _socket_file).
+    with _socket_file.private_bind_path(path) as private_path:
+        _add_port(server, f"unix:{private_path}", credentials, config)
+        socket_file = _socket_file.publish(private_path, path)
+    return address.target(), socket_file
+
+
+def _add_port(
+    server: grpc.Server,
+    target: str,
+    credentials: grpc.ServerCredentials | None,
+    config: ServiceConfig,
+) -> int:
     try:
         if credentials is None:
-            port = server.add_insecure_port(address.target())
-        else:
-            port = server.add_secure_port(address.target(), credentials)
+            return server.add_insecure_port(target)
+        return server.add_secure_port(target, credentials)
     except RuntimeError as err:
         raise OSError(
             errno.EADDRINUSE,
             f"cannot listen on {config.address}: the address is taken or not local ({err})",
         ) from err
-    if address.socket_path is not None:
-        # NOTE: gRPC binds in add_*_port and creates the file with the process umask;
-        # restrict it before start() accepts anyone (only this user may connect).
-        os.chmod(address.socket_path, 0o600)
-    return address.target(port)
 
 
 def serve_in_process(
@@ -390,7 +392,7 @@ def serve_in_process(
     default_metrics.bind_engine(engine)
     metrics_server: MetricsServer | None = None
     try:
-        bound_address = _listen(server, listen_address, service_config)
+        bound_address, socket_file = _listen(server, listen_address, service_config)
         if service_config.metrics_port is not None:
             metrics_server = serve_metrics(
                 registry, service_config.metrics_port, service_config.metrics_host
@@ -409,7 +411,7 @@ def serve_in_process(
         server,
         servicer,
         health_servicer,
-        listen_address.socket_path,
+        socket_file,
         thread_pool,
         registry,
         metrics_server,

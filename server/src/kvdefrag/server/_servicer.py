@@ -165,7 +165,8 @@ class DefragServicer:
         self._next_seq = 1
         self._replies: collections.OrderedDict[int, Message] = collections.OrderedDict()
         self._session: _Session | None = None
-        self._is_stopping = False
+        # Set without the lock: stop() must not wait behind a step that hangs.
+        self._is_stopping = threading.Event()
         # Odd while a Reset runs: lock-free reads check it around what they read (_read).
         self._reset_version = 0
         self._handshakes = Handshakes(config.handshake_timeout_s, self._on_handshake_ended)
@@ -176,17 +177,31 @@ class DefragServicer:
         with self._lock:
             return self._epoch
 
-    def begin_shutdown(self) -> None:
-        """Refuses every later step and ends the open stream once its step is done."""
-        with self._lock:
-            self._is_stopping = True
+    def begin_shutdown(self, timeout_s: float) -> bool:
+        """Refuses every later step and ends the open stream once its step is done.
+
+        Waits at most ``timeout_s`` for the lock, which a step in flight holds. A step
+        that takes longer is left to finish (or fail) in its handler thread: the engine
+        applies it whole, so it leaves nothing half-committed, and its reply goes nowhere.
+
+        Returns:
+            True when it got the lock within ``timeout_s``; False when a call still held
+            it (a step in flight, or with no grace at all also a read that was running).
+        """
+        self._is_stopping.set()
+        is_idle = self._lock.acquire(timeout=max(timeout_s, 0.0))
+        try:
             session = self._session
+        finally:
+            if is_idle:
+                self._lock.release()
         self._handshakes.end_all()
         if session is not None:
             # NOTE: an open stream waits for the scheduler's next step and would hold
             # the server's stop for its whole grace period; the step in flight, if any,
-            # has finished (we held the lock), so end the stream now.
+            # has finished (we held the lock) or outlived the grace, so end it now.
             session.cancel_stream()
+        return is_idle
 
     # --- RPCs -------------------------------------------------------------------------
     def StepStream(
@@ -276,7 +291,7 @@ class DefragServicer:
         check_client_name(args.client_name)
         engine = self._engine
         with self._lock:
-            if self._is_stopping:
+            if self._is_stopping.is_set():
                 raise _ShuttingDown("the server is shutting down")
             if self._session is not None:
                 raise SessionConflict(
@@ -288,6 +303,10 @@ class DefragServicer:
                     f"open.epoch {args.epoch} is not the server epoch {self._epoch}: the "
                     "server restarted or was reset, so the client's state is stale"
                 )
+            if args.epoch and engine.unhealthy_reason is not None:
+                # NOTE: the writer's mirror may lack the events of the step whose move
+                # failed; it may only reset, or adopt the state (an open without epoch).
+                raise EngineUnhealthy(engine.unhealthy_reason)
             if args.prefix_caching != engine.config.prefix_caching:
                 is_pristine = (
                     self._next_seq == 1
@@ -329,7 +348,7 @@ class DefragServicer:
         seq, epoch = request.seq, request.epoch
         engine = self._engine
         with self._lock:
-            if self._is_stopping:
+            if self._is_stopping.is_set():
                 raise _ShuttingDown("the server is shutting down")
             if self._session is not session:
                 if session is None:
@@ -367,7 +386,16 @@ class DefragServicer:
                 raise OutOfOrder(f"seq {seq} skips ahead: expected seq {self._next_seq}")
             events = _convert.step_events(request)
             self._check_reply_bound(events)
-            result = engine.step(**events.as_kwargs())
+            num_steps = engine.stats().totals.num_steps
+            try:
+                result = engine.step(**events.as_kwargs())
+            except EngineUnhealthy:
+                if engine.stats().totals.num_steps > num_steps:
+                    # NOTE: applied without its compaction (docs/design.md §4): the seq
+                    # is used up. A resend gets EngineUnhealthy, as every step does until
+                    # a Reset starts a new epoch, so no reply is cached for it.
+                    self._next_seq += 1
+                raise
             response = _convert.step_response(result, seq, self._epoch)
             self._replies[seq] = response
             while len(self._replies) > self._replay_cache_size:

@@ -185,7 +185,8 @@ class Metrics:
             self._swap_duration.observe(result.swap_duration_s)
 
     def on_move_failure(self) -> None:
-        """Counts a compaction pass whose KV move raised."""
+        """Counts a compaction pass whose KV move raised, and its step (applied without it)."""
+        self._steps.inc()
         self._runs_failed.inc()
 
     def on_reset(self) -> None:
