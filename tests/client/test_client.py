@@ -726,3 +726,40 @@ def test_reads_refuse_while_a_step_is_pending_and_retrying_it_never_applies_it_t
         pool.signed.write([50, 51], client.resolve([50, 51]))  # the forward pass fills c
         assert lost_blocks(client, pool.signed) == []
         assert client.audit().is_consistent
+
+
+def test_a_pending_step_survives_a_reopen_refused_by_a_session_the_server_still_holds(
+    socket_dir: Path, serve: Serve
+) -> None:
+    """The server still holds a writer session when the client reopens: the step stays
+    pending (it is not dropped as a SessionConflict) and completes once the session ends."""
+    pool = serve_pool(serve, socket_dir / "server.sock")
+    with DefragClient(pool.handle.address, timeout_s=5) as client:
+        step_and_write(client, pool.signed, new_blocks={"a": [1, 2]})
+        client._session.drop_stream(cancel=True)  # the client's stream broke
+        squatter = hold_the_session(pool.handle.address)  # as the server sees it: held
+        client.timeout_s = 0.5
+        with pytest.raises(StepOutcomeUnknown, match="still held a writer session"):
+            client.step(new_blocks={"b": [3]})
+        assert client.pending_seq == 2
+        squatter.close()
+        client.timeout_s = 5
+        completed = client.complete_pending_step()
+        assert completed is not None and completed.seq == 2
+        assert pool.handle.engine.stats().totals.num_steps == 2
+        assert client.live_requests() == {"a": [1, 2], "b": [3]}
+
+
+def hold_the_session(address: str) -> RawStream:
+    """Opens a raw writer session as soon as the server has let go of the last one."""
+    deadline = time.monotonic() + 10
+    while True:
+        stream = RawStream(address)
+        try:
+            stream.exchange(pb.StepStreamRequest(open=pb.OpenSession(client_name="holder")))
+            return stream
+        except grpc.RpcError:
+            stream.close()
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)

@@ -327,6 +327,14 @@ class StepSession:
                         f"open session: the stream to {settings.address} kept breaking for "
                         f"{settings.timeout_s} s"
                     ) from ended.error
+                if self._is_transient(ended.error, reopening=self._has_had_session):
+                    # NOTE: not SessionConflict: a pending step must stay pending, and the
+                    # session the server still holds is most likely our own broken one.
+                    raise ServiceUnavailable(
+                        f"open session: {settings.address} still held a writer session after "
+                        f"{settings.timeout_s} s (this client's broken one, not yet noticed "
+                        "by the server, or another writer's)"
+                    ) from ended.error
                 raise self._definitive_error(ended.error, "open session") from ended.error
             try:
                 self._adopt_session(reply)
