@@ -14,7 +14,7 @@ import torch
 
 from kvdefrag.common import EngineUnhealthy, InvalidArgument, mapping_digest
 from kvdefrag.server import Engine, EngineConfig, Move, MoveReport, make_executor
-from kvdefrag.server._executor import TorchSwapExecutor, pad_to_bucket
+from kvdefrag.server._executor import CpuSwapExecutor, pad_to_bucket
 
 from support.kv import SignedKv, make_kv_caches
 
@@ -51,6 +51,32 @@ def test_one_way_and_two_way_moves_on_signed_blocks(dtype: torch.dtype, mla: boo
     rest = untouched(kv, moves)
     assert kv.mismatched(rest, rest) == []
     assert report == MoveReport(num_moves=4, num_padded=0, num_bytes=6 * kv.bytes_per_block)
+
+
+@pytest.mark.parametrize("fail_at_write", [1, 40, 95])
+def test_a_failure_in_one_thread_undoes_the_swaps_of_every_thread(fail_at_write: int) -> None:
+    """A batch large enough to be split across threads fails in one of them: every swap
+    either thread already made is undone, so each block is back at its own slot."""
+    num_moves = 48
+    kv = SignedKv.create(4 * num_moves, block_size=16, num_layers=2, num_heads=8, head_size=128)
+    writes = [0]
+
+    class FailingExecutor(CpuSwapExecutor):
+        def write_row(self, rows: Any, index: int, data: Any) -> None:
+            if rows is self._rows[3]:  # the last tensor: the others are done by then
+                writes[0] += 1
+                if writes[0] == fail_at_write:
+                    raise RuntimeError("injected: device lost")
+            super().write_row(rows, index, data)
+
+    executor = FailingExecutor(kv.kv_caches, 16, num_threads=2)
+    top = 4 * num_moves - 1
+    moves = [Move(top - i, 1 + i, True) for i in range(num_moves)]
+    assert num_moves * executor.bytes_per_block >= CpuSwapExecutor._THREADED_MIN_BYTES
+    with pytest.raises(RuntimeError, match="injected"):
+        executor.execute(moves)
+    every = list(range(4 * num_moves))
+    assert kv.mismatched(every, every) == []
 
 
 @pytest.mark.parametrize(
@@ -133,9 +159,9 @@ def test_null_pad_pairs_are_harmless(is_two_way: bool) -> None:
 
 
 # --- backend table ---------------------------------------------------------------------
-def test_cpu_tensors_get_the_torch_executor() -> None:
+def test_cpu_tensors_get_the_cpu_row_executor() -> None:
     executor = make_executor(make_kv_caches(8, block_size=BLOCK_SIZE), BLOCK_SIZE)
-    assert isinstance(executor, TorchSwapExecutor)
+    assert isinstance(executor, CpuSwapExecutor)
     assert executor.num_blocks == 8
 
 
@@ -276,27 +302,28 @@ def test_a_failed_move_with_prefix_caching_keeps_live_and_cached_blocks() -> Non
 def test_a_failure_inside_the_swap_executor_keeps_every_block(fail_at_call: int) -> None:
     """A layer fails mid-batch: whatever other layers already swapped is undone."""
     calls, failed_calls = [0], []
-
-    class FailingTensor(torch.Tensor):
-        def index_copy_(self, dim: int, index: torch.Tensor, source: torch.Tensor) -> Any:
-            calls[0] += 1
-            if calls[0] == fail_at_call:
-                failed_calls.append(calls[0])
-                raise RuntimeError("injected: device lost")
-            return super().index_copy_(dim, index, source)
-
     caches = make_kv_caches(32, block_size=BLOCK_SIZE, num_layers=3)
     kv = SignedKv(caches, BLOCK_SIZE)
-    engine = Engine(kv.kv_caches, BLOCK_SIZE, config=EngineConfig(threshold=2, prefix_caching=True))
-    key, value = caches[1]
-    # The middle layer's key: index_copy_ call 1 is the one-way pass, 2 and 3 the swap.
+
+    class FailingExecutor(CpuSwapExecutor):
+        """Fails the n-th write into the middle layer's key (tensor 2 of k0 v0 k1 v1 k2 v2)."""
+
+        def write_row(self, rows: Any, index: int, data: Any) -> None:
+            if rows is self._rows[2]:
+                calls[0] += 1
+                if calls[0] == fail_at_call:
+                    failed_calls.append(calls[0])
+                    raise RuntimeError("injected: device lost")
+            super().write_row(rows, index, data)
+
+    # Writes into that tensor: 1 is the one-way move, 2 and 3 the first swap's two halves.
     failing = Engine(
-        [caches[0], (key.as_subclass(FailingTensor), value), caches[2]],
+        caches,
         BLOCK_SIZE,
         config=EngineConfig(threshold=2, prefix_caching=True),
+        executor=FailingExecutor(caches, BLOCK_SIZE),
     )
-    for each in (engine, failing):
-        each.step(new_blocks={"a": [1, 2, 3, 4], "b": [5, 6, 7, 8, 9]}, fresh=range(1, 10))
+    failing.step(new_blocks={"a": [1, 2, 3, 4], "b": [5, 6, 7, 8, 9]}, fresh=range(1, 10))
     kv.write_fresh(failing, range(1, 10))
     mapping_before = failing.resolve(np.arange(32)).tolist()
     with pytest.raises(EngineUnhealthy):

@@ -16,7 +16,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib
+import threading
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
 import numpy as np
@@ -153,6 +155,108 @@ def widest_view(view: torch.Tensor) -> torch.Tensor:
     return view
 
 
+class CpuSwapExecutor:
+    """Moves blocks of CPU tensors as row copies, split across threads.
+
+    Each block of each tensor is one row of a ``uint8`` numpy view that shares the
+    tensor's memory; a move is one row assignment (a ``memcpy`` that releases the GIL), so
+    ``num_threads`` threads copy that many rows at once, each on its own share of the
+    moves (moves never share a slot, so the shares never touch the same row).
+
+    NOTE: measured on 2 cores against ``Tensor.copy_`` of the same bytes: torch's index
+    kernels and a ``copy_`` per row reached 0.3-0.45x for scattered blocks (per-element or
+    per-call overhead); numpy rows on two threads reached ~1x for 128-token blocks and
+    ~0.6-0.7x for 16-token ones, where the per-row Python step is what remains.
+
+    One-way moves never write their source, so a failure mid-batch leaves every live
+    block intact at its old slot; a two-way swap writes the destination first and, on a
+    failure, every swap already done (in any thread) is undone.
+    """
+
+    # Below this many bytes a batch is copied on the calling thread (no hand-over).
+    _THREADED_MIN_BYTES = 1 << 20
+
+    def __init__(self, kv_caches: KvCaches, block_size: int, num_threads: int = 0) -> None:
+        tensors, self.num_blocks = bind_kv_caches(kv_caches, block_size)
+        views = block_views(tensors, self.num_blocks)
+        self._rows = [view.view(torch.uint8).numpy() for view in views]
+        self.bytes_per_block = sum(rows.shape[1] for rows in self._rows)
+        self._num_threads = num_threads or max(1, torch.get_num_threads())
+        self._pool: ThreadPoolExecutor | None = None
+        self._max_row_bytes = max(rows.shape[1] for rows in self._rows)
+        self._buffers = threading.local()
+
+    def execute(self, moves: Sequence[Move]) -> MoveReport:
+        one_way = [(m.src_physical_id, m.dst_physical_id) for m in moves if not m.is_two_way]
+        two_way = [(m.src_physical_id, m.dst_physical_id) for m in moves if m.is_two_way]
+        if one_way:
+            self._run(self._copy_share, one_way)
+        if two_way:
+            self._run(self._swap_share, two_way)
+        num_bytes = self.bytes_per_block * (len(one_way) + 2 * len(two_way))
+        return MoveReport(num_moves=len(moves), num_padded=0, num_bytes=num_bytes)
+
+    def _run(self, work: Any, pairs: list[tuple[int, int]]) -> None:
+        """Runs ``work`` on shares of ``pairs``; on a failure undoes every swap done."""
+        num_shares = min(self._num_threads, len(pairs))
+        if num_shares < 2 or len(pairs) * self.bytes_per_block < self._THREADED_MIN_BYTES:
+            done: list[tuple[Any, int, int]] = []
+            try:
+                work(pairs, done)
+            except BaseException:
+                self._undo(done)
+                raise
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self._num_threads, thread_name_prefix="kvdefrag-move")
+        shares: list[list[tuple[Any, int, int]]] = [[] for _ in range(num_shares)]
+        futures = [
+            self._pool.submit(work, pairs[index::num_shares], shares[index])
+            for index in range(num_shares)
+        ]
+        errors = [future.exception() for future in futures]
+        failure = next((error for error in errors if error is not None), None)
+        if failure is not None:
+            self._undo([swap for share in shares for swap in share])
+            raise failure
+
+    def write_row(self, rows: Any, index: int, data: Any) -> None:
+        """Writes one block of one tensor: the only place a move writes KV data."""
+        rows[index] = data
+
+    def _copy_share(self, pairs: list[tuple[int, int]], done: list[Any]) -> None:
+        write_row = self.write_row
+        for rows in self._rows:
+            for src, dst in pairs:
+                write_row(rows, dst, rows[src])
+
+    def _swap_share(self, pairs: list[tuple[int, int]], done: list[Any]) -> None:
+        buffer = getattr(self._buffers, "row", None)
+        if buffer is None:
+            buffer = self._buffers.row = np.empty(self._max_row_bytes, dtype=np.uint8)
+        write_row = self.write_row
+        for rows in self._rows:
+            saved = buffer[: rows.shape[1]]
+            for src, dst in pairs:
+                saved[...] = rows[dst]
+                # Destination first: until the source is overwritten, the live block is
+                # readable at its old slot.
+                write_row(rows, dst, rows[src])
+                try:
+                    write_row(rows, src, saved)
+                except BaseException:
+                    rows[dst] = saved  # undo the half swap
+                    raise
+                done.append((rows, src, dst))
+
+    def _undo(self, swaps: list[tuple[Any, int, int]]) -> None:
+        """Swaps back every completed swap (a swap is its own inverse), newest first."""
+        for rows, src, dst in reversed(swaps):
+            saved = rows[dst].copy()
+            rows[dst] = rows[src]
+            rows[src] = saved
+
+
 class TorchSwapExecutor:
     """Moves blocks with torch gather/scatter through a reused staging buffer.
 
@@ -280,7 +384,7 @@ def _cuda_executor(kv_caches: KvCaches, block_size: int, **options: Any) -> Swap
 
 
 def _cpu_executor(kv_caches: KvCaches, block_size: int, **options: Any) -> SwapExecutor:
-    return TorchSwapExecutor(kv_caches, block_size)
+    return CpuSwapExecutor(kv_caches, block_size)
 
 
 def _hpu_executor(kv_caches: KvCaches, block_size: int, **options: Any) -> SwapExecutor:
