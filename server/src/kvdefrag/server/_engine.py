@@ -217,16 +217,15 @@ class Engine:
                 raise EngineUnhealthy(self._unhealthy_reason)
             validate_step(self._tracker, events)
             self._generation += 1
+            move_failed = False
             try:
                 result = self._apply(events)
             except EngineUnhealthy:
-                failed = True
+                move_failed = True
                 raise
-            else:
-                failed = False
             finally:
                 self._published = self._publish_locked()
-                if failed:
+                if move_failed:
                     self._notify("on_move_failure")
         self._notify("on_step", result, time.perf_counter() - started)
         return result
