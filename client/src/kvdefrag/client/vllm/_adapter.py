@@ -1,4 +1,4 @@
-"""vLLM glue: one ``SchedulerOutput`` becomes one kvdefrag step.
+"""vLLM glue, duck-typed: one ``SchedulerOutput`` becomes one kvdefrag step.
 
 Duck-typed against vLLM 0.33 ``vllm/v1/core/sched/output.py`` (no vLLM import). The
 fields read, and what each becomes::
