@@ -59,6 +59,7 @@ system-deps:
 
 test: system-deps $(STAMP)
 	$(PY) -m pytest -q
+	$(MAKE) test-vllm
 
 # kvdefrag inside vLLM 0.33's real Scheduler/AsyncScheduler (tests/vllm/, .venv-vllm).
 test-vllm: $(VLLM_STAMP)
