@@ -4,9 +4,16 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install system-deps proto proto-check lint typecheck test bench cuda-check demo run image clean
+.PHONY: install system-deps proto proto-check lint typecheck test bench cuda-check demo run image clean \
+        install-vllm test-vllm
 
 install: $(STAMP)
+
+# vLLM's own scheduler for tests/vllm/, in its own venv (never .venv): vllm==0.33.0 without its
+# GPU stack (requirements-vllm.txt, --no-deps), torch from local disk, kvdefrag editable.
+VLLM_VENV  := .venv-vllm
+VLLM_PY    := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed
 
 $(STAMP): requirements-dev.txt client/pyproject.toml server/pyproject.toml tools/pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -14,6 +21,17 @@ $(STAMP): requirements-dev.txt client/pyproject.toml server/pyproject.toml tools
 	$(PY) -m pip install -q -r requirements-dev.txt
 	$(PY) -m pip install -q -e client -e server -e tools
 	touch $(STAMP)
+
+install-vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): requirements-vllm.txt client/pyproject.toml server/pyproject.toml
+	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(VLLM_PY) -m pip install -q torch==2.13.0 "pytest>=8" "pytest-timeout>=2.3"
+	$(VLLM_PY) -m pip install -q --no-deps -r requirements-vllm.txt
+	$(VLLM_PY) -m pip install -q -e client -e server
+	$(VLLM_PY) -c "import vllm.v1.core.sched.async_scheduler"
+	touch $(VLLM_STAMP)
 
 # Generated code only comes from here; the output is committed.
 proto: $(STAMP)
@@ -41,6 +59,11 @@ system-deps:
 
 test: system-deps $(STAMP)
 	$(PY) -m pytest -q
+	$(MAKE) test-vllm
+
+# kvdefrag inside vLLM 0.33's real Scheduler/AsyncScheduler (tests/vllm/, .venv-vllm).
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_PY) -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning tests/vllm
 
 bench: $(STAMP)
 	$(PY) bench/run.py
@@ -59,4 +82,4 @@ image:
 	docker build -f deploy/Dockerfile -t kvdefrag:dev .
 
 clean:
-	rm -rf $(VENV) build out .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) build out .pytest_cache .mypy_cache .ruff_cache .hypothesis

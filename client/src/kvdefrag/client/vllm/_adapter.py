@@ -1,4 +1,4 @@
-"""vLLM glue: one ``SchedulerOutput`` becomes one kvdefrag step.
+"""vLLM glue, duck-typed: one ``SchedulerOutput`` becomes one kvdefrag step.
 
 Duck-typed against vLLM 0.33 ``vllm/v1/core/sched/output.py`` (no vLLM import). The
 fields read, and what each becomes::
@@ -49,8 +49,13 @@ def _flatten(block_ids: Iterable[Sequence[int]] | None) -> list[int]:
 def _past_computed(
     block_ids: Iterable[Sequence[int]] | None, num_computed_tokens: int, block_size: int
 ) -> list[int]:
-    """The blocks of each group past the computed prefix: they hold no data yet."""
-    first_fresh = num_computed_tokens // block_size
+    """The blocks of each group past the computed prefix: they hold no data yet.
+
+    NOTE: a block with any computed token holds data (ceil, not floor): after a full
+    prefix-cache hit vLLM recomputes the last token, so ``num_computed_tokens`` stops one
+    short of a block boundary while the last hit block holds its cached KV.
+    """
+    first_fresh = -(-num_computed_tokens // block_size)
     return [block_id for group in block_ids or () for block_id in list(group)[first_fresh:]]
 
 

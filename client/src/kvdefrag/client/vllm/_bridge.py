@@ -1,0 +1,131 @@
+"""The scheduler side of one step: plan it from vLLM's truth, step every rank, rewrite.
+
+Duck-typed against vLLM 0.33's ``SchedulerOutput`` (``vllm/v1/core/sched/output.py``) so
+that it imports no vLLM; ``kvdefrag.client.vllm.scheduler`` feeds it the truth.
+
+What the workers receive afterwards is in physical ids::
+
+    scheduled_new_reqs[i].block_ids          whole row, resolved
+    scheduled_cached_reqs.new_block_ids[i]   appended ids resolved; a whole row, and the
+                                             request put in resumed_req_ids, when vLLM
+                                             resumed it or when a block its worker row
+                                             names moved (the V1 runner replaces the
+                                             row of a resumed request and only appends
+                                             to the others: gpu_model_runner.py
+                                             _update_states, vLLM 0.33)
+    new_block_ids_to_zero                    resolved
+    kv_cache_block_copies                    (src, dst) resolved
+
+A request whose row went stale while it was not scheduled is re-sent when it next is: its
+stale row is not read before then.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from kvdefrag.client._types import StepReply
+from kvdefrag.client.vllm._ledger import BlockLedger, WorkerRows
+from kvdefrag.client.vllm._ranks import RankGroup
+
+
+def _single_group(block_ids: Sequence[Sequence[int]], what: str) -> list[int]:
+    assert len(block_ids) == 1, f"{what}: {len(block_ids)} KV-cache groups, kvdefrag serves one"
+    return [int(block_id) for block_id in block_ids[0]]
+
+
+@dataclasses.dataclass
+class BridgeTotals:
+    """Counters since start: steps sent, rows re-sent, scheduler-side time per step."""
+
+    num_steps: int = 0
+    num_rows_resent: int = 0
+    step_durations_s: list[float] = dataclasses.field(default_factory=list)
+    last_reply: StepReply | None = None
+
+
+class SchedulerBridge:
+    """Turns each ``schedule()`` result into one step for every rank and rewrites it.
+
+    Invariant: after ``apply`` returns, every block id in the output is physical and every
+    rank's engine mirrors ``ledger.held`` and ``ledger.cached_free``.
+    """
+
+    def __init__(self, ranks: RankGroup, *, block_size: int, prefix_caching: bool) -> None:
+        self.ranks = ranks
+        self.ledger = BlockLedger(block_size=block_size, prefix_caching=prefix_caching)
+        self.rows = WorkerRows()
+        self.totals = BridgeTotals()
+        self.keep_durations = 100_000
+
+    def apply(
+        self,
+        output: Any,
+        truth: Mapping[str, Sequence[int]],
+        is_cached: Callable[[int], bool],
+    ) -> None:
+        """Plans, sends and applies one step, then rewrites ``output`` in place.
+
+        Args:
+            output: The ``SchedulerOutput`` ``schedule()`` just returned (logical ids).
+            truth: Request id -> its logical block ids now, from the KV cache manager.
+            is_cached: Whether a free logical id still carries a prefix-cache hash.
+        """
+        started = time.perf_counter()
+        cached = output.scheduled_cached_reqs
+        num_computed = {
+            request.req_id: request.num_computed_tokens for request in output.scheduled_new_reqs
+        }
+        num_computed.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+        copies = list(getattr(output, "kv_cache_block_copies", None) or ())
+        not_fresh = frozenset(int(copy[1]) for copy in copies)
+        plan = self.ledger.plan(truth, num_computed, is_cached, not_fresh)
+        if not plan.events.is_empty:
+            reply = self.ranks.step(plan.events)
+            self.totals.num_steps += 1
+            self.totals.last_reply = reply
+            resolve = self.ranks.primary.resolve
+            self.rows.forget(sorted({*output.finished_req_ids, *(output.preempted_req_ids or ())}))
+            self.rows.forget([rid for rid in self.rows.rows if rid not in truth])
+            self.rows.mark_moved(sorted(reply.block_mapping), self.ledger.held, resolve)
+        else:
+            self.rows.forget(sorted({*output.finished_req_ids, *(output.preempted_req_ids or ())}))
+        self._rewrite(output)
+        if len(self.totals.step_durations_s) < self.keep_durations:
+            self.totals.step_durations_s.append(time.perf_counter() - started)
+
+    def _rewrite(self, output: Any) -> None:
+        resolve = self.ranks.primary.resolve
+        for request in output.scheduled_new_reqs:
+            physical_ids = resolve(_single_group(request.block_ids, request.req_id))
+            request.block_ids = (physical_ids,)
+            self.rows.set_row(request.req_id, physical_ids)
+        cached = output.scheduled_cached_reqs
+        new_block_ids = list(cached.new_block_ids)
+        for position, request_id in enumerate(cached.req_ids):
+            block_ids = new_block_ids[position]
+            if request_id in cached.resumed_req_ids:
+                physical_ids = resolve(_single_group(block_ids, request_id))
+                new_block_ids[position] = (physical_ids,)
+                self.rows.set_row(request_id, physical_ids)
+            elif request_id in self.rows.stale:
+                physical_ids = resolve(self.ledger.held.get(request_id, []))
+                new_block_ids[position] = (physical_ids,)
+                cached.resumed_req_ids.add(request_id)
+                self.rows.set_row(request_id, physical_ids)
+                self.totals.num_rows_resent += 1
+            elif block_ids is not None:
+                physical_ids = resolve(_single_group(block_ids, request_id))
+                new_block_ids[position] = (physical_ids,)
+                self.rows.append(request_id, physical_ids)
+        cached.new_block_ids = new_block_ids
+        if output.new_block_ids_to_zero:
+            output.new_block_ids_to_zero = resolve(output.new_block_ids_to_zero)
+        copies = getattr(output, "kv_cache_block_copies", None)
+        if copies:
+            output.kv_cache_block_copies = [
+                type(copy)(*resolve([int(copy[0]), int(copy[1])])) for copy in copies
+            ]

@@ -1,0 +1,110 @@
+"""One step, every rank: the scheduler steps each worker's service and checks they agree.
+
+Every tensor-parallel (and pipeline-parallel) rank owns a slice of the KV cache in the same
+block layout, so every rank's engine must apply the same steps and reach the same mapping.
+The step is built once, sent to all ranks concurrently, and the replies must agree on the
+digest of the live mapping and on the epoch the session was opened in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+from kvdefrag.client._client import DefragClient
+from kvdefrag.client._types import StepReply
+from kvdefrag.common import DefragError, StepEvents, StepOutcomeUnknown
+
+# How many times a rank's pending step is resent (each within the client's timeout_s)
+# before the scheduler gives up on that rank.
+MAX_COMPLETION_ATTEMPTS = 3
+
+
+class RanksDiverged(DefragError):
+    """The ranks' engines no longer agree (digest or epoch): the KV caches are suspect.
+
+    Recovery: stop the engine (the scheduler cannot know which rank is right), restart
+    vLLM; every rank's service starts over at an identity mapping with a new epoch.
+    """
+
+
+class RankGroup:
+    """The scheduler's clients to every rank's service, stepped in lockstep.
+
+    Invariant: after every successful ``step`` all clients' mirrors are equal, so
+    resolving through the first client resolves for every rank.
+    """
+
+    def __init__(self, clients: Sequence[DefragClient]) -> None:
+        if not clients:
+            raise DefragError("a RankGroup needs at least one rank's client")
+        self.clients = list(clients)
+        self.epochs = [client.epoch for client in self.clients]
+        self._pool = ThreadPoolExecutor(
+            max_workers=len(self.clients), thread_name_prefix="kvdefrag-rank"
+        )
+
+    @property
+    def primary(self) -> DefragClient:
+        """The client whose mirror answers ``resolve`` for all ranks."""
+        return self.clients[0]
+
+    def step(self, events: StepEvents) -> StepReply:
+        """Sends one step to every rank concurrently and waits for all of them.
+
+        Returns:
+            The first rank's reply (the others are equal in digest and mapping).
+
+        Raises:
+            RanksDiverged: The ranks' digests differ, or a rank's epoch changed.
+            StepOutcomeUnknown: A rank did not answer, even after its pending step was
+                resent ``MAX_COMPLETION_ATTEMPTS`` times (it stays pending there).
+            DefragError: A rank refused the step (the first such error, by rank).
+        """
+        if len(self.clients) == 1:
+            replies = [step_through_timeouts(self.primary, events)]
+        else:
+            futures = [
+                self._pool.submit(step_through_timeouts, client, events) for client in self.clients
+            ]
+            replies = [future.result() for future in futures]
+        for rank, (reply, epoch) in enumerate(zip(replies, self.epochs, strict=True)):
+            if reply.epoch != epoch:
+                raise RanksDiverged(
+                    f"rank {rank}: epoch changed from {epoch} to {reply.epoch} (its service "
+                    "restarted or was reset); restart vLLM to start every rank over"
+                )
+            if reply.digest != replies[0].digest:
+                raise RanksDiverged(
+                    f"rank {rank}: digest {reply.digest:#x} differs from rank 0's "
+                    f"{replies[0].digest:#x} after seq {reply.seq}; restart vLLM"
+                )
+        return replies[0]
+
+    def close(self) -> None:
+        """Closes every client and the thread pool."""
+        self._pool.shutdown(wait=True)
+        for client in self.clients:
+            client.close()
+
+
+def step_through_timeouts(client: DefragClient, events: StepEvents) -> StepReply:
+    """One rank's step under the client's pending-step contract.
+
+    A step without a reply in time may have been applied (and its KV moved) on that rank,
+    so it is completed, never resent as a new step: ``complete_pending_step()`` until it
+    answers, at most ``MAX_COMPLETION_ATTEMPTS`` times.
+    """
+    try:
+        return client.step(**events.as_kwargs())
+    except StepOutcomeUnknown:
+        for attempt in range(MAX_COMPLETION_ATTEMPTS):
+            try:
+                reply = client.complete_pending_step()
+            except StepOutcomeUnknown:
+                if attempt + 1 == MAX_COMPLETION_ATTEMPTS:
+                    raise
+                continue
+            assert reply is not None, "the pending step vanished"
+            return reply
+        raise

@@ -1,0 +1,143 @@
+"""kvdefrag behind one switch: a vLLM 0.33 ``Scheduler`` that defragments the KV cache.
+
+Turn it on with ``vllm serve ... --scheduler-cls
+kvdefrag.client.vllm.scheduler.DefragScheduler --no-async-scheduling`` (or
+``LLM(..., scheduler_cls=DefragScheduler, async_scheduling=False)``), with
+``VLLM_USE_V2_MODEL_RUNNER=0``, ``KVDEFRAG_VLLM_RUN_DIR`` set, and the workers running
+``kvdefrag.server.vllm_worker`` (see the README).
+
+Facts about vLLM 0.33 this relies on:
+
+* ``EngineCore.__init__`` (v1/engine/core.py) allocates the KV caches on every worker
+  (``_initialize_kv_caches``) before it builds the scheduler from
+  ``SchedulerConfig.get_scheduler_cls()``: the rank services exist when ``__init__``
+  connects.
+* ``Scheduler.schedule()`` returns the output the executor hands, unchanged, to every
+  TP/PP rank; this subclass rewrites it to physical ids before returning it.
+* ``kv_cache_manager.coordinator.single_type_managers[0].req_to_blocks`` holds every
+  request's blocks; ``kv_cache_manager.block_pool.blocks[i]`` has ``ref_cnt`` and
+  ``block_hash`` (kept on free blocks while they stay in the prefix cache).
+
+Importing this module imports vLLM; the rest of ``kvdefrag.client`` does not.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+
+from kvdefrag.client._client import DefragClient
+from kvdefrag.client.vllm._bridge import SchedulerBridge
+from kvdefrag.client.vllm._ranks import RankGroup
+from kvdefrag.client.vllm.topology import rank_addresses, run_dir_from_env
+
+__all__ = ["DefragScheduler", "UnsupportedByKvdefrag", "check_supported"]
+
+# NOTE: exact types: RSWASpec, SinkFullAttentionSpec and HiddenStateCacheSpec subclass
+# these but free or pin blocks differently.
+_SUPPORTED_SPECS = (FullAttentionSpec, MLAAttentionSpec)
+
+
+class UnsupportedByKvdefrag(RuntimeError):
+    """The engine's configuration is one kvdefrag cannot serve; the message says why."""
+
+
+def check_supported(vllm_config: Any, kv_cache_config: Any) -> None:
+    """Refuses, at startup, the configurations kvdefrag cannot keep correct.
+
+    Raises:
+        UnsupportedByKvdefrag: Naming the feature and what to do instead.
+    """
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        specs = ", ".join(type(group.kv_cache_spec).__name__ for group in groups)
+        raise UnsupportedByKvdefrag(
+            f"kvdefrag serves one KV-cache group; this model has {len(groups)} ({specs}): "
+            "hybrid models (sliding window plus full attention, Mamba, EAGLE draft "
+            "groups) are not supported. Serve it without --scheduler-cls "
+            "kvdefrag.client.vllm.scheduler.DefragScheduler."
+        )
+    spec = groups[0].kv_cache_spec
+    if type(spec) not in _SUPPORTED_SPECS:
+        raise UnsupportedByKvdefrag(
+            f"kvdefrag cannot serve KV-cache spec {type(spec).__name__}: sliding-window "
+            "and chunked-local attention free a running request's blocks without any "
+            "SchedulerOutput field saying so. Serve it without kvdefrag."
+        )
+    if vllm_config.scheduler_config.async_scheduling:
+        raise UnsupportedByKvdefrag(
+            "kvdefrag does not support async scheduling yet (a re-sent row would lose the "
+            "in-flight tokens): pass --no-async-scheduling / LLM(async_scheduling=False)."
+        )
+    if vllm_config.use_v2_model_runner:
+        raise UnsupportedByKvdefrag(
+            "kvdefrag supports vLLM's V1 model runner only (the V2 runner takes re-sent "
+            "rows differently): set VLLM_USE_V2_MODEL_RUNNER=0."
+        )
+    if vllm_config.kv_transfer_config is not None:
+        raise UnsupportedByKvdefrag(
+            "kvdefrag cannot serve a KV connector (it reads and writes blocks by the "
+            "scheduler's ids): drop --kv-transfer-config or kvdefrag."
+        )
+    parallel = vllm_config.parallel_config
+    if parallel.decode_context_parallel_size > 1 or parallel.prefill_context_parallel_size > 1:
+        raise UnsupportedByKvdefrag(
+            "kvdefrag does not support decode/prefill context parallelism; drop it or kvdefrag."
+        )
+
+
+class DefragScheduler(Scheduler):  # type: ignore[misc]
+    """vLLM's scheduler, plus one kvdefrag step per ``schedule()`` for every rank.
+
+    The output it returns names physical blocks; everything else (queues, the KV cache
+    manager, prefix caching, preemption) is vLLM's own, in logical ids.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        check_supported(self.vllm_config, self.kv_cache_config)
+        manager = self.kv_cache_manager
+        self._kvdefrag_blocks = manager.coordinator.single_type_managers[0].req_to_blocks
+        self._kvdefrag_pool = manager.block_pool.blocks
+        block_size = int(self.kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size)
+        prefix_caching = bool(self.cache_config.enable_prefix_caching)
+        clients = [
+            DefragClient(address, prefix_caching=prefix_caching, client_name=f"vllm-rank{rank}")
+            for rank, address in enumerate(self.kvdefrag_addresses())
+        ]
+        for rank, client in enumerate(clients):
+            if client.block_size != block_size:
+                raise UnsupportedByKvdefrag(
+                    f"rank {rank}'s service has block_size {client.block_size}, the "
+                    f"scheduler {block_size}: one block size for every rank and group"
+                )
+        self.kvdefrag = SchedulerBridge(
+            RankGroup(clients), block_size=block_size, prefix_caching=prefix_caching
+        )
+
+    def kvdefrag_addresses(self) -> list[str]:
+        """Every rank's service address (override to place them elsewhere)."""
+        return rank_addresses(run_dir_from_env(), self.vllm_config.parallel_config.world_size)
+
+    def _kvdefrag_is_cached(self, block_id: int) -> bool:
+        block = self._kvdefrag_pool[block_id]
+        return block.ref_cnt == 0 and block.block_hash is not None
+
+    def schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
+        """vLLM's ``schedule()``, then the kvdefrag step; returns physical ids."""
+        output = super().schedule(*args, **kwargs)
+        truth = {
+            request_id: [block.block_id for block in blocks]
+            for request_id, blocks in self._kvdefrag_blocks.items()
+            if blocks
+        }
+        self.kvdefrag.apply(output, truth, self._kvdefrag_is_cached)
+        return output
+
+    def shutdown(self) -> None:
+        """Closes the rank clients, then shuts vLLM's scheduler down."""
+        self.kvdefrag.ranks.close()
+        super().shutdown()

@@ -1,0 +1,47 @@
+"""The vLLM scheduler's lockstep group of rank clients, on real servers."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from kvdefrag.client import DefragClient, StepEvents
+from kvdefrag.client.vllm._ranks import RankGroup
+from kvdefrag.server import Move, make_executor
+
+from support.kv import SignedKv
+from support.server import Serve
+
+
+class StallOnceExecutor:
+    """The real CPU executor; its first batch takes ``stall_s`` longer."""
+
+    def __init__(self, kv: SignedKv, stall_s: float) -> None:
+        self._inner = make_executor(kv.kv_caches, kv.block_size)
+        self.num_blocks = self._inner.num_blocks
+        self.stall_s = stall_s
+
+    def execute(self, moves: Sequence[Move]) -> Any:
+        if self.stall_s:
+            time.sleep(self.stall_s)
+            self.stall_s = 0.0
+        return self._inner.execute(moves)
+
+
+def test_a_rank_that_answers_late_is_completed_not_stepped_twice(serve: Serve) -> None:
+    kvs = [SignedKv.create(64), SignedKv.create(64)]
+    slow = StallOnceExecutor(kvs[1], stall_s=1.5)
+    handles = [serve(kv=kvs[0], threshold=0), serve(kv=kvs[1], threshold=0, executor=slow)]
+    clients = [DefragClient(handle.address, timeout_s=0.5) for handle in handles]
+    group = RankGroup(clients)
+    try:
+        group.step(StepEvents.build(new_blocks={"a": [40, 41]}, fresh=[]))  # moves: slow
+        reply = group.step(StepEvents.build(new_blocks={"b": [50]}))
+        assert reply.seq == 2
+        for handle in handles:
+            assert handle.engine.stats().totals.num_steps == 2
+            assert handle.engine.list_requests() == {"a": [40, 41], "b": [50]}
+        assert handles[0].engine.digest == handles[1].engine.digest == clients[1].digest
+    finally:
+        group.close()
