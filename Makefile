@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.installed
 
 install: $(STAMP)
 
-# vLLM's own scheduler for tests/vllm/, in its own venv (never .venv): vllm==0.33.0 without its
+# vLLM's own scheduler for tests/with_vllm/, in its own venv (never .venv): vllm==0.33.0 without its
 # GPU stack (requirements-vllm.txt, --no-deps), torch from local disk, kvdefrag editable.
 VLLM_VENV  := .venv-vllm
 VLLM_PY    := $(VLLM_VENV)/bin/python
@@ -61,9 +61,9 @@ test: system-deps $(STAMP)
 	$(PY) -m pytest -q
 	$(MAKE) test-vllm
 
-# kvdefrag inside vLLM 0.33's real Scheduler/AsyncScheduler (tests/vllm/, .venv-vllm).
+# kvdefrag inside vLLM 0.33's real Scheduler/AsyncScheduler (tests/with_vllm/, .venv-vllm).
 test-vllm: $(VLLM_STAMP)
-	$(VLLM_PY) -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning tests/vllm
+	$(VLLM_PY) -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning tests/with_vllm
 
 bench: $(STAMP)
 	$(PY) bench/run.py

@@ -13,11 +13,12 @@ from typing import Any
 
 import pytest
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm_harness import SignedWorker, Workload, make_scheduler, run_loop, serve_rank
 
 from kvdefrag.client.vllm import _bridge, _ledger
 from kvdefrag.client.vllm.scheduler import DefragScheduler, UnsupportedByKvdefrag
 from kvdefrag.client.vllm.topology import RUN_DIR_ENV, rank_address
+
+from support.vllm_harness import SignedWorker, Workload, make_scheduler, run_loop, serve_rank
 
 NUM_BLOCKS = 96  # small: preemption happens
 

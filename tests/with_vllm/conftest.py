@@ -1,4 +1,4 @@
-"""tests/vllm run vLLM's own scheduler: only in .venv-vllm (``make test-vllm``)."""
+"""tests/with_vllm run vLLM's own scheduler: only in .venv-vllm (``make test-vllm``)."""
 
 import importlib.metadata
 import json
@@ -11,8 +11,8 @@ os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
 
 
 def _has_vllm() -> bool:
-    # NOTE: not find_spec("vllm"): with tests/ on pytest's pythonpath, this very folder
-    # is a namespace package named vllm.
+    # NOTE: the installed distribution, not an importable name: in the main .venv these
+    # tests are not collected at all (``make test`` runs them in .venv-vllm next).
     try:
         importlib.metadata.version("vllm")
     except importlib.metadata.PackageNotFoundError:
