@@ -3,8 +3,13 @@
 import importlib.metadata
 import json
 import os
+import sys
 
 import pytest
+
+# NOTE: importlib mode puts no test folder on sys.path; the test module imports its
+# harness (vllm_harness.py, next to this file) by name.
+sys.path.insert(0, os.path.dirname(__file__))
 
 # kvdefrag serves vLLM's V1 model runner (the scheduler refuses V2 by name).
 os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
