@@ -137,6 +137,17 @@ class DefragWorkerMixin:
             if parent_shutdown is not None:
                 parent_shutdown()
 
+    def kvdefrag_address(self) -> str:
+        """Where this rank serves: ``unix:$KVDEFRAG_VLLM_RUN_DIR/rank<N>.sock``.
+
+        Override it (with ``DefragScheduler.kvdefrag_addresses``) to serve on TCP across
+        hosts; TLS comes from the ``KVDEFRAG_TLS_*`` variables.
+        """
+        run_dir = run_dir_from_env()
+        os.makedirs(run_dir, mode=0o700, exist_ok=True)
+        rank: int = self.rank  # type: ignore[attr-defined]
+        return rank_address(run_dir, rank)
+
     def _start_kvdefrag(self, kv_cache_config: Any) -> ServerHandle:
         worker: Any = self
         groups = kv_cache_config.kv_cache_groups
@@ -148,9 +159,7 @@ class DefragWorkerMixin:
         block_size = int(worker.cache_config.block_size)
         num_blocks = int(kv_cache_config.num_blocks)
         kv_caches = bind_vllm_kv_caches(worker.model_runner.kv_caches, num_blocks, block_size)
-        run_dir = run_dir_from_env()
-        os.makedirs(run_dir, mode=0o700, exist_ok=True)
-        address = rank_address(run_dir, int(worker.rank))
+        address = self.kvdefrag_address()
         device = kv_caches[0][0].device
         stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
         handle = serve_in_process(kv_caches, block_size, address=address, stream=stream)
