@@ -2,11 +2,13 @@
 
     python engine_run.py MODE MODEL_DIR RUN_DIR
 
-MODE: ``plain`` (vLLM's Scheduler and CPUWorker), ``defrag`` (DefragScheduler and
-DefragWorker), ``stale_rows`` (defrag, but the scheduler never re-sends the row of a
-request whose blocks moved: the worker reads moved blocks at their old places). Every mode
-draws the same large random weights after loading (vLLM's dummy weights are too small for
-the output to depend on the KV cache), and generates greedily from the same token ids.
+MODE: ``plain`` (vLLM's Scheduler and CPUWorker); ``defrag`` (DefragScheduler and
+DefragWorker); ``defrag_mp`` (the same in vLLM's engine-core and worker processes, the
+worker prints its moves at shutdown); ``corrupt`` (plain, the KV cache overwritten once);
+``stale_rows`` (defrag, but the scheduler never re-sends the row of a request whose
+blocks moved: the worker reads moved blocks at their old places). Every mode draws the
+same large random weights (vLLM's dummy weights are too small for the output to depend
+on the KV cache) and generates greedily from the same token ids.
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ import random
 import sys
 
 os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
-os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the worker runs in this process
+# defrag_mp: vLLM's default engine-core and worker processes, as under ``vllm serve``;
+# every other mode runs the engine (scheduler and worker) in this process.
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if sys.argv[1] == "defrag_mp" else "0"
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("KVDEFRAG_THRESHOLD", "2")  # a small pool: compact early
 
@@ -71,7 +75,10 @@ def main() -> None:
     ]
     outputs = llm.generate(prompts(), params, use_tqdm=False)
     num_moves = 0
-    if is_defrag:
+    if mode == "defrag_mp":
+        llm.llm_engine.engine_core.shutdown()  # the worker prints KVDEFRAG_MOVES
+        num_moves = -1
+    elif is_defrag:
         # The scheduler's own client (a second writer session would be refused).
         scheduler = llm.llm_engine.engine_core.engine_core.scheduler
         num_moves = scheduler.kvdefrag.ranks.primary.stats().stats.totals.num_moves

@@ -3,8 +3,10 @@
 Each run is one engine in its own process (``engine_run.py``): vLLM 0.32's CPU engine on a
 tiny Llama with large drawn weights, 48 requests through a 40-block pool of 32 tokens, so
 kvdefrag compacts (moves > 0). With DefragScheduler and DefragWorker every request must
-generate exactly what plain vLLM generates; a run whose KV is overwritten once, and a run
-whose scheduler never re-sends the rows of requests whose blocks moved, must not.
+generate exactly what plain vLLM generates, with the engine in this process and in vLLM's
+engine-core and worker processes (as under ``vllm serve``); a run whose KV is overwritten
+once, and a run whose scheduler never re-sends the rows of requests whose blocks moved,
+must not.
 """
 
 from __future__ import annotations
@@ -60,6 +62,10 @@ def run_engine(mode: str, root: str) -> dict[str, Any]:
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     assert done.returncode == 0 and lines, done.stdout[-3000:] + done.stderr[-6000:]
     result: dict[str, Any] = json.loads(lines[-1].removeprefix("RESULT "))
+    # defrag_mp: the worker process prints its service's moves at shutdown.
+    for line in done.stdout.splitlines():
+        if line.startswith("KVDEFRAG_MOVES "):
+            result["num_moves"] = int(line.removeprefix("KVDEFRAG_MOVES "))
     assert not os.path.exists(os.path.join(run_dir, "rank0.sock")), "service not stopped"
     return result
 
@@ -84,6 +90,15 @@ def test_outputs_depend_on_the_kv_cache(root: str) -> None:
 def test_defrag_generates_what_plain_vllm_generates_while_blocks_move(root: str) -> None:
     plain = run_engine("plain", root)
     defrag = run_engine("defrag", root)
+    assert defrag["num_moves"] > 0
+    assert _num_differing(defrag["tokens"], plain["tokens"]) == 0
+
+
+def test_defrag_in_vllms_engine_and_worker_processes_generates_what_plain_generates(
+    root: str,
+) -> None:
+    plain = run_engine("plain", root)
+    defrag = run_engine("defrag_mp", root)
     assert defrag["num_moves"] > 0
     assert _num_differing(defrag["tokens"], plain["tokens"]) == 0
 

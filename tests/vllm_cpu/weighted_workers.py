@@ -50,7 +50,13 @@ class WeightedCPUWorker(CPUWorker):  # type: ignore[misc]
 
 
 class WeightedDefragWorker(DefragWorkerMixin, WeightedCPUWorker):
-    pass
+    """DefragWorker with drawn weights; prints the moves its service made at shutdown."""
+
+    def shutdown(self) -> None:
+        if self.kvdefrag_handle is not None:
+            totals = self.kvdefrag_handle.engine.stats().totals
+            print(f"KVDEFRAG_MOVES {totals.num_moves}", flush=True)
+        super().shutdown()
 
 
 class CorruptingCPUWorker(WeightedCPUWorker):
