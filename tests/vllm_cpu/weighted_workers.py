@@ -1,0 +1,72 @@
+"""vLLM CPU workers for engine_run.py, importable by name (``worker_cls`` is a string)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from vllm.model_executor.model_loader.dummy_loader import DummyModelLoader
+from vllm.v1.worker.cpu_worker import CPUWorker
+
+from kvdefrag.server.vllm_worker import DefragWorkerMixin
+
+# Standard deviations (times 1/sqrt(fan_in)) that make the attention path dominate the
+# residual stream: the next token depends on the whole context, hence on every KV block.
+SCALES = {"embed_tokens": 0.3, "o_proj": 4.0, "down_proj": 0.5, "lm_head": 2.0}
+
+
+def draw_weights(model: torch.nn.Module) -> None:
+    """Replaces every weight with a seeded draw large enough for attention to matter."""
+    generator = torch.Generator().manual_seed(1234)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            if param.dim() == 1:
+                param.fill_(1.0)
+                continue
+            scale = next((value for key, value in SCALES.items() if key in name), 1.0)
+            if "embed_tokens" in name:
+                scale *= param.shape[-1] ** 0.5
+            drawn = torch.randn(param.shape, generator=generator) * (scale / param.shape[-1] ** 0.5)
+            param.copy_(drawn.to(param.dtype))
+
+
+class WeightedCPUWorker(CPUWorker):  # type: ignore[misc]
+    """vLLM's CPU worker with ``draw_weights`` in place of the dummy loader's weights."""
+
+    def load_model(self, *args: Any, **kwargs: Any) -> None:
+        # NOTE: drawn inside the loader, before vLLM's CPU layers repack their weights
+        # (changing the parameters after load_model has no effect on the forward pass).
+        original = DummyModelLoader.load_weights
+
+        def load_weights(loader: Any, model: torch.nn.Module, model_config: Any) -> None:
+            original(loader, model, model_config)
+            draw_weights(model)
+
+        DummyModelLoader.load_weights = load_weights
+        try:
+            super().load_model(*args, **kwargs)
+        finally:
+            DummyModelLoader.load_weights = original
+
+
+class WeightedDefragWorker(DefragWorkerMixin, WeightedCPUWorker):
+    """DefragWorker with drawn weights; prints the moves its service made at shutdown."""
+
+    def shutdown(self) -> None:
+        if self.kvdefrag_handle is not None:
+            totals = self.kvdefrag_handle.engine.stats().totals
+            print(f"KVDEFRAG_MOVES {totals.num_moves}", flush=True)
+        super().shutdown()
+
+
+class CorruptingCPUWorker(WeightedCPUWorker):
+    """Overwrites the whole KV cache with noise once, before its 20th forward pass."""
+
+    num_calls = 0
+
+    def execute_model(self, scheduler_output: Any) -> Any:
+        self.num_calls += 1
+        if self.num_calls == 20:
+            for kv in self.model_runner.kv_caches:
+                kv.normal_(generator=torch.Generator().manual_seed(5))
+        return super().execute_model(scheduler_output)
