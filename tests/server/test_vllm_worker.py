@@ -6,14 +6,22 @@ import os
 import subprocess
 import sys
 import threading
+from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
 from kvdefrag.client import DefragClient
 from kvdefrag.server import Move, make_executor
-from kvdefrag.server.vllm_worker import DefragWorkerMixin, bind_vllm_kv_caches
+from kvdefrag.server.vllm_worker import (
+    BlockIdTranslator,
+    DefragWorkerMixin,
+    bind_vllm_kv_caches,
+    remap_v1_runner_rows,
+    translate_scheduler_output,
+)
 
 NUM_BLOCKS = 8
 BLOCK_SIZE = 4
@@ -145,6 +153,63 @@ def test_the_mixin_refuses_a_hybrid_model_and_an_unset_run_dir(
     monkeypatch.delenv("KVDEFRAG_VLLM_RUN_DIR")
     with pytest.raises(RuntimeError, match="KVDEFRAG_VLLM_RUN_DIR"):
         _Worker(rank=0).initialize_from_config(_kv_cache_config())
+
+
+def _output() -> Any:
+    """The parts of a vLLM 0.33 SchedulerOutput that name blocks, in logical ids."""
+    return SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(req_id="a", block_ids=([1, 2],))],
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=["b", "c"], new_block_ids=[None, ([3],)], resumed_req_ids=set()
+        ),
+        new_block_ids_to_zero=[3],
+        kv_cache_block_copies=[(1, 4)],
+    )
+
+
+def test_the_workers_translation_names_every_block_at_its_place() -> None:
+    mapping = np.array([0, 5, 6, 7, 1, 2, 3, 4])
+    output = _output()
+    translate_scheduler_output(output, mapping)
+    assert output.scheduled_new_reqs[0].block_ids == ([5, 6],)
+    assert output.scheduled_cached_reqs.new_block_ids == [None, ([7],)]
+    assert output.new_block_ids_to_zero == [7]
+    assert output.kv_cache_block_copies == [(5, 1)]
+
+
+def _v1_runner(rows: list[list[int]]) -> Any:
+    """The two copies of every row vLLM 0.33's V1 runner keeps (requests, block table)."""
+    table = np.zeros((4, 6), dtype=np.int32)
+    for index, row in enumerate(rows):
+        table[index, : len(row)] = row
+    block_table = SimpleNamespace(
+        block_table=SimpleNamespace(np=table),
+        num_blocks_per_row=np.array([len(row) for row in rows] + [0] * (4 - len(rows))),
+    )
+    return SimpleNamespace(
+        requests={
+            f"r{index}": SimpleNamespace(block_ids=(list(row),)) for index, row in enumerate(rows)
+        },
+        input_batch=SimpleNamespace(block_table=SimpleNamespace(block_tables=[block_table])),
+    )
+
+
+def test_the_runners_rows_follow_the_blocks_that_moved() -> None:
+    current = np.arange(NUM_BLOCKS)
+    translator = BlockIdTranslator(lambda: current.copy())
+    assert translator.advance()[1] is None
+    runner = _v1_runner([[1, 2, 3], [4]])
+    # the engine swapped the data of physical 1 and 6, and moved 4 to 5 (5 was free)
+    current = np.array([0, 6, 2, 3, 5, 4, 1, 7])
+    mapping, remap = translator.advance()
+    assert remap is not None and mapping.tolist() == current.tolist()
+    remap_v1_runner_rows(runner, remap)
+    assert runner.requests["r0"].block_ids == ([6, 2, 3],)
+    assert runner.requests["r1"].block_ids == ([5],)
+    table = runner.input_batch.block_table.block_tables[0].block_table.np
+    assert table[0, :3].tolist() == [6, 2, 3] and table[1, :1].tolist() == [5]
+    assert table[2:].sum() == 0  # unused rows and the null block stay 0
+    assert translator.advance()[1] is None
 
 
 def test_importing_the_module_imports_no_vllm() -> None:

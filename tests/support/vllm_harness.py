@@ -10,6 +10,7 @@ every block vLLM still keeps in its prefix cache, and counts what does not match
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
 import random
@@ -29,6 +30,7 @@ from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
 from kvdefrag.server import serve_in_process
+from kvdefrag.server.vllm_worker import BlockIdTranslator, translate_scheduler_output
 
 BLOCK_SIZE = 16
 MAX_MODEL_LEN = 1024
@@ -65,6 +67,7 @@ def make_scheduler(
     prefix_caching: bool,
     max_num_seqs: int = 16,
     max_num_batched_tokens: int = 256,
+    async_scheduling: bool = False,
 ) -> Scheduler:
     """Builds ``cls`` the way ``EngineCore`` does, on a one-group full-attention cache."""
     vllm_config = VllmConfig(
@@ -75,7 +78,7 @@ def make_scheduler(
             max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=MAX_MODEL_LEN,
             is_encoder_decoder=False,
-            async_scheduling=False,
+            async_scheduling=async_scheduling,
         ),
         device_config=DeviceConfig(device="cpu"),
     )
@@ -121,8 +124,9 @@ class SignedWorker:
         num_checked: Reads checked.
     """
 
-    def __init__(self, kv: torch.Tensor) -> None:
+    def __init__(self, kv: torch.Tensor, translator: BlockIdTranslator | None = None) -> None:
         self.kv = kv
+        self.translator = translator
         self.rows: dict[str, _Row] = {}
         self.cached_signatures: dict[int, list[int]] = {}
         self.num_corrupted = 0
@@ -132,7 +136,19 @@ class SignedWorker:
         return row.block_ids[position // BLOCK_SIZE] * BLOCK_SIZE + position % BLOCK_SIZE
 
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
-        """Applies one (rewritten) output, runs the "forward pass", returns sampled tokens."""
+        """Applies one (rewritten) output, runs the "forward pass", returns sampled tokens.
+
+        With a translator (the workers translate, as ``DefragWorkerMixin`` does under
+        async scheduling) the rows first follow the blocks that moved, then a copy of the
+        output (the ranks share it here) turns physical.
+        """
+        if self.translator is not None:
+            mapping, remap = self.translator.advance()
+            if remap is not None:
+                for held in self.rows.values():
+                    held.block_ids = remap[held.block_ids].tolist()
+            output = copy.deepcopy(output)
+            translate_scheduler_output(output, mapping)
         for request_id in output.finished_req_ids:
             self.rows.pop(request_id, None)
         for block_id in output.new_block_ids_to_zero or ():
@@ -151,6 +167,11 @@ class SignedWorker:
         for position, request_id in enumerate(cached.req_ids):
             row = self.rows[request_id]
             row.num_computed_tokens = cached.num_computed_tokens[position]
+            if request_id in cached.all_token_ids:
+                # NOTE: the runner takes the tokens of a request it did not run in the
+                # previous step from the scheduler (under async scheduling a token it
+                # sampled before a preemption may have been dropped).
+                row.token_ids = list(cached.all_token_ids[request_id])
             new_ids = cached.new_block_ids[position]
             if request_id in cached.resumed_req_ids:
                 row.block_ids = list(new_ids[0])
@@ -251,12 +272,19 @@ def run_loop(
     max_steps: int = 2000,
     abort_every: int = 0,
     reset_prefix_cache_every: int = 0,
+    in_flight: int = 1,
 ) -> int:
-    """Drives the scheduler and the workers until every request is done; returns steps."""
+    """Drives the scheduler and the workers until every request is done; returns steps.
+
+    ``in_flight=2`` is async scheduling as vLLM's engine core runs it (a batch queue of
+    two): step ``N + 1`` is scheduled, and its kvdefrag step taken, before the workers
+    run step ``N``.
+    """
     pending = list(workload.requests(BLOCK_SIZE))
     rng = random.Random(workload.seed + 1)
     steps = 0
-    while (pending or scheduler.has_requests()) and steps < max_steps:
+    queue: list[SchedulerOutput] = []
+    while (pending or scheduler.has_requests() or queue) and steps < max_steps:
         steps += 1
         for _ in range(rng.randrange(0, 4)):
             if pending and not scheduler.has_request(pending[0].request_id):
@@ -266,7 +294,11 @@ def run_loop(
             scheduler.finish_requests(victim, RequestStatus.FINISHED_ABORTED)
         if reset_prefix_cache_every and steps % reset_prefix_cache_every == 0:
             scheduler.reset_prefix_cache()
-        output = scheduler.schedule()
+        if scheduler.has_requests():
+            queue.append(scheduler.schedule())
+        if not queue or (len(queue) < in_flight and scheduler.has_requests()):
+            continue
+        output = queue.pop(0)
         runner_outputs = [worker.execute(output) for worker in workers]
         for worker in workers:
             worker.record_full_blocks(scheduler)

@@ -26,12 +26,20 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
 import torch
 
-from kvdefrag.client.vllm.topology import rank_address, run_dir_from_env
+from kvdefrag.client.vllm.topology import rank_address, run_dir_from_env, workers_translate
 from kvdefrag.server._server import ServerHandle, serve_in_process
 
-__all__ = ["DefragWorkerMixin", "bind_vllm_kv_caches"]
+__all__ = [
+    "BlockIdTranslator",
+    "DefragWorkerMixin",
+    "bind_vllm_kv_caches",
+    "remap_v1_runner_rows",
+    "translate_scheduler_output",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +111,80 @@ def _flat(tensor: torch.Tensor, num_blocks: int, block_size: int) -> torch.Tenso
     return tensor.view(num_blocks * block_size, per_block // block_size)
 
 
+def translate_scheduler_output(output: Any, mapping: npt.NDArray[np.int64]) -> None:
+    """Rewrites, in place, every block id a ``SchedulerOutput`` names from logical to physical.
+
+    Covers what vLLM 0.33's V1 runner reads: new requests' rows, ``new_block_ids`` of
+    cached requests, ``new_block_ids_to_zero`` and ``kv_cache_block_copies``.
+    """
+
+    def physical(block_ids: Sequence[int]) -> list[int]:
+        if not block_ids:
+            return []
+        translated: list[int] = mapping[np.asarray(block_ids, dtype=np.int64)].tolist()
+        return translated
+
+    for request in output.scheduled_new_reqs:
+        request.block_ids = tuple(physical(group) for group in request.block_ids)
+    cached = output.scheduled_cached_reqs
+    cached.new_block_ids = [
+        None if groups is None else tuple(physical(group) for group in groups)
+        for groups in cached.new_block_ids
+    ]
+    if output.new_block_ids_to_zero:
+        output.new_block_ids_to_zero = physical(output.new_block_ids_to_zero)
+    copies = getattr(output, "kv_cache_block_copies", None)
+    if copies:
+        pairs = [physical([int(copy[0]), int(copy[1])]) for copy in copies]
+        output.kv_cache_block_copies = [
+            (src, dst) if type(copy) is tuple else type(copy)(src, dst)
+            for copy, (src, dst) in zip(copies, pairs, strict=True)
+        ]
+
+
+def remap_v1_runner_rows(model_runner: Any, remap: npt.NDArray[np.int64]) -> None:
+    """Rewrites the V1 runner's persistent rows after blocks moved: ``remap[old] = new``.
+
+    Both copies vLLM 0.33's ``GPUModelRunner`` (and the CPU runner built on it) keeps: each
+    request's ``block_ids`` lists (rows of requests outside the batch come back from
+    these) and the block tables of the persistent batch, committed to the device at
+    every step.
+    """
+    for state in model_runner.requests.values():
+        for group in state.block_ids:
+            if group:
+                group[:] = remap[np.asarray(group, dtype=np.int64)].tolist()
+    for table in model_runner.input_batch.block_table.block_tables:
+        in_use = np.flatnonzero(table.num_blocks_per_row)
+        if in_use.size == 0:
+            continue
+        rows = table.block_table.np[: int(in_use[-1]) + 1]
+        rows[...] = remap[rows]
+
+
+class BlockIdTranslator:
+    """Keeps a worker's block ids physical when the worker, not the scheduler, translates.
+
+    Each ``advance`` (called holding ``kv_lock``, before a forward pass) returns the
+    mapping the KV data is in now and how physical ids moved since the previous call, so
+    the persistent rows can follow and the incoming output be translated with one mapping.
+    """
+
+    def __init__(self, mapping: Any) -> None:
+        self._mapping = mapping
+        self._last: npt.NDArray[np.int64] = mapping()
+
+    def advance(self) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64] | None]:
+        """Returns ``(mapping, remap)``; ``remap`` is None when nothing moved since last time."""
+        current: npt.NDArray[np.int64] = self._mapping()
+        last, self._last = self._last, current
+        if np.array_equal(last, current):
+            return current, None
+        remap = np.empty_like(current)
+        remap[last] = current
+        return current, remap
+
+
 class DefragWorkerMixin:
     """Serves one rank's KV caches to ``DefragScheduler``; put it before a vLLM Worker.
 
@@ -112,18 +194,34 @@ class DefragWorkerMixin:
     """
 
     kvdefrag_handle: ServerHandle | None = None
+    kvdefrag_translator: BlockIdTranslator | None = None
 
     def initialize_from_config(self, kv_cache_config: Any) -> None:
         """Lets vLLM allocate the KV caches, then binds them and starts the service."""
         super().initialize_from_config(kv_cache_config)  # type: ignore[misc]
-        self.kvdefrag_handle = self._start_kvdefrag(kv_cache_config)
+        handle = self._start_kvdefrag(kv_cache_config)
+        if workers_translate(getattr(self, "vllm_config", None)):
+            all_ids = np.arange(int(kv_cache_config.num_blocks), dtype=np.int64)
+            self.kvdefrag_translator = BlockIdTranslator(lambda: handle.engine.resolve(all_ids))
+        self.kvdefrag_handle = handle
 
     def execute_model(self, scheduler_output: Any) -> Any:
-        """vLLM's forward pass, holding ``kv_lock`` so no block moves meanwhile."""
+        """vLLM's forward pass, holding ``kv_lock`` so no block moves meanwhile.
+
+        When the workers translate (async scheduling), the persistent rows first follow
+        the blocks that moved since the last pass and the output turns physical, both
+        with the mapping the KV data is in while the lock is held.
+        """
         handle = self.kvdefrag_handle
         if handle is None:
             return super().execute_model(scheduler_output)  # type: ignore[misc]
         with handle.engine.kv_lock:
+            translator = self.kvdefrag_translator
+            if translator is not None:
+                mapping, remap = translator.advance()
+                if remap is not None:
+                    remap_v1_runner_rows(self.model_runner, remap)  # type: ignore[attr-defined]
+                translate_scheduler_output(scheduler_output, mapping)
             return super().execute_model(scheduler_output)  # type: ignore[misc]
 
     def shutdown(self) -> None:

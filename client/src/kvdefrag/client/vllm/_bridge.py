@@ -66,6 +66,8 @@ class SchedulerBridge:
         output: Any,
         truth: Mapping[str, Sequence[int]],
         is_cached: Callable[[int], bool],
+        *,
+        rewrite: bool = True,
     ) -> None:
         """Plans, sends and applies one step, then rewrites ``output`` in place.
 
@@ -73,6 +75,8 @@ class SchedulerBridge:
             output: The ``SchedulerOutput`` ``schedule()`` just returned (logical ids).
             truth: Request id -> its logical block ids now, from the KV cache manager.
             is_cached: Whether a free logical id still carries a prefix-cache hash.
+            rewrite: False when the workers translate ids themselves (async scheduling,
+                see ``topology.workers_translate``): ``output`` is then left logical.
         """
         started = time.perf_counter()
         cached = output.scheduled_cached_reqs
@@ -83,7 +87,11 @@ class SchedulerBridge:
         copies = list(getattr(output, "kv_cache_block_copies", None) or ())
         not_fresh = frozenset(int(copy[1]) for copy in copies)
         plan = self.ledger.plan(truth, num_computed, is_cached, not_fresh)
-        if not plan.events.is_empty:
+        if not rewrite:
+            if not plan.events.is_empty:
+                self.totals.last_reply = self.ranks.step(plan.events)
+                self.totals.num_steps += 1
+        elif not plan.events.is_empty:
             reply = self.ranks.step(plan.events)
             self.totals.num_steps += 1
             self.totals.last_reply = reply
@@ -93,7 +101,8 @@ class SchedulerBridge:
             self.rows.mark_moved(sorted(reply.block_mapping), self.ledger.held, resolve)
         else:
             self.rows.forget(sorted({*output.finished_req_ids, *(output.preempted_req_ids or ())}))
-        self._rewrite(output)
+        if rewrite:
+            self._rewrite(output)
         if len(self.totals.step_durations_s) < self.keep_durations:
             self.totals.step_durations_s.append(time.perf_counter() - started)
 

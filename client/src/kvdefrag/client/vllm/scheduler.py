@@ -1,10 +1,14 @@
 """kvdefrag behind one switch: a vLLM 0.33 ``Scheduler`` that defragments the KV cache.
 
 Turn it on with ``vllm serve ... --scheduler-cls
-kvdefrag.client.vllm.scheduler.DefragScheduler --no-async-scheduling`` (or
-``LLM(..., scheduler_cls=DefragScheduler, async_scheduling=False)``), with
+kvdefrag.client.vllm.scheduler.DefragAsyncScheduler`` (async scheduling, vLLM's default)
+or ``--scheduler-cls kvdefrag.client.vllm.scheduler.DefragScheduler
+--no-async-scheduling`` (or ``LLM(..., scheduler_cls=...)``), with
 ``VLLM_USE_V2_MODEL_RUNNER=0``, ``KVDEFRAG_VLLM_RUN_DIR`` set, and the workers running
 ``kvdefrag.server.vllm_worker`` (see the README).
+
+Under synchronous scheduling the output is rewritten here, to physical ids; under async
+scheduling the workers translate it when they run it (``topology.workers_translate``).
 
 Facts about vLLM 0.33 this relies on:
 
@@ -13,7 +17,8 @@ Facts about vLLM 0.33 this relies on:
   ``SchedulerConfig.get_scheduler_cls()``: the rank services exist when ``__init__``
   connects.
 * ``Scheduler.schedule()`` returns the output the executor hands, unchanged, to every
-  TP/PP rank; this subclass rewrites it to physical ids before returning it.
+  TP/PP rank; this subclass (under synchronous scheduling) rewrites it to physical ids
+  before returning it.
 * ``kv_cache_manager.coordinator.single_type_managers[0].req_to_blocks`` holds every
   request's blocks; ``kv_cache_manager.block_pool.blocks[i]`` has ``ref_cnt`` and
   ``block_hash`` (kept on free blocks while they stay in the prefix cache).
@@ -25,6 +30,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
@@ -32,9 +38,9 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 from kvdefrag.client._client import DefragClient
 from kvdefrag.client.vllm._bridge import SchedulerBridge
 from kvdefrag.client.vllm._ranks import RankGroup
-from kvdefrag.client.vllm.topology import rank_addresses, run_dir_from_env
+from kvdefrag.client.vllm.topology import rank_addresses, run_dir_from_env, workers_translate
 
-__all__ = ["DefragScheduler", "UnsupportedByKvdefrag", "check_supported"]
+__all__ = ["DefragAsyncScheduler", "DefragScheduler", "UnsupportedByKvdefrag", "check_supported"]
 
 # NOTE: exact types: RSWASpec, SinkFullAttentionSpec and HiddenStateCacheSpec subclass
 # these but free or pin blocks differently.
@@ -67,15 +73,11 @@ def check_supported(vllm_config: Any, kv_cache_config: Any) -> None:
             "and chunked-local attention free a running request's blocks without any "
             "SchedulerOutput field saying so. Serve it without kvdefrag."
         )
-    if vllm_config.scheduler_config.async_scheduling:
-        raise UnsupportedByKvdefrag(
-            "kvdefrag does not support async scheduling yet (a re-sent row would lose the "
-            "in-flight tokens): pass --no-async-scheduling / LLM(async_scheduling=False)."
-        )
     if vllm_config.use_v2_model_runner:
         raise UnsupportedByKvdefrag(
-            "kvdefrag supports vLLM's V1 model runner only (the V2 runner takes re-sent "
-            "rows differently): set VLLM_USE_V2_MODEL_RUNNER=0."
+            "kvdefrag supports vLLM's V1 model runner only (the worker keeps the V1 "
+            "runner's persistent block tables physical; the V2 runner keeps them "
+            "elsewhere): set VLLM_USE_V2_MODEL_RUNNER=0."
         )
     if vllm_config.kv_transfer_config is not None:
         raise UnsupportedByKvdefrag(
@@ -99,6 +101,15 @@ class DefragScheduler(Scheduler):  # type: ignore[misc]
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         check_supported(self.vllm_config, self.kv_cache_config)
+        is_async = bool(self.vllm_config.scheduler_config.async_scheduling)
+        if is_async != isinstance(self, AsyncScheduler):
+            wanted = "DefragAsyncScheduler" if is_async else "DefragScheduler"
+            raise UnsupportedByKvdefrag(
+                f"async scheduling is {'on' if is_async else 'off'}: use "
+                f"--scheduler-cls kvdefrag.client.vllm.scheduler.{wanted} (vLLM runs a "
+                "custom scheduler class as it is, so the class must match the mode)"
+            )
+        self._kvdefrag_rewrite = not workers_translate(self.vllm_config)
         manager = self.kv_cache_manager
         self._kvdefrag_blocks = manager.coordinator.single_type_managers[0].req_to_blocks
         self._kvdefrag_pool = manager.block_pool.blocks
@@ -134,10 +145,37 @@ class DefragScheduler(Scheduler):  # type: ignore[misc]
             for request_id, blocks in self._kvdefrag_blocks.items()
             if blocks
         }
-        self.kvdefrag.apply(output, truth, self._kvdefrag_is_cached)
+        # Blocks vLLM holds back until the step that may still use them has run (see
+        # DefragAsyncScheduler) stay live: moved with their data, never reused.
+        for fence, blocks in self.deferred_frees:
+            if blocks:
+                truth[f"kvdefrag-deferred-free/{fence}/{blocks[0].block_id}"] = [
+                    block.block_id for block in blocks
+                ]
+        self.kvdefrag.apply(output, truth, self._kvdefrag_is_cached, rewrite=self._kvdefrag_rewrite)
         return output
 
     def shutdown(self) -> None:
         """Closes the rank clients, then shuts vLLM's scheduler down."""
         self.kvdefrag.ranks.close()
         super().shutdown()
+
+
+class DefragAsyncScheduler(DefragScheduler, AsyncScheduler):  # type: ignore[misc]
+    """``DefragScheduler`` on vLLM's ``AsyncScheduler``: plans step ``N + 1`` while ``N`` runs.
+
+    It sends the output unchanged (logical ids); each worker translates it when it runs
+    it, holding ``kv_lock``, and keeps its persistent rows physical across moves
+    (``kvdefrag.server.vllm_worker``).
+
+    A request that finishes, is aborted or is preempted while its last step is still in
+    flight frees blocks that step reads and writes (and a preempted request's in-flight
+    token is delivered). Moving other data into them, or placing fresh blocks on them,
+    would change what that step computes, so this class turns on vLLM's own fence for
+    KV connectors (``defer_block_free``): freed blocks return to the pool only once the
+    steps that were in flight have run, and until then kvdefrag keeps them live.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.defer_block_free = True

@@ -37,3 +37,23 @@ def rank_address(run_dir: str, rank: int) -> str:
 def rank_addresses(run_dir: str, world_size: int) -> list[str]:
     """The addresses of every rank's service, rank 0 first."""
     return [rank_address(run_dir, rank) for rank in range(world_size)]
+
+
+TRANSLATE_ENV = "KVDEFRAG_VLLM_TRANSLATE"
+"""``worker`` makes the workers translate block ids even under synchronous scheduling."""
+
+
+def workers_translate(vllm_config: object) -> bool:
+    """Whether the workers, not the scheduler, turn logical block ids into physical ones.
+
+    Under async scheduling the scheduler plans step ``N + 1`` (and the service may move
+    blocks) before the worker has run step ``N``; an output rewritten at planning time can
+    then name blocks at their old places. A worker that translates when it runs the
+    output, holding ``kv_lock``, always uses the mapping the KV data is in. Both sides call
+    this with the same config and environment (vLLM's worker processes inherit both), so
+    they agree.
+    """
+    scheduler_config = getattr(vllm_config, "scheduler_config", None)
+    if bool(getattr(scheduler_config, "async_scheduling", False)):
+        return True
+    return os.environ.get(TRANSLATE_ENV, "") == "worker"
