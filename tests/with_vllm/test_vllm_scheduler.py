@@ -281,3 +281,52 @@ def test_async_outputs_rewritten_when_planned_corrupt(
         TwoRankAsyncScheduler, model_dir, async_ranks, prefix_caching=False, translate=False
     )
     assert workers[0].num_corrupted > 0
+
+
+def _groups(*specs: Any) -> Any:
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
+
+    return KVCacheConfig(
+        num_blocks=NUM_BLOCKS,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec([f"layer.{index}"], spec) for index, spec in enumerate(specs)
+        ],
+    )
+
+
+def test_models_kvdefrag_cannot_serve_are_refused_at_startup_by_feature(
+    model_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torch
+    from vllm.v1.kv_cache_interface import (
+        ChunkedLocalAttentionSpec,
+        FullAttentionSpec,
+        SlidingWindowSpec,
+    )
+
+    from kvdefrag.client.vllm.scheduler import check_supported
+
+    shape = {"block_size": 16, "num_kv_heads": 1, "head_size": 8, "dtype": torch.float32}
+    full = FullAttentionSpec(**shape)
+    window = SlidingWindowSpec(**shape, sliding_window=64)
+    scheduler = make_scheduler(Scheduler, model_dir, num_blocks=NUM_BLOCKS, prefix_caching=False)
+    config = scheduler.vllm_config
+    check_supported(config, _groups(full))  # served
+    with pytest.raises(UnsupportedByKvdefrag, match="SlidingWindowSpec: sliding-window"):
+        check_supported(config, _groups(window))
+    with pytest.raises(UnsupportedByKvdefrag, match="ChunkedLocalAttentionSpec"):
+        check_supported(config, _groups(ChunkedLocalAttentionSpec(**shape, attention_chunk_size=64)))
+    with pytest.raises(UnsupportedByKvdefrag, match=r"has 2 \(FullAttentionSpec, SlidingWindow"):
+        check_supported(config, _groups(full, window))
+    for attribute, value, message in [
+        ("pipeline_parallel_size", 2, "pipeline parallelism"),
+        ("decode_context_parallel_size", 2, "context parallelism"),
+    ]:
+        monkeypatch.setattr(config.parallel_config, attribute, value)
+        with pytest.raises(UnsupportedByKvdefrag, match=message):
+            check_supported(config, _groups(full))
+        monkeypatch.setattr(config.parallel_config, attribute, 1)
+    monkeypatch.setattr(type(config), "use_v2_model_runner", property(lambda self: True))
+    with pytest.raises(UnsupportedByKvdefrag, match="VLLM_USE_V2_MODEL_RUNNER=0"):
+        check_supported(config, _groups(full))

@@ -85,6 +85,12 @@ def check_supported(vllm_config: Any, kv_cache_config: Any) -> None:
             "scheduler's ids): drop --kv-transfer-config or kvdefrag."
         )
     parallel = vllm_config.parallel_config
+    if parallel.pipeline_parallel_size > 1:
+        raise UnsupportedByKvdefrag(
+            "kvdefrag does not support pipeline parallelism yet (its batch queue keeps "
+            "several steps in flight, and no test covers it): drop "
+            "--pipeline-parallel-size or kvdefrag."
+        )
     if parallel.decode_context_parallel_size > 1 or parallel.prefill_context_parallel_size > 1:
         raise UnsupportedByKvdefrag(
             "kvdefrag does not support decode/prefill context parallelism; drop it or kvdefrag."
