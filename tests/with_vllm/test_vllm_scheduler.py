@@ -316,7 +316,8 @@ def test_models_kvdefrag_cannot_serve_are_refused_at_startup_by_feature(
     with pytest.raises(UnsupportedByKvdefrag, match="SlidingWindowSpec: sliding-window"):
         check_supported(config, _groups(window))
     with pytest.raises(UnsupportedByKvdefrag, match="ChunkedLocalAttentionSpec"):
-        check_supported(config, _groups(ChunkedLocalAttentionSpec(**shape, attention_chunk_size=64)))
+        chunked = ChunkedLocalAttentionSpec(**shape, attention_chunk_size=64)
+        check_supported(config, _groups(chunked))
     with pytest.raises(UnsupportedByKvdefrag, match=r"has 2 \(FullAttentionSpec, SlidingWindow"):
         check_supported(config, _groups(full, window))
     for attribute, value, message in [
