@@ -1,8 +1,9 @@
-"""kvdefrag's DefragScheduler inside vLLM 0.33's real Scheduler, proven by signatures.
+"""kvdefrag inside vLLM 0.33's real Scheduler and AsyncScheduler, proven by signatures.
 
 Real rank services on unix sockets, tiny int64 KV caches; the simulated worker keeps its
-rows the way vLLM's V1 runner does from the rewritten outputs, and every read of a computed
-token (and of every block vLLM keeps in its prefix cache) must find its own signature.
+rows the way vLLM's V1 runner does (from the rewritten outputs, or, under async scheduling,
+translating them itself as DefragWorker does), and every read of a computed token (and of
+every block vLLM keeps in its prefix cache) must find its own signature.
 """
 
 from __future__ import annotations
