@@ -47,7 +47,7 @@ _STOP_GRACE_S = 1.0
 
 
 def bind_vllm_kv_caches(
-    kv_caches: Sequence[torch.Tensor], num_blocks: int, block_size: int
+    kv_caches: Sequence[Any], num_blocks: int, block_size: int
 ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
     """Views vLLM's per-layer KV tensors as kvdefrag's flat ``(key, value)`` pairs.
 
@@ -57,6 +57,8 @@ def bind_vllm_kv_caches(
         [2, num_blocks, ...]  (key/value first: FlashAttention, CPU)  -> (kv[0], kv[1])
         [num_blocks, ...]     (block first: FlashInfer, MLA)           -> (kv, None)
         each viewed as [num_blocks * block_size, -1]
+        (key, value) pairs    (vllm-gaudi: [num_blocks * block_size, heads, head_size]
+                               each, value None for MLA)               -> viewed the same
 
     A tensor two layers share (KV sharing) is bound once.
 
@@ -76,6 +78,12 @@ def bind_vllm_kv_caches(
     pairs: list[tuple[torch.Tensor, torch.Tensor | None]] = []
     seen: set[int] = set()
     for index, kv in enumerate(kv_caches):
+        if isinstance(kv, (tuple, list)):
+            pair = _bind_pair(index, kv, num_blocks, block_size)
+            if pair[0].data_ptr() not in seen:
+                seen.add(pair[0].data_ptr())
+                pairs.append(pair)
+            continue
         if kv.data_ptr() in seen:
             continue
         seen.add(kv.data_ptr())
@@ -99,6 +107,32 @@ def bind_vllm_kv_caches(
                 f"[2, {num_blocks}, ...] or [{num_blocks}, ...] with {block_size}-token blocks"
             )
     return pairs
+
+
+def _bind_pair(
+    index: int, pair: Sequence[torch.Tensor | None], num_blocks: int, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One layer given as a ``(key, value)`` pair whose first dimension counts token slots."""
+    if len(pair) != 2 or pair[0] is None:
+        raise ValueError(
+            f"kvdefrag: KV cache of layer {index} is a sequence of {len(pair)} items; "
+            "expected (key, value) with value None only for MLA"
+        )
+    flat: list[torch.Tensor | None] = []
+    for tensor in pair:
+        if tensor is None:
+            flat.append(None)
+            continue
+        if not tensor.is_contiguous() or tensor.shape[0] != num_blocks * block_size:
+            raise ValueError(
+                f"kvdefrag: KV cache of layer {index} holds a tensor of shape "
+                f"{tuple(tensor.shape)} (contiguous: {tensor.is_contiguous()}); expected a "
+                f"contiguous [{num_blocks * block_size}, ...] (num_blocks * block_size)"
+            )
+        flat.append(tensor.view(num_blocks * block_size, -1))
+    key = flat[0]
+    assert key is not None
+    return key, flat[1]
 
 
 def _flat(tensor: torch.Tensor, num_blocks: int, block_size: int) -> torch.Tensor:
