@@ -83,6 +83,7 @@ def _run(
     seed: int = 1,
     num_requests: int = 80,
     translate: bool | None = None,
+    zero_new_blocks: bool = False,
     **loop: Any,
 ) -> tuple[Scheduler, list[SignedWorker], int]:
     """Runs ``cls`` over a workload; async classes run two steps in flight.
@@ -92,13 +93,20 @@ def _run(
     """
     is_async = issubclass(cls, AsyncScheduler)
     num_blocks = ASYNC_NUM_BLOCKS if is_async else NUM_BLOCKS
-    scheduler = make_scheduler(
-        cls,
-        model_dir,
-        num_blocks=num_blocks,
-        prefix_caching=prefix_caching,
-        async_scheduling=is_async,
-    )
+    with pytest.MonkeyPatch.context() as patch:
+        if zero_new_blocks:
+            # vLLM 0.33 zeroes new blocks only for Mamba and mixed-precision caches (which
+            # kvdefrag refuses); turned on here, each zeroing must hit its own slot.
+            from vllm.v1.kv_cache_interface import KVCacheConfig
+
+            patch.setattr(KVCacheConfig, "needs_kv_cache_zeroing", property(lambda _: True))
+        scheduler = make_scheduler(
+            cls,
+            model_dir,
+            num_blocks=num_blocks,
+            prefix_caching=prefix_caching,
+            async_scheduling=is_async,
+        )
     is_defrag = isinstance(scheduler, DefragScheduler)
     num_ranks = len(scheduler.kvdefrag.ranks.clients) if is_defrag else 1
     if translate is None:
@@ -332,3 +340,29 @@ def test_models_kvdefrag_cannot_serve_are_refused_at_startup_by_feature(
     monkeypatch.setattr(type(config), "use_v2_model_runner", property(lambda self: True))
     with pytest.raises(UnsupportedByKvdefrag, match="VLLM_USE_V2_MODEL_RUNNER=0"):
         check_supported(config, _groups(full))
+
+
+@pytest.mark.parametrize("scheduler_cls", ["sync", "async"])
+def test_new_blocks_to_zero_are_zeroed_at_their_physical_slots(
+    model_dir: str, run_dir: str, scheduler_cls: str
+) -> None:
+    cls = TwoRankScheduler if scheduler_cls == "sync" else TwoRankAsyncScheduler
+    num_blocks = NUM_BLOCKS if scheduler_cls == "sync" else ASYNC_NUM_BLOCKS
+    served = list(_serve_two_ranks(run_dir, num_blocks).__next__())
+    zeroed: list[int] = []
+    original = SignedWorker.execute
+
+    def execute(worker: SignedWorker, output: Any) -> Any:
+        zeroed.extend(output.new_block_ids_to_zero or ())
+        return original(worker, output)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(SignedWorker, "execute", execute)
+        _, workers, _ = _run(cls, model_dir, served, prefix_caching=True, zero_new_blocks=True)
+    for handle, _ in served:
+        handle.stop(grace_s=0.5)
+    assert len(zeroed) > 100
+    assert served[0][0].engine.stats().totals.num_moves > 0
+    for worker in workers:
+        assert worker.num_checked > 10_000
+        assert worker.num_corrupted == 0
