@@ -96,12 +96,12 @@ def test_placement_off_means_no_placements_and_copies_instead(recorded: Recorded
 
     assert copied.num_placements == 0
     assert copied.num_corrupted == 0
-    if recorded.prefix_caching:
-        # NOTE: every free block holds cached data until evicted, so nothing is placed.
-        assert placed.num_placements == 0
-        assert copied.num_moves == placed.num_moves
-    else:
-        assert placed.num_placements > 0
+    # Prefix caching or not, a fresh block can take a free slot that holds nothing (the
+    # workload reports a freed block that was never full as evicted at once).
+    assert placed.num_placements > 0
+    if not recorded.prefix_caching:
+        # NOTE: with prefix caching a placed block can leave a cached block higher up,
+        # so placement does not always save copies there.
         assert copied.num_moves > placed.num_moves
 
 

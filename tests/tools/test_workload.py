@@ -160,9 +160,12 @@ def test_never_hands_out_a_live_block(prefix_caching: bool) -> None:
         assert model.tables == workload.block_tables()
         assert len(model.live) == step.num_live_blocks
         assert max(model.live, default=0) == step.max_live_block_id
-        assert not set(step.events.evicted) - set(step.events.fresh), (
-            "only blocks allocated are evicted"
-        )
+        # Evicted: a cached block allocated again, or a block freed that was never full.
+        assert (
+            not set(step.events.evicted)
+            - set(step.events.fresh)
+            - set(range(workload.config.num_blocks)).difference(model.live)
+        ), "only blocks allocated or free are evicted"
 
 
 def test_fragmentation_appears_on_the_default_config() -> None:

@@ -241,6 +241,9 @@ class SyntheticWorkload:
         self._waiting: deque[_Request] = deque()
         self._background: dict[str, list[int]] = {}
         self._finished_pending: dict[str, list[int]] = {}
+        # Blocks freed without a prefix-cache entry since the last step's events: their
+        # content is worthless, so (prefix caching on) the step reports them evicted.
+        self._freed_uncached: list[int] = []
         self._num_arrived = 0
         self._next_arrival = 0.0
         self._index = 0
@@ -315,6 +318,15 @@ class SyntheticWorkload:
             position += 1
         if not num_preempted:
             budget = self._admit_waiting(budget, scheduled, events)
+        if cfg.enable_prefix_caching:
+            # NOTE: exact knowledge, as the vLLM integration has it (a freed block that was
+            # never full has no hash): evicted once free, unless allocated again already.
+            events.evicted += sorted(
+                block_id
+                for block_id in set(self._freed_uncached)
+                if pool.ref_counts[block_id] == 0 and pool.block_key(block_id) is None
+            )
+        self._freed_uncached = []
         # What a defragmenter sees after this step's events, before the forward pass.
         num_live_blocks = pool.num_live
         max_live_block_id = self._max_live_block_id()
@@ -391,11 +403,15 @@ class SyntheticWorkload:
             finished = set(done)
             self._running = [req for req in self._running if req not in finished]
             for request in done:
-                pool.free(reversed(request.block_ids))
+                self._note_freed(pool.free(reversed(request.block_ids)))
                 self._finished_pending[request.request_id] = request.block_ids
 
+    def _note_freed(self, block_ids: list[int]) -> None:
+        block_key = self.pool.block_key
+        self._freed_uncached += [block_id for block_id in block_ids if block_key(block_id) is None]
+
     def _preempt(self, request: _Request) -> None:
-        self.pool.free(reversed(request.block_ids))
+        self._note_freed(self.pool.free(reversed(request.block_ids)))
         request.block_ids = []
         request.num_computed = 0
         request.num_cached_blocks = 0
