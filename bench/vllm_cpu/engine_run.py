@@ -16,8 +16,9 @@ A mode says who schedules and what is sabotaged:
 The options are vLLM's settings, the same for every mode: ``--prefix-caching``,
 ``--tp N`` (tensor parallel over N worker processes, one core each),
 ``--engine-processes`` (vLLM's engine-core and worker processes, as under ``vllm
-serve``; otherwise the engine core runs in this process), ``--async-scheduling``
-(DefragScheduler refuses it at startup).
+serve``; otherwise the engine core runs in this process), ``--async-scheduling`` (NOTE:
+vLLM 0.32's CPU platform turns it off again, ``platforms/cpu.py``; the result line says
+what the engine ran with).
 
 Every run writes the tiny Llama's ``config.json`` into MODEL_DIR, draws the same large
 random weights (vLLM's dummy weights are too small for the output to depend on the KV
@@ -25,7 +26,8 @@ cache) and generates greedily from the same token ids: requests that share a few
 system-prompt prefixes (prefix-cache hits when it is on), through a pool small enough that
 vLLM preempts. The result line::
 
-    RESULT {"mode": ..., "tokens": [[...], ...], "num_cached_tokens": ..., "scheduler": {...}}
+    RESULT {"mode": ..., "async_scheduling": ..., "tokens": [[...], ...],
+            "num_cached_tokens": ..., "scheduler": {...}}
 
 one per mode, in order; ``scheduler`` is what ``measured_schedulers`` wrote when the
 last request finished (with kvdefrag: every rank's moves under ``ranks``).
@@ -176,6 +178,7 @@ def run(mode: str, args: argparse.Namespace) -> dict[str, Any]:
     scheduler = read_report(run_dir)  # written when the last request finished
     return {
         "mode": mode,
+        "async_scheduling": bool(llm.llm_engine.vllm_config.scheduler_config.async_scheduling),
         "tokens": [list(output.outputs[0].token_ids) for output in outputs],
         "num_cached_tokens": sum(output.num_cached_tokens or 0 for output in outputs),
         "scheduler": scheduler,
