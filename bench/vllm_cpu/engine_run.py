@@ -137,8 +137,12 @@ def prompts(num_requests: int) -> list[dict[str, list[int]]]:
     return requests
 
 
+def report_path(run_dir: str) -> str:
+    return os.path.join(run_dir, "scheduler.json")
+
+
 def read_report(run_dir: str) -> dict[str, Any]:
-    with open(os.path.join(run_dir, "scheduler.json")) as file:
+    with open(report_path(run_dir)) as file:
         report: dict[str, Any] = json.load(file)
     return report
 
@@ -149,6 +153,8 @@ def run(mode: str, args: argparse.Namespace) -> dict[str, Any]:
 
     run_dir = os.path.join(args.run_dir, mode)
     os.environ["KVDEFRAG_VLLM_RUN_DIR"] = os.path.abspath(run_dir)
+    if os.path.exists(report_path(run_dir)):
+        os.remove(report_path(run_dir))  # an earlier run's, in a reused directory
     llm = LLM(
         model=args.model_dir,
         load_format="dummy",
