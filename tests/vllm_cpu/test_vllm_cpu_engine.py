@@ -14,12 +14,14 @@ blocks moved, must not.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 from functools import cache
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -141,6 +143,27 @@ def test_rows_not_resent_after_moves_change_the_output(root: str, prefix_caching
     plain, stale = runs["plain"], runs["stale_rows"]
     assert stale["scheduler"]["num_moves"] > 0
     assert _num_differing(stale["tokens"], plain["tokens"]) > 0
+
+
+def _demo_module() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("demo", ENGINE_RUN.with_name("demo.py"))
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_demo_vllm_tabulates_the_same_runs(root: str) -> None:
+    """``make demo-vllm``'s table, from the runs above (it runs plain and defrag alike)."""
+    off = run_engines(Options(prefix_caching=False), ALL_MODES, root)
+    on = run_engines(Options(prefix_caching=True), ALL_MODES, root)
+    lines = _demo_module().format_table(off, on).splitlines()
+    identical = next(line for line in lines if line.startswith("outputs identical"))
+    all_same = f"({NUM_REQUESTS}/{NUM_REQUESTS})"
+    assert identical.split()[-6:] == ["-", "yes", all_same, "-", "yes", all_same]
+    mean = next(line for line in lines if line.startswith("fragmentation (max live id"))
+    ratios = [float(cell) for cell in mean.split()[-4:]]
+    assert ratios[1] < ratios[0] and ratios[3] < ratios[2], mean
 
 
 def test_defrag_worker_is_the_cpu_worker_with_the_mixin() -> None:
