@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
 .PHONY: install system-deps proto proto-check lint typecheck test bench cuda-check demo run image clean \
-        install-vllm test-vllm install-vllm-cpu test-vllm-cpu
+        install-vllm test-vllm install-vllm-cpu test-vllm-cpu demo-vllm
 
 install: $(STAMP)
 
@@ -79,14 +79,20 @@ system-deps:
 test: system-deps $(STAMP)
 	$(PY) -m pytest -q
 	$(MAKE) test-vllm
+	$(MAKE) test-vllm-cpu
 
 # kvdefrag inside vLLM 0.33's real Scheduler/AsyncScheduler (tests/with_vllm/, .venv-vllm).
 test-vllm: $(VLLM_STAMP)
 	$(VLLM_PY) -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning tests/with_vllm
 
-# A real vLLM 0.32 CPU engine with DefragScheduler and DefragWorker (tests/vllm_cpu/).
+# A real vLLM 0.32 CPU engine with DefragScheduler and DefragWorker (tests/vllm_cpu/, which
+# runs bench/vllm_cpu/engine_run.py).
 test-vllm-cpu: $(VLLM_CPU_STAMP)
 	$(VLLM_CPU_PY) -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning tests/vllm_cpu
+
+# The same engine with kvdefrag off and on, prefix caching off and on: one table.
+demo-vllm: $(VLLM_CPU_STAMP)
+	$(VLLM_CPU_PY) bench/vllm_cpu/demo.py
 
 bench: $(STAMP)
 	$(PY) bench/run.py

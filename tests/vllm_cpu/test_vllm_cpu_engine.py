@@ -1,21 +1,27 @@
 """kvdefrag on both sides of a real vLLM CPU engine: greedy outputs token for token.
 
-Each run is one engine in its own process (``engine_run.py``): vLLM 0.32's CPU engine on a
-tiny Llama with large drawn weights, 48 requests through a 40-block pool of 32 tokens, so
-kvdefrag compacts (moves > 0). With DefragScheduler and DefragWorker every request must
-generate exactly what plain vLLM generates, with the engine in this process and in vLLM's
-engine-core and worker processes (as under ``vllm serve``); a run whose KV is overwritten
-once, and a run whose scheduler never re-sends the rows of requests whose blocks moved,
-must not.
+Each group of runs with the same vLLM settings is one process
+(``bench/vllm_cpu/engine_run.py``) that runs one engine per mode in turn: vLLM 0.32's CPU
+engine on a tiny Llama with large drawn weights, 96 requests (most of them sharing a
+prefix) through a 40-block pool of 32 tokens, so vLLM preempts and kvdefrag compacts. With
+DefragScheduler and DefragWorker every request must generate exactly what plain vLLM
+generates with the same settings: prefix caching off and on, and with tensor parallel 2 in
+vLLM's engine-core and worker processes (as under ``vllm serve``). A run whose KV is
+overwritten once, and a run whose scheduler never re-sends the rows of requests whose
+blocks moved, must not.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 from functools import cache
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -24,50 +30,58 @@ from kvdefrag.server.vllm_worker import DefragWorkerMixin
 
 pytestmark = pytest.mark.slow
 
-ENGINE_RUN = os.path.join(os.path.dirname(__file__), "engine_run.py")
-TINY_LLAMA = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 128,
-    "intermediate_size": 256,
-    "num_attention_heads": 2,  # head_size 64: the CPU attention kernels' smallest
-    "num_key_value_heads": 1,
-    "num_hidden_layers": 2,
-    "vocab_size": 512,
-    "max_position_embeddings": 2048,
-    "rms_norm_eps": 1e-5,
-    "torch_dtype": "float32",
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-}
+ENGINE_RUN = Path(__file__).resolve().parents[2] / "bench" / "vllm_cpu" / "engine_run.py"
+NUM_REQUESTS = 96
+ALL_MODES = ("plain", "defrag", "corrupt", "stale_rows")
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """vLLM's settings for a group of runs (``engine_run.py``'s options)."""
+
+    prefix_caching: bool = False
+    tp: int = 1
+    engine_processes: bool = False
+
+    def argv(self) -> list[str]:
+        argv = ["--num-requests", str(NUM_REQUESTS), "--tp", str(self.tp)]
+        if self.prefix_caching:
+            argv.append("--prefix-caching")
+        if self.engine_processes:
+            argv.append("--engine-processes")
+        return argv
+
+    def name(self) -> str:
+        """Short: a unix socket path below it is at most 107 bytes."""
+        return f"apc{int(self.prefix_caching)}-tp{self.tp}{'-mp' if self.engine_processes else ''}"
+
+
+TP2 = Options(prefix_caching=True, tp=2, engine_processes=True)
 
 
 @cache
-def run_engine(mode: str, root: str) -> dict[str, Any]:
-    """Runs ``engine_run.py MODE`` once per mode; returns its tokens and moves."""
-    model_dir = os.path.join(root, "model")
-    os.makedirs(model_dir, exist_ok=True)
-    with open(os.path.join(model_dir, "config.json"), "w") as config:
-        json.dump(TINY_LLAMA, config)
-    run_dir = os.path.join(root, f"run-{mode}")
+def run_engines(options: Options, modes: tuple[str, ...], root: str) -> dict[str, dict[str, Any]]:
+    """Runs ``engine_run.py`` once per group (one engine per mode, in turn); by mode."""
+    run_dir = os.path.join(root, options.name())
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     done = subprocess.run(
-        [sys.executable, ENGINE_RUN, mode, model_dir, run_dir],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-        check=False,
-    )
+        [sys.executable, os.fspath(ENGINE_RUN), ",".join(modes), os.path.join(root, "model"),
+         run_dir, *options.argv()],
+        capture_output=True, text=True, timeout=900, env=env, check=False,
+    )  # fmt: skip
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    assert done.returncode == 0 and lines, done.stdout[-3000:] + done.stderr[-6000:]
-    result: dict[str, Any] = json.loads(lines[-1].removeprefix("RESULT "))
-    # defrag_mp: the worker process prints its service's moves at shutdown.
-    for line in done.stdout.splitlines():
-        if line.startswith("KVDEFRAG_MOVES "):
-            result["num_moves"] = int(line.removeprefix("KVDEFRAG_MOVES "))
-    assert not os.path.exists(os.path.join(run_dir, "rank0.sock")), "service not stopped"
-    return result
+    assert done.returncode == 0 and len(lines) == len(modes), (
+        done.stdout[-3000:] + done.stderr[-6000:]
+    )
+    results = [json.loads(line.removeprefix("RESULT ")) for line in lines]
+    for mode, result in zip(modes, results, strict=True):
+        assert result["mode"] == mode
+        assert len(result["tokens"]) == NUM_REQUESTS
+        # NOTE: vLLM kills tensor-parallel workers before they shut down (5 s, 0.32).
+        if options.tp == 1:
+            socket = os.path.join(run_dir, mode, "rank0.sock")
+            assert not os.path.exists(socket), f"{mode}: the service was not stopped"
+    return {result["mode"]: result for result in results}
 
 
 @pytest.fixture(scope="module")
@@ -80,34 +94,76 @@ def _num_differing(tokens: list[list[int]], expected: list[list[int]]) -> int:
     return sum(got != want for got, want in zip(tokens, expected, strict=True))
 
 
-def test_outputs_depend_on_the_kv_cache(root: str) -> None:
-    plain = run_engine("plain", root)
-    corrupt = run_engine("corrupt", root)
+def _assert_same_as_plain(defrag: dict[str, Any], plain: dict[str, Any], options: Options) -> None:
+    """Same tokens; preemptions and cache hits; blocks moved, alike on every rank."""
+    assert plain["scheduler"]["num_preempted"] > 0, "the pool is too large to preempt"
+    assert defrag["scheduler"]["num_preempted"] > 0
+    if not options.engine_processes:
+        # NOTE: in its own process the engine core may start before every request is
+        # added, so preemptions and cache hits follow the timing there.
+        assert defrag["scheduler"]["num_preempted"] == plain["scheduler"]["num_preempted"]
+        assert defrag["num_cached_tokens"] == plain["num_cached_tokens"]
+    if options.prefix_caching:
+        assert plain["num_cached_tokens"] > 0, "the shared prefixes never hit the cache"
+        assert defrag["num_cached_tokens"] > 0
+    else:
+        assert plain["num_cached_tokens"] == defrag["num_cached_tokens"] == 0
+    assert defrag["scheduler"]["num_moves"] > 0
+    assert defrag["scheduler"]["ranks"] == [defrag["scheduler"]["ranks"][0]] * options.tp
+    assert _num_differing(defrag["tokens"], plain["tokens"]) == 0
+
+
+APC = pytest.mark.parametrize("prefix_caching", [False, True], ids=["apc-off", "apc-on"])
+
+
+@APC
+def test_outputs_depend_on_the_kv_cache(root: str, prefix_caching: bool) -> None:
+    runs = run_engines(Options(prefix_caching), ALL_MODES, root)
+    plain, corrupt = runs["plain"], runs["corrupt"]
     assert len({tuple(tokens) for tokens in plain["tokens"]}) > 1
     assert _num_differing(corrupt["tokens"], plain["tokens"]) > 0
 
 
-def test_defrag_generates_what_plain_vllm_generates_while_blocks_move(root: str) -> None:
-    plain = run_engine("plain", root)
-    defrag = run_engine("defrag", root)
-    assert defrag["num_moves"] > 0
-    assert _num_differing(defrag["tokens"], plain["tokens"]) == 0
-
-
-def test_defrag_in_vllms_engine_and_worker_processes_generates_what_plain_generates(
-    root: str,
+@APC
+def test_defrag_generates_what_plain_vllm_generates_while_blocks_move(
+    root: str, prefix_caching: bool
 ) -> None:
-    plain = run_engine("plain", root)
-    defrag = run_engine("defrag_mp", root)
-    assert defrag["num_moves"] > 0
-    assert _num_differing(defrag["tokens"], plain["tokens"]) == 0
+    runs = run_engines(Options(prefix_caching), ALL_MODES, root)
+    _assert_same_as_plain(runs["defrag"], runs["plain"], Options(prefix_caching))
 
 
-def test_rows_not_resent_after_moves_change_the_output(root: str) -> None:
-    plain = run_engine("plain", root)
-    stale = run_engine("stale_rows", root)
-    assert stale["num_moves"] > 0
+def test_tensor_parallel_2_in_vllms_engine_and_worker_processes(root: str) -> None:
+    runs = run_engines(TP2, ("plain", "defrag"), root)
+    _assert_same_as_plain(runs["defrag"], runs["plain"], TP2)
+
+
+@APC
+def test_rows_not_resent_after_moves_change_the_output(root: str, prefix_caching: bool) -> None:
+    runs = run_engines(Options(prefix_caching), ALL_MODES, root)
+    plain, stale = runs["plain"], runs["stale_rows"]
+    assert stale["scheduler"]["num_moves"] > 0
     assert _num_differing(stale["tokens"], plain["tokens"]) > 0
+
+
+def _demo_module() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("demo", ENGINE_RUN.with_name("demo.py"))
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_demo_vllm_tabulates_the_same_runs(root: str) -> None:
+    """``make demo-vllm``'s table, from the runs above (it runs plain and defrag alike)."""
+    off = run_engines(Options(prefix_caching=False), ALL_MODES, root)
+    on = run_engines(Options(prefix_caching=True), ALL_MODES, root)
+    lines = _demo_module().format_table(off, on).splitlines()
+    identical = next(line for line in lines if line.startswith("outputs identical"))
+    all_same = f"({NUM_REQUESTS}/{NUM_REQUESTS})"
+    assert identical.split()[-6:] == ["-", "yes", all_same, "-", "yes", all_same]
+    mean = next(line for line in lines if line.startswith("fragmentation (max live id"))
+    ratios = [float(cell) for cell in mean.split()[-4:]]
+    assert ratios[1] < ratios[0] and ratios[3] < ratios[2], mean
 
 
 def test_defrag_worker_is_the_cpu_worker_with_the_mixin() -> None:

@@ -175,6 +175,7 @@ def test_preemption_happens_in_the_small_pool(model_dir: str, ranks: list[Any]) 
     )
     scheduler.kvdefrag.ranks.close()
     assert len(preempted) >= 3
+    assert scheduler.kvdefrag.totals.num_preempted == len(preempted)
     assert all(worker.num_corrupted == 0 for worker in workers)
 
 

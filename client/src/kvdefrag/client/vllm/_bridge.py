@@ -39,10 +39,15 @@ def _single_group(block_ids: Sequence[Sequence[int]], what: str) -> list[int]:
 
 @dataclasses.dataclass
 class BridgeTotals:
-    """Counters since start: steps sent, rows re-sent, scheduler-side time per step."""
+    """Counters since start: steps sent, rows re-sent, preemptions, time per step.
+
+    ``step_durations_s`` holds the scheduler-side time of each ``apply`` (plan, every
+    rank's round trip, rewrite), the first ``SchedulerBridge.keep_durations`` of them.
+    """
 
     num_steps: int = 0
     num_rows_resent: int = 0
+    num_preempted: int = 0
     step_durations_s: list[float] = dataclasses.field(default_factory=list)
     last_reply: StepReply | None = None
 
@@ -79,6 +84,8 @@ class SchedulerBridge:
                 see ``topology.workers_translate``): ``output`` is then left logical.
         """
         started = time.perf_counter()
+        preempted_ids = sorted(output.preempted_req_ids or ())
+        self.totals.num_preempted += len(preempted_ids)
         cached = output.scheduled_cached_reqs
         num_computed = {
             request.req_id: request.num_computed_tokens for request in output.scheduled_new_reqs
@@ -96,11 +103,11 @@ class SchedulerBridge:
             self.totals.num_steps += 1
             self.totals.last_reply = reply
             resolve = self.ranks.primary.resolve
-            self.rows.forget(sorted({*output.finished_req_ids, *(output.preempted_req_ids or ())}))
+            self.rows.forget(sorted({*output.finished_req_ids, *preempted_ids}))
             self.rows.forget([rid for rid in self.rows.rows if rid not in truth])
             self.rows.mark_moved(sorted(reply.block_mapping), self.ledger.held, resolve)
         else:
-            self.rows.forget(sorted({*output.finished_req_ids, *(output.preempted_req_ids or ())}))
+            self.rows.forget(sorted({*output.finished_req_ids, *preempted_ids}))
         if rewrite:
             self._rewrite(output)
         if len(self.totals.step_durations_s) < self.keep_durations:

@@ -50,13 +50,7 @@ class WeightedCPUWorker(CPUWorker):  # type: ignore[misc]
 
 
 class WeightedDefragWorker(DefragWorkerMixin, WeightedCPUWorker):
-    """DefragWorker with drawn weights; prints the moves its service made at shutdown."""
-
-    def shutdown(self) -> None:
-        if self.kvdefrag_handle is not None:
-            totals = self.kvdefrag_handle.engine.stats().totals
-            print(f"KVDEFRAG_MOVES {totals.num_moves}", flush=True)
-        super().shutdown()
+    """DefragWorker with drawn weights."""
 
 
 class CorruptingCPUWorker(WeightedCPUWorker):

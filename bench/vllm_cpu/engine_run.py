@@ -1,0 +1,203 @@
+"""Real vLLM CPU engine runs, one per mode in turn: prints a JSON line of each one's results.
+
+    python engine_run.py MODE[,MODE...] MODEL_DIR RUN_DIR [--prefix-caching] [--tp N]
+        [--engine-processes] [--async-scheduling] [--num-requests N] [--max-num-seqs N]
+
+The modes run in this one process (vLLM is imported once), each engine started, run to
+the end and shut down before the next; each mode's run directory is ``RUN_DIR/MODE``.
+A mode says who schedules and what is sabotaged:
+
+* ``plain``: vLLM's Scheduler (measuring only) and CPUWorker;
+* ``defrag``: DefragScheduler and DefragWorker;
+* ``corrupt``: plain, the KV cache overwritten once;
+* ``stale_rows``: defrag, but the scheduler never re-sends the row of a request whose
+  blocks moved (the worker reads moved blocks at their old places).
+
+The options are vLLM's settings, the same for every mode: ``--prefix-caching``,
+``--tp N`` (tensor parallel over N worker processes, one core each),
+``--engine-processes`` (vLLM's engine-core and worker processes, as under ``vllm
+serve``; otherwise the engine core runs in this process), ``--async-scheduling`` (NOTE:
+vLLM 0.32's CPU platform turns it off again, ``platforms/cpu.py``; the result line says
+what the engine ran with).
+
+Every run writes the tiny Llama's ``config.json`` into MODEL_DIR, draws the same large
+random weights (vLLM's dummy weights are too small for the output to depend on the KV
+cache) and generates greedily from the same token ids: requests that share a few
+system-prompt prefixes (prefix-cache hits when it is on), through a pool small enough that
+vLLM preempts. The result line::
+
+    RESULT {"mode": ..., "async_scheduling": ..., "tokens": [[...], ...],
+            "num_cached_tokens": ..., "scheduler": {...}}
+
+one per mode, in order; ``scheduler`` is what ``measured_schedulers`` wrote when the
+last request finished (with kvdefrag: every rank's moves under ``ranks``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+from typing import Any
+
+MODES = ("plain", "defrag", "corrupt", "stale_rows")
+SCHEDULERS = {
+    "plain": "MeasuredScheduler",
+    "corrupt": "MeasuredScheduler",
+    "defrag": "MeasuredDefragScheduler",
+    "stale_rows": "StaleRowsScheduler",
+}
+WORKERS = {
+    "plain": "WeightedCPUWorker",
+    "corrupt": "CorruptingCPUWorker",
+    "defrag": "WeightedDefragWorker",
+    "stale_rows": "WeightedDefragWorker",
+}
+NUM_BLOCKS = 40
+BLOCK_SIZE = 32
+VOCAB_SIZE = 512
+TINY_LLAMA = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_attention_heads": 2,  # head_size 64: the CPU attention kernels' smallest
+    "num_key_value_heads": 2,  # divisible by --tp 2
+    "num_hidden_layers": 2,
+    "vocab_size": VOCAB_SIZE,
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-5,
+    "torch_dtype": "float32",
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("modes", type=_modes, help=f"comma-separated, of {', '.join(MODES)}")
+    parser.add_argument("model_dir")
+    parser.add_argument("run_dir")
+    parser.add_argument("--prefix-caching", action="store_true")
+    parser.add_argument("--tp", type=int, default=1, metavar="N")
+    parser.add_argument("--engine-processes", action="store_true")
+    parser.add_argument("--async-scheduling", action="store_true")
+    parser.add_argument("--num-requests", type=int, default=96)
+    parser.add_argument("--max-num-seqs", type=int, default=16)
+    return parser.parse_args(argv)
+
+
+def _modes(text: str) -> list[str]:
+    modes = text.split(",")
+    unknown = sorted(set(modes) - set(MODES))
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown modes {unknown}; choose from {MODES}")
+    return modes
+
+
+def set_environment(args: argparse.Namespace) -> None:
+    """vLLM and kvdefrag read these when imported or started: set them first."""
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if args.engine_processes else "0"
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    # NOTE: vLLM caches what it learns of a model class by file hash under one name; a
+    # vLLM of another version sharing ~/.cache/vllm rewrites it (about 15 s a run).
+    os.environ.setdefault("VLLM_CACHE_ROOT", os.path.join(sys.prefix, "vllm-cache"))
+    if args.tp > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+        # NOTE: "auto" binds one NUMA node per rank and refuses more ranks than nodes.
+        cpu_ids = sorted(os.sched_getaffinity(0))
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
+            str(cpu_ids[rank % len(cpu_ids)]) for rank in range(args.tp)
+        )
+    os.environ.setdefault("KVDEFRAG_THRESHOLD", "2")  # a small pool: compact early
+
+
+def write_model_config(model_dir: str) -> None:
+    os.makedirs(model_dir, exist_ok=True)
+    path = os.path.join(model_dir, "config.json")
+    partial = f"{path}.{os.getpid()}"
+    with open(partial, "w") as file:
+        json.dump(TINY_LLAMA, file)
+    os.replace(partial, path)  # runs started together never read a half-written file
+
+
+def prompts(num_requests: int) -> list[dict[str, list[int]]]:
+    """Token ids: three in four requests start with one of four shared prefixes."""
+    rng = random.Random(7)
+    prefixes = [
+        [rng.randrange(3, VOCAB_SIZE) for _ in range(length)] for length in (32, 64, 80, 96)
+    ]
+    requests = []
+    for _ in range(num_requests):
+        prefix = rng.choice(prefixes) if rng.random() < 0.75 else []
+        suffix = [rng.randrange(3, VOCAB_SIZE) for _ in range(rng.randrange(8, 120))]
+        requests.append({"prompt_token_ids": prefix + suffix})
+    return requests
+
+
+def report_path(run_dir: str) -> str:
+    return os.path.join(run_dir, "scheduler.json")
+
+
+def read_report(run_dir: str) -> dict[str, Any]:
+    with open(report_path(run_dir)) as file:
+        report: dict[str, Any] = json.load(file)
+    return report
+
+
+def run(mode: str, args: argparse.Namespace) -> dict[str, Any]:
+    """Runs one engine to the end and shuts it down; returns its result."""
+    from vllm import LLM, SamplingParams
+
+    run_dir = os.path.join(args.run_dir, mode)
+    os.environ["KVDEFRAG_VLLM_RUN_DIR"] = os.path.abspath(run_dir)
+    if os.path.exists(report_path(run_dir)):
+        os.remove(report_path(run_dir))  # an earlier run's, in a reused directory
+    llm = LLM(
+        model=args.model_dir,
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        block_size=BLOCK_SIZE,
+        num_gpu_blocks_override=NUM_BLOCKS,
+        max_model_len=512,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=512,
+        enable_prefix_caching=args.prefix_caching,
+        async_scheduling=args.async_scheduling,
+        tensor_parallel_size=args.tp,
+        distributed_executor_backend="mp" if args.tp > 1 else None,
+        scheduler_cls=f"measured_schedulers.{SCHEDULERS[mode]}",
+        worker_cls=f"weighted_workers.{WORKERS[mode]}",
+        dtype="float32",
+        seed=0,
+    )
+    rng = random.Random(11)
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=rng.randrange(8, 64), ignore_eos=True)
+        for _ in range(args.num_requests)
+    ]
+    outputs = llm.generate(prompts(args.num_requests), params, use_tqdm=False)
+    llm.llm_engine.engine_core.shutdown()
+    scheduler = read_report(run_dir)  # written when the last request finished
+    return {
+        "mode": mode,
+        "async_scheduling": bool(llm.llm_engine.vllm_config.scheduler_config.async_scheduling),
+        "tokens": [list(output.outputs[0].token_ids) for output in outputs],
+        "num_cached_tokens": sum(output.num_cached_tokens or 0 for output in outputs),
+        "scheduler": scheduler,
+    }
+
+
+def main() -> None:
+    args = parse_args(sys.argv[1:])
+    set_environment(args)
+    write_model_config(args.model_dir)
+    for mode in args.modes:
+        print("RESULT " + json.dumps(run(mode, args)), flush=True)
+
+
+if __name__ == "__main__":
+    main()

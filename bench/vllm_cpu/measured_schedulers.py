@@ -1,0 +1,110 @@
+"""Schedulers for engine_run.py that measure the run and write it down at shutdown.
+
+Both write ``scheduler.json`` into ``$KVDEFRAG_VLLM_RUN_DIR`` whenever the last request
+has finished (in whichever process the engine core runs; not at shutdown: with tensor
+parallel workers vLLM kills the engine core before its scheduler shuts down): preemptions,
+and the fragmentation of the pool sampled after every ``schedule()`` that leaves a block
+live. Fragmentation is
+kvdefrag's ``PoolStats.fragmentation_ratio``: the highest live physical block id over the
+number of live blocks (block 0 is vLLM's null block, so a packed pool reads 1.0).
+
+* ``MeasuredScheduler``: plain vLLM; the physical ids are the KV cache manager's.
+* ``MeasuredDefragScheduler``: ``DefragScheduler``; the ratio is the one the rank services
+  report after each step (the last ``StepReply``'s stats, no extra round trip), with the
+  bridge's counters (``BridgeTotals``) and every rank service's totals (``GetStats``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.engine import EngineCoreOutputs
+
+from kvdefrag.client.vllm.scheduler import DefragScheduler
+from kvdefrag.client.vllm.topology import run_dir_from_env
+
+REPORT_NAME = "scheduler.json"
+
+
+def write_report(report: dict[str, Any]) -> None:
+    """Writes ``report`` as ``$KVDEFRAG_VLLM_RUN_DIR/scheduler.json``."""
+    run_dir = run_dir_from_env()
+    os.makedirs(run_dir, mode=0o700, exist_ok=True)
+    with open(os.path.join(run_dir, REPORT_NAME), "w") as file:
+        json.dump(report, file)
+
+
+class MeasuredScheduler(Scheduler):  # type: ignore[misc]
+    """vLLM's scheduler, unchanged, sampling the truth of its KV cache manager."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._blocks = self.kv_cache_manager.coordinator.single_type_managers[0].req_to_blocks
+        self.num_preempted = 0
+        self.fragmentation: list[float] = []
+
+    def schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
+        output = super().schedule(*args, **kwargs)
+        self.num_preempted += len(output.preempted_req_ids or ())
+        live_ids = {block.block_id for blocks in self._blocks.values() for block in blocks}
+        if live_ids:
+            self.fragmentation.append(max(live_ids) / len(live_ids))
+        return output
+
+    def update_from_output(self, *args: Any, **kwargs: Any) -> dict[int, EngineCoreOutputs]:
+        outputs = super().update_from_output(*args, **kwargs)
+        if not self.has_unfinished_requests():
+            write_report({"num_preempted": self.num_preempted, "fragmentation": self.fragmentation})
+        return outputs
+
+
+class MeasuredDefragScheduler(DefragScheduler):
+    """``DefragScheduler``, sampling the pool stats the rank services reply with."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.fragmentation: list[float] = []
+
+    def schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
+        output = super().schedule(*args, **kwargs)
+        reply = self.kvdefrag.totals.last_reply
+        if reply is not None and reply.stats.num_live > 0:
+            self.fragmentation.append(reply.stats.fragmentation_ratio)
+        return output
+
+    def update_from_output(self, *args: Any, **kwargs: Any) -> dict[int, EngineCoreOutputs]:
+        outputs = super().update_from_output(*args, **kwargs)
+        if not self.has_unfinished_requests():
+            totals = self.kvdefrag.totals
+            ranks = [client.stats().stats.totals for client in self.kvdefrag.ranks.clients]
+            write_report(
+                {
+                    "num_preempted": totals.num_preempted,
+                    "fragmentation": self.fragmentation,
+                    "num_steps": totals.num_steps,
+                    "num_rows_resent": totals.num_rows_resent,
+                    "step_durations_s": totals.step_durations_s,
+                    "num_moves": ranks[0].num_moves,
+                    "num_placements": ranks[0].num_placements,
+                    "ranks": [
+                        {"num_moves": rank.num_moves, "num_placements": rank.num_placements}
+                        for rank in ranks
+                    ],
+                }
+            )
+        return outputs
+
+
+class StaleRowsScheduler(MeasuredDefragScheduler):
+    """Sabotage: never re-sends the row of a request whose blocks moved.
+
+    The workers then read moved blocks at their old places: outputs must differ.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.kvdefrag.rows.mark_moved = lambda *args, **kwargs: None  # type: ignore[method-assign]
