@@ -64,3 +64,18 @@ class CorruptingCPUWorker(WeightedCPUWorker):
             for kv in self.model_runner.kv_caches:
                 kv.normal_(generator=torch.Generator().manual_seed(5))
         return super().execute_model(scheduler_output)
+
+
+class UnfollowingDefragWorker(WeightedDefragWorker):
+    """Translates its outputs (``KVDEFRAG_VLLM_TRANSLATE=worker``) but never moves its rows.
+
+    After a move, the runner's persistent rows still name the old slots: the forward pass
+    reads moved blocks where they were.
+    """
+
+    def initialize_from_config(self, kv_cache_config: Any) -> None:
+        super().initialize_from_config(kv_cache_config)
+        translator = self.kvdefrag_translator
+        assert translator is not None, "set KVDEFRAG_VLLM_TRANSLATE=worker"
+        advance = translator.advance
+        translator.advance = lambda: (advance()[0], None)  # type: ignore[method-assign]

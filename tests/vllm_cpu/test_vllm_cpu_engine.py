@@ -33,6 +33,12 @@ pytestmark = pytest.mark.slow
 ENGINE_RUN = Path(__file__).resolve().parents[2] / "bench" / "vllm_cpu" / "engine_run.py"
 NUM_REQUESTS = 96
 ALL_MODES = ("plain", "defrag", "corrupt", "stale_rows")
+# The workers translating (as under async scheduling): with prefix caching, the harder case.
+TRANSLATING = ("translating", "unfollowed_rows")
+
+
+def modes(prefix_caching: bool) -> tuple[str, ...]:
+    return ALL_MODES + TRANSLATING if prefix_caching else ALL_MODES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,7 +124,7 @@ APC = pytest.mark.parametrize("prefix_caching", [False, True], ids=["apc-off", "
 
 @APC
 def test_outputs_depend_on_the_kv_cache(root: str, prefix_caching: bool) -> None:
-    runs = run_engines(Options(prefix_caching), ALL_MODES, root)
+    runs = run_engines(Options(prefix_caching), modes(prefix_caching), root)
     plain, corrupt = runs["plain"], runs["corrupt"]
     assert len({tuple(tokens) for tokens in plain["tokens"]}) > 1
     assert _num_differing(corrupt["tokens"], plain["tokens"]) > 0
@@ -128,7 +134,7 @@ def test_outputs_depend_on_the_kv_cache(root: str, prefix_caching: bool) -> None
 def test_defrag_generates_what_plain_vllm_generates_while_blocks_move(
     root: str, prefix_caching: bool
 ) -> None:
-    runs = run_engines(Options(prefix_caching), ALL_MODES, root)
+    runs = run_engines(Options(prefix_caching), modes(prefix_caching), root)
     _assert_same_as_plain(runs["defrag"], runs["plain"], Options(prefix_caching))
 
 
@@ -139,10 +145,23 @@ def test_tensor_parallel_2_in_vllms_engine_and_worker_processes(root: str) -> No
 
 @APC
 def test_rows_not_resent_after_moves_change_the_output(root: str, prefix_caching: bool) -> None:
-    runs = run_engines(Options(prefix_caching), ALL_MODES, root)
+    runs = run_engines(Options(prefix_caching), modes(prefix_caching), root)
     plain, stale = runs["plain"], runs["stale_rows"]
     assert stale["scheduler"]["num_moves"] > 0
     assert _num_differing(stale["tokens"], plain["tokens"]) > 0
+
+
+def test_workers_that_translate_generate_what_plain_vllm_generates(root: str) -> None:
+    runs = run_engines(Options(prefix_caching=True), modes(True), root)
+    _assert_same_as_plain(runs["translating"], runs["plain"], Options(prefix_caching=True))
+    assert runs["translating"]["scheduler"]["num_rows_resent"] == 0
+
+
+def test_worker_rows_that_do_not_follow_moves_change_the_output(root: str) -> None:
+    runs = run_engines(Options(prefix_caching=True), modes(True), root)
+    unfollowed = runs["unfollowed_rows"]
+    assert unfollowed["scheduler"]["num_moves"] > 0
+    assert _num_differing(unfollowed["tokens"], runs["plain"]["tokens"]) > 0
 
 
 def _demo_module() -> ModuleType:
@@ -155,8 +174,8 @@ def _demo_module() -> ModuleType:
 
 def test_demo_vllm_tabulates_the_same_runs(root: str) -> None:
     """``make demo-vllm``'s table, from the runs above (it runs plain and defrag alike)."""
-    off = run_engines(Options(prefix_caching=False), ALL_MODES, root)
-    on = run_engines(Options(prefix_caching=True), ALL_MODES, root)
+    off = run_engines(Options(prefix_caching=False), modes(False), root)
+    on = run_engines(Options(prefix_caching=True), modes(True), root)
     lines = _demo_module().format_table(off, on).splitlines()
     identical = next(line for line in lines if line.startswith("outputs identical"))
     all_same = f"({NUM_REQUESTS}/{NUM_REQUESTS})"
