@@ -260,8 +260,8 @@ class Engine:
         touched: list[int] = []
         newly_live: list[int] = []
         for lists in (events.resumed, events.new_blocks):
-            for request_id, logical_ids in lists.items():
-                newly_live += tracker.append_blocks(request_id, logical_ids)
+            newly_live += tracker.append_requests(lists)
+            for logical_ids in lists.values():
                 touched += logical_ids
         fresh = events.fresh
         if fresh is None:
@@ -305,15 +305,8 @@ class Engine:
 
     def _place(self, fresh: list[int], touched: list[int]) -> int:
         """Re-points each fresh block to the slot the policy picks (no copy)."""
-        tracker = self._tracker
-        num_placed = 0
-        for logical_id in dict.fromkeys(fresh):
-            physical_id = tracker.fwd[logical_id]
-            target = _policy.placement_target(tracker, physical_id)
-            if target is None:
-                continue
-            touched += tracker.swap_slots(physical_id, target)
-            num_placed += 1
+        num_placed, changed = _policy.place_fresh(self._tracker, fresh)
+        touched += changed
         return num_placed
 
     def _compact(self, touched: list[int]) -> tuple[list[Move], MoveReport, float]:

@@ -20,29 +20,13 @@ copy of ``fwd`` for vectorised resolve, brought up to date by ``flush`` in O(cha
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Mapping
 
 import numpy as np
 import numpy.typing as npt
 
 from kvdefrag.common import NULL_BLOCK_ID, pair_digest
-from kvdefrag.common.digest import DIGEST_INCREMENT, DIGEST_MULTIPLIER_1, DIGEST_MULTIPLIER_2
-
-
-def pair_digests(logical_ids: list[int], physical_ids: list[int]) -> list[int]:
-    """``pair_digest`` of many pairs; numpy for batches, the same values."""
-    if len(logical_ids) < 32:
-        return [
-            pair_digest(l_id, p_id) for l_id, p_id in zip(logical_ids, physical_ids, strict=True)
-        ]
-    logical = np.asarray(logical_ids, dtype=np.uint64)
-    physical = np.asarray(physical_ids, dtype=np.uint64)
-    z = (logical << np.uint64(32)) ^ physical ^ np.uint64(DIGEST_INCREMENT)
-    z = (z ^ (z >> np.uint64(30))) * np.uint64(DIGEST_MULTIPLIER_1)
-    z = (z ^ (z >> np.uint64(27))) * np.uint64(DIGEST_MULTIPLIER_2)
-    z ^= z >> np.uint64(31)
-    digests: list[int] = z.tolist()
-    return digests
+from kvdefrag.common.digest import pair_digests
 
 
 class _SlotHeap:
@@ -138,33 +122,54 @@ class BlockTracker:
         """Highest live physical id, 0 when nothing is live."""
         return self._live.top(self.is_live_slot) or 0
 
-    def lowest_expendable(self) -> int | None:
-        return self._expendable.top(self.is_expendable_slot)
+    def pop_compaction_pairs(self, max_pairs: int) -> tuple[list[int], list[int]]:
+        """Pairs the highest live slots with the lowest free slots below them.
 
-    def pop_live_slots(self) -> Iterator[int]:
-        """Yields live slots, highest first; each yielded slot leaves the live index
-        (commit it with ``move_live_blocks`` or hand it back with ``restore_slots``).
+        Takes each paired slot out of the live and free indexes (commit the pairs with
+        ``move_live_blocks`` or hand them back with ``restore_slots``); a slot looked at
+        but not paired stays indexed.
 
-        NOTE: works on the heap directly: this and ``pop_free_slots`` are the hottest
-        loop of a compaction step.
+        Returns:
+            The source (live) and destination (free) slots, pair by pair, at most
+            ``max_pairs`` of them, every destination below its source.
+
+        NOTE: one loop over the two heaps, not a method call per slot: this is the
+        hottest loop of a compaction step.
         """
         refs, bwd = self.refs, self.bwd
-        heap, flags = self._live.heap, self._live.flags
-        while heap:
-            slot = -heapq.heappop(heap)
-            flags[slot] = 0
-            if refs[bwd[slot]]:  # else stale: no longer live
-                yield slot
-
-    def pop_free_slots(self) -> Iterator[int]:
-        """Yields free slots, lowest first, taking each out of the free index (as above)."""
-        refs, bwd = self.refs, self.bwd
-        heap, flags = self._free.heap, self._free.flags
-        while heap:
-            slot = heapq.heappop(heap)
-            flags[slot] = 0
-            if not refs[bwd[slot]]:  # else stale: live again
-                yield slot
+        live_heap, live_flags = self._live.heap, self._live.flags
+        free_heap, free_flags = self._free.heap, self._free.flags
+        heappop = heapq.heappop
+        src_ids: list[int] = []
+        dst_ids: list[int] = []
+        while len(src_ids) < max_pairs:
+            src = None
+            while live_heap:
+                slot = -live_heap[0]
+                if refs[bwd[slot]]:
+                    src = slot
+                    break
+                heappop(live_heap)  # stale: no longer live
+                live_flags[slot] = 0
+            if src is None:
+                break
+            dst = None
+            while free_heap:
+                slot = free_heap[0]
+                if not refs[bwd[slot]]:
+                    dst = slot
+                    break
+                heappop(free_heap)  # stale: live again
+                free_flags[slot] = 0
+            if dst is None or dst > src:
+                break
+            heappop(live_heap)
+            live_flags[src] = 0
+            heappop(free_heap)
+            free_flags[dst] = 0
+            src_ids.append(src)
+            dst_ids.append(dst)
+        return src_ids, dst_ids
 
     def restore_slots(self, physical_ids: Iterable[int]) -> None:
         """Re-indexes slots taken by ``pop_*_slots`` (their state has not changed)."""
@@ -205,56 +210,110 @@ class BlockTracker:
             self.cached[logical_id] = False
             self._index_slot(self.fwd[logical_id])
 
-    def swap_slots(self, physical_a: int, physical_b: int) -> tuple[int, int]:
-        """Exchanges the logical ids held by two physical slots (the mapping only).
+    def place_fresh_blocks(self, logical_ids: Iterable[int]) -> tuple[int, list[int]]:
+        """Re-points each live block in ``logical_ids``, in order, to the lowest
+        expendable slot if that is below its own (``_policy.placement_target``'s rule);
+        the expendable block takes the vacated slot (the mapping only, no copy).
 
         Returns:
-            The logical ids now at ``physical_a`` and ``physical_b``.
+            How many blocks were re-pointed, and every logical id whose slot changed.
+
+        NOTE: the policy's rule, applied in one loop: a block's vacated slot is
+        expendable at once, so a later block in the batch may take it.
         """
-        assert NULL_BLOCK_ID not in (physical_a, physical_b), "the null block never moves"
-        logical_a = self.bwd[physical_a]
-        logical_b = self.bwd[physical_b]
-        for logical_id, new in ((logical_a, physical_b), (logical_b, physical_a)):
-            if self.refs[logical_id]:
-                moved = pair_digest(logical_id, new)
-                self.digest ^= self._live_digests[logical_id] ^ moved
-                self._live_digests[logical_id] = moved
-        self.fwd[logical_a], self.fwd[logical_b] = physical_b, physical_a
-        self.bwd[physical_a], self.bwd[physical_b] = logical_b, logical_a
-        self._remapped += (logical_a, logical_b)
-        self._index_slot(physical_a)
-        self._index_slot(physical_b)
-        return logical_b, logical_a
+        fwd, bwd, refs, cached = self.fwd, self.bwd, self.refs, self.cached
+        exp_heap, exp_flags = self._expendable.heap, self._expendable.flags
+        free_heap, free_flags = self._free.heap, self._free.flags
+        live_heap, live_flags = self._live.heap, self._live.flags
+        heappop, heappush = heapq.heappop, heapq.heappush
+        placed_ids: list[int] = []
+        placed_slots: list[int] = []
+        changed: list[int] = []
+        for logical_id in logical_ids:
+            physical_id = fwd[logical_id]
+            target = None
+            while exp_heap:
+                slot = exp_heap[0]
+                holder = bwd[slot]
+                if slot != NULL_BLOCK_ID and not refs[holder] and not cached[holder]:
+                    target = slot
+                    break
+                heappop(exp_heap)  # stale: no longer expendable
+                exp_flags[slot] = 0
+            if target is None or target > physical_id:
+                continue
+            assert physical_id != NULL_BLOCK_ID, "the null block never moves"
+            displaced_id = bwd[target]  # expendable: no reference, no digest
+            fwd[logical_id], fwd[displaced_id] = target, physical_id
+            bwd[target], bwd[physical_id] = logical_id, displaced_id
+            changed += (logical_id, displaced_id)
+            if refs[logical_id]:
+                placed_ids.append(logical_id)
+                placed_slots.append(target)
+            # The target now holds the placed block, the vacated slot the expendable one.
+            for slot in (target, physical_id):
+                holder = bwd[slot]
+                if refs[holder]:
+                    if not live_flags[slot]:
+                        live_flags[slot] = 1
+                        heappush(live_heap, -slot)
+                    continue
+                if not free_flags[slot]:
+                    free_flags[slot] = 1
+                    heappush(free_heap, slot)
+                if not cached[holder] and not exp_flags[slot]:
+                    exp_flags[slot] = 1
+                    heappush(exp_heap, slot)
+        self._update_live_digests(placed_ids, placed_slots)
+        self._remapped += changed
+        return len(changed) // 2, changed
 
     def move_live_blocks(self, src_ids: list[int], dst_ids: list[int]) -> list[int]:
         """Commits a compaction batch: live ``src_ids[i]`` and free ``dst_ids[i]`` trade
-        logical ids. The slots must have been taken by ``pop_live_slots`` and
-        ``pop_free_slots``.
+        logical ids. The slots must have been taken by ``pop_compaction_pairs``.
 
         Returns:
             Every logical id whose slot changed.
         """
-        fwd, bwd = self.fwd, self.bwd
+        fwd, bwd, refs, cached = self.fwd, self.bwd, self.refs, self.cached
         moved_ids = [bwd[src] for src in src_ids]
         freed_ids = [bwd[dst] for dst in dst_ids]
-        assert all(self.refs[i] for i in moved_ids), "compaction moves live blocks only"
-        assert not any(self.refs[i] for i in freed_ids), "compaction targets free slots only"
+        assert all(refs[i] for i in moved_ids), "compaction moves live blocks only"
+        assert not any(refs[i] for i in freed_ids), "compaction targets free slots only"
+        live_heap, live_flags = self._live.heap, self._live.flags
+        free_heap, free_flags = self._free.heap, self._free.flags
+        exp_heap, exp_flags = self._expendable.heap, self._expendable.flags
+        heappush = heapq.heappush
         for moved_id, freed_id, src, dst in zip(
             moved_ids, freed_ids, src_ids, dst_ids, strict=True
         ):
             fwd[moved_id], fwd[freed_id] = dst, src
             bwd[dst], bwd[src] = moved_id, freed_id
-        live_digests = self._live_digests
-        digest = self.digest
-        for moved_id, moved in zip(moved_ids, pair_digests(moved_ids, dst_ids), strict=True):
-            digest ^= live_digests[moved_id] ^ moved
-            live_digests[moved_id] = moved
-        self.digest = digest
-        for physical_id in (*src_ids, *dst_ids):
-            self._index_slot(physical_id)
+            # dst now holds a live block, src a free one (expendable unless cached).
+            if not live_flags[dst]:
+                live_flags[dst] = 1
+                heappush(live_heap, -dst)
+            if not free_flags[src]:
+                free_flags[src] = 1
+                heappush(free_heap, src)
+            if not cached[freed_id] and not exp_flags[src]:
+                exp_flags[src] = 1
+                heappush(exp_heap, src)
+        self._update_live_digests(moved_ids, dst_ids)
         changed = moved_ids + freed_ids
         self._remapped += changed
         return changed
+
+    def _update_live_digests(self, logical_ids: list[int], physical_ids: list[int]) -> None:
+        """Live blocks ``logical_ids`` now sit at ``physical_ids``: re-mixes their digests."""
+        live_digests = self._live_digests
+        digest = self.digest
+        for logical_id, moved in zip(
+            logical_ids, pair_digests(logical_ids, physical_ids), strict=True
+        ):
+            digest ^= live_digests[logical_id] ^ moved
+            live_digests[logical_id] = moved
+        self.digest = digest
 
     def has_unflushed_changes(self) -> bool:
         """True when ``fwd`` changed since the last ``flush``."""
@@ -283,10 +342,39 @@ class BlockTracker:
         logical_ids = self.requests.pop(request_id, None)
         if logical_ids is None:
             return False
+        refs = self.refs
+        freed_ids: list[int] = []
         for logical_id in logical_ids:
             if logical_id != NULL_BLOCK_ID:
-                self.release(logical_id)
+                count = refs[logical_id]
+                assert count > 0, f"release of logical block {logical_id} with no references"
+                refs[logical_id] = count - 1
+                if count == 1:
+                    freed_ids.append(logical_id)
+        if freed_ids:
+            self._free_blocks(freed_ids)
         return True
+
+    def _free_blocks(self, logical_ids: list[int]) -> None:
+        """``release`` for blocks whose last reference just went (refs already 0)."""
+        fwd, cached, caching = self.fwd, self.cached, self.prefix_caching
+        live_digests = self._live_digests
+        free_heap, free_flags = self._free.heap, self._free.flags
+        exp_heap, exp_flags = self._expendable.heap, self._expendable.flags
+        heappush = heapq.heappush
+        digest = self.digest
+        for logical_id in logical_ids:
+            digest ^= live_digests[logical_id]
+            cached[logical_id] = caching
+            physical_id = fwd[logical_id]  # never the null slot: logical_id is not 0
+            if not free_flags[physical_id]:
+                free_flags[physical_id] = 1
+                heappush(free_heap, physical_id)
+            if not caching and not exp_flags[physical_id]:
+                exp_flags[physical_id] = 1
+                heappush(exp_heap, physical_id)
+        self.digest = digest
+        self.num_live -= len(logical_ids)
 
     def append_blocks(self, request_id: str, logical_ids: list[int]) -> list[int]:
         """Adds references for a request's new blocks; returns those that became live.
@@ -294,14 +382,45 @@ class BlockTracker:
         A request that would hold no block but the null block is not kept (it holds
         nothing to track, and would stay forever if the scheduler never finishes it).
         """
-        held = self.requests.get(request_id)
-        if held is None:
-            if all(logical_id == NULL_BLOCK_ID for logical_id in logical_ids):
-                return []
-            held = self.requests[request_id] = []
-        held.extend(logical_ids)
-        return [
-            logical_id
-            for logical_id in logical_ids
-            if logical_id != NULL_BLOCK_ID and self.acquire(logical_id)
-        ]
+        return self.append_requests({request_id: logical_ids})
+
+    def append_requests(self, lists: Mapping[str, list[int]]) -> list[int]:
+        """``append_blocks`` for every request of ``lists``, in order; returns the blocks
+        that became live."""
+        requests, refs = self.requests, self.refs
+        became_live: list[int] = []
+        for request_id, logical_ids in lists.items():
+            held = requests.get(request_id)
+            if held is None:
+                if all(logical_id == NULL_BLOCK_ID for logical_id in logical_ids):
+                    continue
+                held = requests[request_id] = []
+            held.extend(logical_ids)
+            for logical_id in logical_ids:
+                if logical_id != NULL_BLOCK_ID:
+                    count = refs[logical_id]
+                    refs[logical_id] = count + 1
+                    if not count:
+                        became_live.append(logical_id)
+        if became_live:
+            self._make_live(became_live)
+        return became_live
+
+    def _make_live(self, logical_ids: list[int]) -> None:
+        """``acquire`` for blocks that just got their first reference (refs already 1)."""
+        fwd = self.fwd
+        physical_ids = [fwd[logical_id] for logical_id in logical_ids]
+        live_digests = self._live_digests
+        live_heap, live_flags = self._live.heap, self._live.flags
+        heappush = heapq.heappush
+        digest = self.digest
+        for logical_id, physical_id, became_live in zip(
+            logical_ids, physical_ids, pair_digests(logical_ids, physical_ids), strict=True
+        ):
+            live_digests[logical_id] = became_live
+            digest ^= became_live
+            if not live_flags[physical_id]:
+                live_flags[physical_id] = 1
+                heappush(live_heap, -physical_id)
+        self.digest = digest
+        self.num_live += len(logical_ids)
