@@ -211,6 +211,18 @@ class Engine:
         events = StepEvents.build(
             finished=finished, new_blocks=new_blocks, resumed=resumed, fresh=fresh, evicted=evicted
         )
+        return self.apply_events(events)
+
+    def apply_events(self, events: StepEvents) -> StepResult:
+        """``step`` for events that are already a ``StepEvents`` (the servicer's path).
+
+        The types are taken as ``StepEvents.build`` (or a proto conversion) guarantees
+        them, and nothing is copied: the caller must not change ``events`` afterwards.
+        The pool checks (ranges, duplicates, fresh blocks) run as in ``step``.
+
+        Raises:
+            InvalidArgument, EngineUnhealthy: As ``step``.
+        """
         started = time.perf_counter()
         with self._lock:
             if self._unhealthy_reason is not None:
