@@ -334,7 +334,6 @@ class Engine:
             try:
                 report = self._executor.execute(moves)
             except Exception as err:
-                tracker.restore_slots([slot for move in moves for slot in move[:2]])
                 self._unhealthy_reason = (
                     f"the events of step {self._totals.num_steps + 1} (counted since the "
                     "last reset, like seq) were applied without its compaction: the KV "

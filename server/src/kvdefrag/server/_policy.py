@@ -57,12 +57,9 @@ def place_fresh(tracker: BlockTracker, fresh_ids: Iterable[int]) -> tuple[int, l
 
 
 def plan_compaction(tracker: BlockTracker, config: EngineConfig) -> list[Move]:
-    """Pairs the highest live slots with the lowest free slots below them.
-
-    The slots of the returned moves are taken out of the tracker's indexes: the caller
-    commits them (``BlockTracker.move_live_blocks``) or hands them back
-    (``BlockTracker.restore_slots``).
-    """
-    src_ids, dst_ids = tracker.pop_compaction_pairs(config.max_moves_per_step)
-    holds_data = tracker.holds_data
-    return [Move(src, dst, holds_data(dst)) for src, dst in zip(src_ids, dst_ids, strict=True)]
+    """Pairs the highest live slots with the lowest free slots below them (nothing
+    changes until the caller commits them with ``BlockTracker.move_live_blocks``)."""
+    src_ids, dst_ids = tracker.compaction_pairs(config.max_moves_per_step)
+    # A free destination holds data only when it is cached (prefix caching).
+    cached, bwd = tracker.cached, tracker.bwd
+    return list(map(Move, src_ids, dst_ids, [cached[bwd[dst]] for dst in dst_ids]))

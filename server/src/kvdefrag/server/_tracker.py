@@ -9,28 +9,38 @@ Two id spaces meet here::
 
 Reference counts and the "cached" flag belong to *logical* ids (prefix caching shares and
 caches the scheduler's blocks); the packing question -- which slots are live, which are
-holes -- is asked in *physical* space. Three lazy heaps answer it in O(log n) per change,
-so no step ever scans or sorts the pool.
+holes -- is asked in *physical* space. A live bitmap with a count of live slots per
+1,024-slot chunk answers the highest live and lowest free slots (numpy, reading only the
+chunk counts and the chunks it needs), and a lazy heap the lowest expendable slot, so no
+step ever scans or sorts the pool::
+
+    chunk_live  [1024, 1024, 997, 0, ..., 12, 0]   live slots per chunk (1 / 1024 of the pool)
+    live_mask   [0 1 1 1 ... ]                       one bool per physical slot
 
 NOTE: the per-block state is kept in Python lists, not numpy arrays: the hot path reads
-and writes single elements, which lists do several times faster. ``fwd_array`` is a numpy
+and writes single elements, which lists do several times faster; batches of changes go
+through one loop each, and the live bitmap is updated one batch at a time. ``fwd_array`` is a numpy
 copy of ``fwd`` for vectorised resolve, brought up to date by ``flush`` in O(changes).
 """
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 
 import numpy as np
 import numpy.typing as npt
 
-from kvdefrag.common import NULL_BLOCK_ID, pair_digest
+from kvdefrag.common import NULL_BLOCK_ID
 from kvdefrag.common.digest import pair_digests
+
+# Slots per chunk of the live summary (a power of two: chunk = slot >> _CHUNK_SHIFT).
+_CHUNK_SHIFT = 10
+_CHUNK_SLOTS = 1 << _CHUNK_SHIFT
 
 
 class _SlotHeap:
-    """A lazy heap of physical slots whose entries are re-checked when read.
+    """A lazy min-heap of physical slots whose entries are re-checked when read.
 
     Invariant: every slot that satisfies the owner's predicate has an entry (its flag is
     set), and a flagged slot has exactly one entry. Entries whose slot no longer satisfies
@@ -38,30 +48,18 @@ class _SlotHeap:
     amortised.
     """
 
-    def __init__(self, num_blocks: int, slots: Iterable[int], descending: bool) -> None:
-        self._sign = -1 if descending else 1
+    def __init__(self, num_blocks: int, slots: Iterable[int]) -> None:
         self.flags = bytearray(num_blocks)
         self.heap: list[int] = []
         for slot in slots:
             self.flags[slot] = 1
-            self.heap.append(self._sign * slot)
+            self.heap.append(slot)
         heapq.heapify(self.heap)
 
     def push(self, slot: int) -> None:
         if not self.flags[slot]:
             self.flags[slot] = 1
-            heapq.heappush(self.heap, self._sign * slot)
-
-    def top(self, is_valid: Callable[[int], bool]) -> int | None:
-        """Returns the best valid slot, dropping stale entries above it; None if empty."""
-        heap = self.heap
-        while heap:
-            slot = self._sign * heap[0]
-            if is_valid(slot):
-                return slot
-            heapq.heappop(heap)
-            self.flags[slot] = 0
-        return None
+            heapq.heappush(self.heap, slot)
 
 
 class BlockTracker:
@@ -95,15 +93,18 @@ class BlockTracker:
         # pair_digest(l, fwd[l]) as of when l became live or last moved (stale while free),
         # so releases and moves XOR the stored value out instead of recomputing it.
         self._live_digests: list[int] = [0] * num_blocks
-        slots = range(1, num_blocks)
-        self._live = _SlotHeap(num_blocks, (), descending=True)
-        self._free = _SlotHeap(num_blocks, slots, descending=False)
-        self._expendable = _SlotHeap(num_blocks, slots, descending=False)
+        # live_mask[p] == (refs[bwd[p]] > 0); chunk_live[c] counts the live slots of
+        # chunk c; slot 0 is never live (nor free: it is never paired).
+        self._live_mask = np.zeros(num_blocks, dtype=np.bool_)
+        num_chunks = ((num_blocks - 1) >> _CHUNK_SHIFT) + 1
+        self._chunk_live = np.zeros(num_chunks, dtype=np.int64)
+        capacity = np.full(num_chunks, _CHUNK_SLOTS, dtype=np.int64)
+        capacity[-1] = num_blocks - ((num_chunks - 1) << _CHUNK_SHIFT)
+        capacity[0] -= 1  # the null slot
+        self._chunk_capacity = capacity
+        self._expendable = _SlotHeap(num_blocks, range(1, num_blocks))
 
     # --- predicates on physical slots -------------------------------------------------
-    def is_live_slot(self, physical_id: int) -> bool:
-        return self.refs[self.bwd[physical_id]] > 0
-
     def is_expendable_slot(self, physical_id: int) -> bool:
         logical_id = self.bwd[physical_id]
         return (
@@ -120,61 +121,63 @@ class BlockTracker:
     @property
     def max_live(self) -> int:
         """Highest live physical id, 0 when nothing is live."""
-        return self._live.top(self.is_live_slot) or 0
+        chunks = np.flatnonzero(self._chunk_live)
+        if not len(chunks):
+            return 0
+        start = int(chunks[-1]) << _CHUNK_SHIFT
+        return start + int(np.flatnonzero(self._live_mask[start : start + _CHUNK_SLOTS])[-1])
 
-    def pop_compaction_pairs(self, max_pairs: int) -> tuple[list[int], list[int]]:
+    def compaction_pairs(self, max_pairs: int) -> tuple[list[int], list[int]]:
         """Pairs the highest live slots with the lowest free slots below them.
 
-        Takes each paired slot out of the live and free indexes (commit the pairs with
-        ``move_live_blocks`` or hand them back with ``restore_slots``); a slot looked at
-        but not paired stays indexed.
-
         Returns:
-            The source (live) and destination (free) slots, pair by pair, at most
-            ``max_pairs`` of them, every destination below its source.
+            The source (live) and destination (free, never the null slot) slots, pair by
+            pair: the i-th highest live slot with the i-th lowest free slot, while the
+            free one is below, at most ``max_pairs`` pairs. Nothing changes.
 
-        NOTE: one loop over the two heaps, not a method call per slot: this is the
-        hottest loop of a compaction step.
+        NOTE: reads the chunk counts, then only the chunks that hold the slots it
+        returns (vectorised): this is the hottest part of a compaction step.
         """
-        refs, bwd = self.refs, self.bwd
-        live_heap, live_flags = self._live.heap, self._live.flags
-        free_heap, free_flags = self._free.heap, self._free.flags
-        heappop = heapq.heappop
-        src_ids: list[int] = []
-        dst_ids: list[int] = []
-        while len(src_ids) < max_pairs:
-            src = None
-            while live_heap:
-                slot = -live_heap[0]
-                if refs[bwd[slot]]:
-                    src = slot
-                    break
-                heappop(live_heap)  # stale: no longer live
-                live_flags[slot] = 0
-            if src is None:
+        live_mask, chunk_live = self._live_mask, self._chunk_live
+        found: list[npt.NDArray[np.intp]] = []
+        num_found = 0
+        for chunk in np.flatnonzero(chunk_live)[::-1].tolist():
+            if num_found >= max_pairs:
                 break
-            dst = None
-            while free_heap:
-                slot = free_heap[0]
-                if not refs[bwd[slot]]:
-                    dst = slot
-                    break
-                heappop(free_heap)  # stale: live again
-                free_flags[slot] = 0
-            if dst is None or dst > src:
+            start = chunk << _CHUNK_SHIFT
+            found.append(np.flatnonzero(live_mask[start : start + _CHUNK_SLOTS])[::-1] + start)
+            num_found += len(found[-1])
+        if not num_found or max_pairs <= 0:
+            return [], []
+        src = np.concatenate(found)[:max_pairs]
+        highest = int(src[0])
+        found, num_found = [], 0
+        for chunk in np.flatnonzero(chunk_live < self._chunk_capacity).tolist():
+            start = chunk << _CHUNK_SHIFT
+            if num_found >= len(src) or start >= highest:
                 break
-            heappop(live_heap)
-            live_flags[src] = 0
-            heappop(free_heap)
-            free_flags[dst] = 0
-            src_ids.append(src)
-            dst_ids.append(dst)
+            free = np.flatnonzero(~live_mask[start : start + _CHUNK_SLOTS]) + start
+            found.append(free[1:] if start == NULL_BLOCK_ID else free)
+            num_found += len(found[-1])
+        if not num_found:
+            return [], []
+        dst = np.concatenate(found)[: len(src)]
+        num_pairs = int(np.count_nonzero(dst < src[: len(dst)]))  # a prefix: src falls, dst rises
+        src_ids: list[int] = src[:num_pairs].tolist()
+        dst_ids: list[int] = dst[:num_pairs].tolist()
         return src_ids, dst_ids
 
-    def restore_slots(self, physical_ids: Iterable[int]) -> None:
-        """Re-indexes slots taken by ``pop_*_slots`` (their state has not changed)."""
-        for physical_id in physical_ids:
-            self._index_slot(physical_id)
+    def _mark_live(self, physical_ids: list[int], is_live: bool) -> None:
+        """Sets the live bit of slots whose liveness just changed (each listed once)."""
+        if not physical_ids:
+            return
+        slots = np.asarray(physical_ids, dtype=np.intp)
+        self._live_mask[slots] = is_live
+        counts = np.bincount(slots >> _CHUNK_SHIFT, minlength=len(self._chunk_live))
+        if is_live:
+            self._chunk_live += counts
+        else:
+            self._chunk_live -= counts
 
     # --- mutations --------------------------------------------------------------------
     def acquire(self, logical_id: int) -> bool:
@@ -183,32 +186,14 @@ class BlockTracker:
         self.refs[logical_id] = refs + 1
         if refs:
             return False
-        physical_id = self.fwd[logical_id]
-        self.num_live += 1
-        became_live = pair_digest(logical_id, physical_id)
-        self._live_digests[logical_id] = became_live
-        self.digest ^= became_live
-        self._live.push(physical_id)
+        self._make_live([logical_id])
         return True
-
-    def release(self, logical_id: int) -> None:
-        """Drops one reference; a block that becomes free is cached under prefix caching."""
-        refs = self.refs[logical_id]
-        assert refs > 0, f"release of logical block {logical_id} with no references"
-        self.refs[logical_id] = refs - 1
-        if refs > 1:
-            return
-        physical_id = self.fwd[logical_id]
-        self.num_live -= 1
-        self.digest ^= self._live_digests[logical_id]
-        self.cached[logical_id] = self.prefix_caching
-        self._index_slot(physical_id)
 
     def evict(self, logical_id: int) -> None:
         """Marks a free block's content as no longer needed (a no-op for live blocks)."""
         if not self.refs[logical_id] and self.cached[logical_id]:
             self.cached[logical_id] = False
-            self._index_slot(self.fwd[logical_id])
+            self._expendable.push(self.fwd[logical_id])
 
     def place_fresh_blocks(self, logical_ids: Iterable[int]) -> tuple[int, list[int]]:
         """Re-points each live block in ``logical_ids``, in order, to the lowest
@@ -223,11 +208,10 @@ class BlockTracker:
         """
         fwd, bwd, refs, cached = self.fwd, self.bwd, self.refs, self.cached
         exp_heap, exp_flags = self._expendable.heap, self._expendable.flags
-        free_heap, free_flags = self._free.heap, self._free.flags
-        live_heap, live_flags = self._live.heap, self._live.flags
         heappop, heappush = heapq.heappop, heapq.heappush
         placed_ids: list[int] = []
         placed_slots: list[int] = []
+        vacated_slots: list[int] = []
         changed: list[int] = []
         for logical_id in logical_ids:
             physical_id = fwd[logical_id]
@@ -250,27 +234,23 @@ class BlockTracker:
             if refs[logical_id]:
                 placed_ids.append(logical_id)
                 placed_slots.append(target)
+                vacated_slots.append(physical_id)
             # The target now holds the placed block, the vacated slot the expendable one.
             for slot in (target, physical_id):
                 holder = bwd[slot]
-                if refs[holder]:
-                    if not live_flags[slot]:
-                        live_flags[slot] = 1
-                        heappush(live_heap, -slot)
-                    continue
-                if not free_flags[slot]:
-                    free_flags[slot] = 1
-                    heappush(free_heap, slot)
-                if not cached[holder] and not exp_flags[slot]:
+                if not refs[holder] and not cached[holder] and not exp_flags[slot]:
                     exp_flags[slot] = 1
                     heappush(exp_heap, slot)
+        # NOTE: vacated first: a slot vacated early in the batch may be a later target.
+        self._mark_live(vacated_slots, False)
+        self._mark_live(placed_slots, True)
         self._update_live_digests(placed_ids, placed_slots)
         self._remapped += changed
         return len(changed) // 2, changed
 
     def move_live_blocks(self, src_ids: list[int], dst_ids: list[int]) -> list[int]:
         """Commits a compaction batch: live ``src_ids[i]`` and free ``dst_ids[i]`` trade
-        logical ids. The slots must have been taken by ``pop_compaction_pairs``.
+        logical ids (the pairs of ``compaction_pairs``).
 
         Returns:
             Every logical id whose slot changed.
@@ -280,8 +260,6 @@ class BlockTracker:
         freed_ids = [bwd[dst] for dst in dst_ids]
         assert all(refs[i] for i in moved_ids), "compaction moves live blocks only"
         assert not any(refs[i] for i in freed_ids), "compaction targets free slots only"
-        live_heap, live_flags = self._live.heap, self._live.flags
-        free_heap, free_flags = self._free.heap, self._free.flags
         exp_heap, exp_flags = self._expendable.heap, self._expendable.flags
         heappush = heapq.heappush
         for moved_id, freed_id, src, dst in zip(
@@ -289,16 +267,12 @@ class BlockTracker:
         ):
             fwd[moved_id], fwd[freed_id] = dst, src
             bwd[dst], bwd[src] = moved_id, freed_id
-            # dst now holds a live block, src a free one (expendable unless cached).
-            if not live_flags[dst]:
-                live_flags[dst] = 1
-                heappush(live_heap, -dst)
-            if not free_flags[src]:
-                free_flags[src] = 1
-                heappush(free_heap, src)
+            # src now holds a free block: expendable unless cached.
             if not cached[freed_id] and not exp_flags[src]:
                 exp_flags[src] = 1
                 heappush(exp_heap, src)
+        self._mark_live(src_ids, False)
+        self._mark_live(dst_ids, True)
         self._update_live_digests(moved_ids, dst_ids)
         changed = moved_ids + freed_ids
         self._remapped += changed
@@ -326,16 +300,6 @@ class BlockTracker:
             self.fwd_array[remapped] = [self.fwd[i] for i in remapped]
             self._remapped = []
 
-    def _index_slot(self, physical_id: int) -> None:
-        """Puts a slot into every heap whose predicate it now satisfies."""
-        logical_id = self.bwd[physical_id]
-        if self.refs[logical_id]:
-            self._live.push(physical_id)
-        elif physical_id != NULL_BLOCK_ID:
-            self._free.push(physical_id)
-            if not self.cached[logical_id]:
-                self._expendable.push(physical_id)
-
     # --- requests ---------------------------------------------------------------------
     def drop_request(self, request_id: str) -> bool:
         """Releases every reference a request holds; False if the request is unknown."""
@@ -356,25 +320,25 @@ class BlockTracker:
         return True
 
     def _free_blocks(self, logical_ids: list[int]) -> None:
-        """``release`` for blocks whose last reference just went (refs already 0)."""
+        """Bookkeeping of blocks whose last reference just went (refs already 0); a block
+        that becomes free is cached under prefix caching."""
         fwd, cached, caching = self.fwd, self.cached, self.prefix_caching
         live_digests = self._live_digests
-        free_heap, free_flags = self._free.heap, self._free.flags
         exp_heap, exp_flags = self._expendable.heap, self._expendable.flags
         heappush = heapq.heappush
         digest = self.digest
+        physical_ids = [fwd[logical_id] for logical_id in logical_ids]  # never the null slot
         for logical_id in logical_ids:
             digest ^= live_digests[logical_id]
             cached[logical_id] = caching
-            physical_id = fwd[logical_id]  # never the null slot: logical_id is not 0
-            if not free_flags[physical_id]:
-                free_flags[physical_id] = 1
-                heappush(free_heap, physical_id)
-            if not caching and not exp_flags[physical_id]:
-                exp_flags[physical_id] = 1
-                heappush(exp_heap, physical_id)
+        if not caching:
+            for physical_id in physical_ids:
+                if not exp_flags[physical_id]:
+                    exp_flags[physical_id] = 1
+                    heappush(exp_heap, physical_id)
         self.digest = digest
         self.num_live -= len(logical_ids)
+        self._mark_live(physical_ids, False)
 
     def append_blocks(self, request_id: str, logical_ids: list[int]) -> list[int]:
         """Adds references for a request's new blocks; returns those that became live.
@@ -407,20 +371,16 @@ class BlockTracker:
         return became_live
 
     def _make_live(self, logical_ids: list[int]) -> None:
-        """``acquire`` for blocks that just got their first reference (refs already 1)."""
+        """Bookkeeping of blocks that just got their first reference (refs already 1)."""
         fwd = self.fwd
         physical_ids = [fwd[logical_id] for logical_id in logical_ids]
         live_digests = self._live_digests
-        live_heap, live_flags = self._live.heap, self._live.flags
-        heappush = heapq.heappush
         digest = self.digest
-        for logical_id, physical_id, became_live in zip(
-            logical_ids, physical_ids, pair_digests(logical_ids, physical_ids), strict=True
+        for logical_id, became_live in zip(
+            logical_ids, pair_digests(logical_ids, physical_ids), strict=True
         ):
             live_digests[logical_id] = became_live
             digest ^= became_live
-            if not live_flags[physical_id]:
-                live_flags[physical_id] = 1
-                heappush(live_heap, -physical_id)
         self.digest = digest
         self.num_live += len(logical_ids)
+        self._mark_live(physical_ids, True)
