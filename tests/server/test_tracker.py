@@ -3,8 +3,9 @@
 import random
 
 from kvdefrag.common import pair_digest
+from kvdefrag.common.digest import pair_digest_array, pair_digests
 from kvdefrag.server._policy import plan_compaction
-from kvdefrag.server._tracker import BlockTracker, pair_digests
+from kvdefrag.server._tracker import BlockTracker
 from kvdefrag.server.config import EngineConfig
 
 
@@ -15,6 +16,7 @@ def test_batch_digest_equals_the_scalar_digest_on_both_paths() -> None:
         physical = [rng.randrange(1, 1 << 31) for _ in range(size)]
         expected = [pair_digest(l_id, p_id) for l_id, p_id in zip(logical, physical, strict=True)]
         assert pair_digests(logical, physical) == expected
+        assert pair_digest_array(logical, physical).tolist() == expected  # the tracker's
 
 
 def test_fwd_array_follows_fwd_after_flush() -> None:

@@ -13,6 +13,7 @@ import functools
 import importlib.util
 from collections.abc import Iterable, Sequence
 from types import ModuleType
+from typing import Any
 
 MASK64 = (1 << 64) - 1
 # splitmix64: the golden-ratio increment and the two finaliser multipliers.
@@ -51,16 +52,27 @@ def pair_digests(logical_ids: Sequence[int], physical_ids: Sequence[int]) -> lis
         ]
     if len(logical_ids) != len(physical_ids):
         raise ValueError(f"{len(logical_ids)} logical ids but {len(physical_ids)} physical ids")
+    digests: list[int] = pair_digest_array(logical_ids, physical_ids).tolist()
+    return digests
+
+
+def pair_digest_array(logical_ids: Any, physical_ids: Any) -> Any:
+    """``pair_digest`` of many pairs as a numpy ``uint64`` array (numpy must be installed).
+
+    Args:
+        logical_ids: Logical ids (a sequence or an integer array).
+        physical_ids: Physical ids, position by position.
+    """
+    numpy = _numpy()
+    assert numpy is not None, "pair_digest_array needs numpy"
     uint64 = numpy.uint64
-    z = (numpy.asarray(logical_ids, dtype=uint64) << uint64(32)) ^ numpy.asarray(
-        physical_ids, dtype=uint64
-    )
+    z = numpy.asarray(logical_ids, dtype=uint64) << uint64(32)
+    z ^= numpy.asarray(physical_ids, dtype=uint64)
     z ^= uint64(DIGEST_INCREMENT)
     z = (z ^ (z >> uint64(30))) * uint64(DIGEST_MULTIPLIER_1)
     z = (z ^ (z >> uint64(27))) * uint64(DIGEST_MULTIPLIER_2)
     z ^= z >> uint64(31)
-    digests: list[int] = z.tolist()
-    return digests
+    return z
 
 
 @functools.cache

@@ -230,13 +230,16 @@ class Engine:
             validate_step(self._tracker, events)
             self._generation += 1
             move_failed = False
+            result: StepResult | None = None
             try:
                 result = self._apply(events)
             except EngineUnhealthy:
                 move_failed = True
                 raise
             finally:
-                self._published = self._publish_locked()
+                self._published = self._publish_locked(
+                    stats=None if result is None else result.stats
+                )
                 if move_failed:
                     self._notify("on_move_failure")
         self._notify("on_step", result, time.perf_counter() - started)
@@ -264,9 +267,8 @@ class Engine:
 
     def _apply(self, events: StepEvents) -> StepResult:
         tracker = self._tracker
-        num_unknown = sum(not tracker.drop_request(rid) for rid in events.finished)
-        for request_id in events.resumed:
-            tracker.drop_request(request_id)
+        num_unknown = len(events.finished) - tracker.drop_requests(events.finished)
+        tracker.drop_requests(events.resumed)
         for logical_id in events.evicted:
             tracker.evict(logical_id)
         touched: list[int] = []
@@ -304,15 +306,14 @@ class Engine:
         self, num_placed: int, num_unknown: int, moves: list[Move], report: MoveReport
     ) -> None:
         totals = self._totals
-        self._totals = dataclasses.replace(
-            totals,
+        self._totals = Totals(
             num_steps=totals.num_steps + 1,
-            num_placements=totals.num_placements + num_placed,
-            num_unknown_finished=totals.num_unknown_finished + num_unknown,
-            num_defrag_runs=totals.num_defrag_runs + bool(moves),
             num_moves=totals.num_moves + len(moves),
             num_two_way_moves=totals.num_two_way_moves + sum(m.is_two_way for m in moves),
+            num_placements=totals.num_placements + num_placed,
+            num_defrag_runs=totals.num_defrag_runs + bool(moves),
             num_bytes_moved=totals.num_bytes_moved + report.num_bytes,
+            num_unknown_finished=totals.num_unknown_finished + num_unknown,
         )
 
     def _place(self, fresh: list[int], touched: list[int]) -> int:
@@ -352,8 +353,11 @@ class Engine:
             self._published = self._publish_locked()
         return moves, report, swap_s
 
-    def _publish_locked(self, *, is_new_tracker: bool = False) -> _Published:
-        """Snapshots the mapping for lock-free readers (copy-on-write of the fwd array)."""
+    def _publish_locked(
+        self, *, is_new_tracker: bool = False, stats: PoolStats | None = None
+    ) -> _Published:
+        """Snapshots the mapping for lock-free readers (copy-on-write of the fwd array);
+        ``stats``: the pool statistics of the current state, if already computed."""
         tracker = self._tracker
         if is_new_tracker or tracker.has_unflushed_changes():
             tracker.flush()
@@ -361,7 +365,11 @@ class Engine:
             fwd.flags.writeable = False
         else:
             fwd = self._published.fwd
-        return _Published(fwd=fwd, digest=tracker.digest, stats=self._stats_locked())
+        return _Published(
+            fwd=fwd,
+            digest=tracker.digest,
+            stats=stats if stats is not None else self._stats_locked(),
+        )
 
     # --- reads ------------------------------------------------------------------------
     def resolve(self, logical_ids: Sequence[int] | npt.ArrayLike) -> npt.NDArray[np.int64]:

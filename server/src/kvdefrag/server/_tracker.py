@@ -32,11 +32,13 @@ import numpy as np
 import numpy.typing as npt
 
 from kvdefrag.common import NULL_BLOCK_ID
-from kvdefrag.common.digest import pair_digests
+from kvdefrag.common.digest import pair_digest_array
 
 # Slots per chunk of the live summary (a power of two: chunk = slot >> _CHUNK_SHIFT).
 _CHUNK_SHIFT = 10
 _CHUNK_SLOTS = 1 << _CHUNK_SHIFT
+# Up to this many slots, the live bitmap is updated element by element.
+_MAX_SCALAR_MARKS = 8
 
 
 class _SlotHeap:
@@ -91,8 +93,8 @@ class BlockTracker:
         self.num_live = 0
         self.digest = 0
         # pair_digest(l, fwd[l]) as of when l became live or last moved (stale while free),
-        # so releases and moves XOR the stored value out instead of recomputing it.
-        self._live_digests: list[int] = [0] * num_blocks
+        # so releases and moves XOR the stored values out (numpy, a batch at a time).
+        self._live_digests = np.zeros(num_blocks, dtype=np.uint64)
         # live_mask[p] == (refs[bwd[p]] > 0); chunk_live[c] counts the live slots of
         # chunk c; slot 0 is never live (nor free: it is never paired).
         self._live_mask = np.zeros(num_blocks, dtype=np.bool_)
@@ -169,15 +171,20 @@ class BlockTracker:
 
     def _mark_live(self, physical_ids: list[int], is_live: bool) -> None:
         """Sets the live bit of slots whose liveness just changed (each listed once)."""
-        if not physical_ids:
+        live_mask, chunk_live = self._live_mask, self._chunk_live
+        if len(physical_ids) <= _MAX_SCALAR_MARKS:  # numpy's per-call cost would dominate
+            delta = 1 if is_live else -1
+            for physical_id in physical_ids:
+                live_mask[physical_id] = is_live
+                chunk_live[physical_id >> _CHUNK_SHIFT] += delta
             return
         slots = np.asarray(physical_ids, dtype=np.intp)
-        self._live_mask[slots] = is_live
-        counts = np.bincount(slots >> _CHUNK_SHIFT, minlength=len(self._chunk_live))
+        live_mask[slots] = is_live
+        counts = np.bincount(slots >> _CHUNK_SHIFT, minlength=len(chunk_live))
         if is_live:
-            self._chunk_live += counts
+            chunk_live += counts
         else:
-            self._chunk_live -= counts
+            chunk_live -= counts
 
     # --- mutations --------------------------------------------------------------------
     def acquire(self, logical_id: int) -> bool:
@@ -279,15 +286,14 @@ class BlockTracker:
         return changed
 
     def _update_live_digests(self, logical_ids: list[int], physical_ids: list[int]) -> None:
-        """Live blocks ``logical_ids`` now sit at ``physical_ids``: re-mixes their digests."""
-        live_digests = self._live_digests
-        digest = self.digest
-        for logical_id, moved in zip(
-            logical_ids, pair_digests(logical_ids, physical_ids), strict=True
-        ):
-            digest ^= live_digests[logical_id] ^ moved
-            live_digests[logical_id] = moved
-        self.digest = digest
+        """Live blocks ``logical_ids`` (each listed once) now sit at ``physical_ids``:
+        re-mixes their digests."""
+        if not logical_ids:
+            return
+        ids = np.asarray(logical_ids, dtype=np.intp)
+        moved = pair_digest_array(ids, physical_ids)
+        self.digest ^= int(np.bitwise_xor.reduce(self._live_digests[ids] ^ moved))
+        self._live_digests[ids] = moved
 
     def has_unflushed_changes(self) -> bool:
         """True when ``fwd`` changed since the last ``flush``."""
@@ -303,40 +309,46 @@ class BlockTracker:
     # --- requests ---------------------------------------------------------------------
     def drop_request(self, request_id: str) -> bool:
         """Releases every reference a request holds; False if the request is unknown."""
-        logical_ids = self.requests.pop(request_id, None)
-        if logical_ids is None:
-            return False
-        refs = self.refs
+        return self.drop_requests((request_id,)) == 1
+
+    def drop_requests(self, request_ids: Iterable[str]) -> int:
+        """``drop_request`` for each request, in order; returns how many were known."""
+        requests, refs = self.requests, self.refs
         freed_ids: list[int] = []
-        for logical_id in logical_ids:
-            if logical_id != NULL_BLOCK_ID:
-                count = refs[logical_id]
-                assert count > 0, f"release of logical block {logical_id} with no references"
-                refs[logical_id] = count - 1
-                if count == 1:
-                    freed_ids.append(logical_id)
+        num_known = 0
+        for request_id in request_ids:
+            logical_ids = requests.pop(request_id, None)
+            if logical_ids is None:
+                continue
+            num_known += 1
+            for logical_id in logical_ids:
+                if logical_id != NULL_BLOCK_ID:
+                    count = refs[logical_id]
+                    assert count > 0, f"release of logical block {logical_id} with no references"
+                    refs[logical_id] = count - 1
+                    if count == 1:
+                        freed_ids.append(logical_id)
         if freed_ids:
             self._free_blocks(freed_ids)
-        return True
+        return num_known
 
     def _free_blocks(self, logical_ids: list[int]) -> None:
         """Bookkeeping of blocks whose last reference just went (refs already 0); a block
         that becomes free is cached under prefix caching."""
         fwd, cached, caching = self.fwd, self.cached, self.prefix_caching
-        live_digests = self._live_digests
         exp_heap, exp_flags = self._expendable.heap, self._expendable.flags
         heappush = heapq.heappush
-        digest = self.digest
         physical_ids = [fwd[logical_id] for logical_id in logical_ids]  # never the null slot
         for logical_id in logical_ids:
-            digest ^= live_digests[logical_id]
             cached[logical_id] = caching
+        self.digest ^= int(
+            np.bitwise_xor.reduce(self._live_digests[np.asarray(logical_ids, dtype=np.intp)])
+        )
         if not caching:
             for physical_id in physical_ids:
                 if not exp_flags[physical_id]:
                     exp_flags[physical_id] = 1
                     heappush(exp_heap, physical_id)
-        self.digest = digest
         self.num_live -= len(logical_ids)
         self._mark_live(physical_ids, False)
 
@@ -374,13 +386,8 @@ class BlockTracker:
         """Bookkeeping of blocks that just got their first reference (refs already 1)."""
         fwd = self.fwd
         physical_ids = [fwd[logical_id] for logical_id in logical_ids]
-        live_digests = self._live_digests
-        digest = self.digest
-        for logical_id, became_live in zip(
-            logical_ids, pair_digests(logical_ids, physical_ids), strict=True
-        ):
-            live_digests[logical_id] = became_live
-            digest ^= became_live
-        self.digest = digest
+        mixed = pair_digest_array(logical_ids, physical_ids)
+        self._live_digests[np.asarray(logical_ids, dtype=np.intp)] = mixed
+        self.digest ^= int(np.bitwise_xor.reduce(mixed))
         self.num_live += len(logical_ids)
         self._mark_live(physical_ids, True)
