@@ -39,6 +39,7 @@ from kvdefrag.common.errors import quote
 from kvdefrag.server import _policy
 from kvdefrag.server._executor import KvCaches, MoveReport, SwapExecutor, make_executor
 from kvdefrag.server._policy import Move
+from kvdefrag.server._snapshot import MappingSnapshots
 from kvdefrag.server._tracker import BlockTracker
 from kvdefrag.server._validate import validate_step
 from kvdefrag.server.config import EngineConfig
@@ -106,9 +107,9 @@ class StepObserver(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class _Published:
-    """What lock-free readers see: replaced whole at the end of each step or reset."""
+    """What lock-free readers see besides the mapping (``MappingSnapshots``): replaced
+    whole at the end of each step or reset."""
 
-    fwd: npt.NDArray[np.int64]
     digest: int
     stats: PoolStats
 
@@ -177,7 +178,8 @@ class Engine:
         # Counts the steps applied (failed ones included) and resets: a request page
         # token names the generation its first page saw.
         self._generation = 0
-        self._published = self._publish_locked(is_new_tracker=True)
+        self._snapshots = MappingSnapshots(self.num_blocks)
+        self._published = self._publish_locked()
 
     def add_observer(self, observer: StepObserver) -> None:
         """Adds an observer told about every later step, move failure and reset."""
@@ -353,23 +355,14 @@ class Engine:
             self._published = self._publish_locked()
         return moves, report, swap_s
 
-    def _publish_locked(
-        self, *, is_new_tracker: bool = False, stats: PoolStats | None = None
-    ) -> _Published:
-        """Snapshots the mapping for lock-free readers (copy-on-write of the fwd array);
-        ``stats``: the pool statistics of the current state, if already computed."""
+    def _publish_locked(self, *, stats: PoolStats | None = None) -> _Published:
+        """Publishes the mapping's changes for lock-free readers (O(changes)) and returns
+        the digest and ``stats`` (the pool statistics of now, computed if None)."""
         tracker = self._tracker
-        if is_new_tracker or tracker.has_unflushed_changes():
-            tracker.flush()
-            fwd = tracker.fwd_array.copy()
-            fwd.flags.writeable = False
-        else:
-            fwd = self._published.fwd
-        return _Published(
-            fwd=fwd,
-            digest=tracker.digest,
-            stats=stats if stats is not None else self._stats_locked(),
-        )
+        self._snapshots.publish(tracker.fwd, tracker.take_remapped())
+        if stats is None:
+            stats = self._stats_locked()
+        return _Published(digest=tracker.digest, stats=stats)
 
     # --- reads ------------------------------------------------------------------------
     def resolve(self, logical_ids: Sequence[int] | npt.ArrayLike) -> npt.NDArray[np.int64]:
@@ -385,8 +378,7 @@ class Engine:
         if ids.size and (ids.min() < 0 or ids.max() >= self.num_blocks):
             bad = int(ids[(ids < 0) | (ids >= self.num_blocks)][0])
             raise InvalidArgument(f"resolve: block id {bad} is outside [0, {self.num_blocks})")
-        physical_ids: npt.NDArray[np.int64] = self._published.fwd[ids]
-        return physical_ids
+        return self._snapshots.read(ids)
 
     def resolve_tables(self, tables: Sequence[Sequence[int]]) -> list[list[int]]:
         """Maps every block table (one list of logical ids per request) to physical ids."""
@@ -456,7 +448,9 @@ class Engine:
                 raise NotFound(f"request_id {quote(request_id)} is not running")
             # NOTE: under the lock no step is half done, so the published mapping is
             # the one of the tracker's request table.
-            physical_ids: list[int] = self._published.fwd[blocks].tolist()
+            physical_ids: list[int] = self._snapshots.read(
+                np.asarray(blocks, dtype=np.int64)
+            ).tolist()
             return list(blocks), physical_ids
 
     def list_requests(self) -> dict[str, list[int]]:
@@ -515,5 +509,6 @@ class Engine:
             self._unhealthy_reason = None
             self._force_defrag = False
             self._generation += 1
-            self._published = self._publish_locked(is_new_tracker=True)
+            self._snapshots = MappingSnapshots(self.num_blocks)
+            self._published = self._publish_locked()
         self._notify("on_reset")

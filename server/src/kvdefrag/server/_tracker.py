@@ -19,8 +19,9 @@ step ever scans or sorts the pool::
 
 NOTE: the per-block state is kept in Python lists, not numpy arrays: the hot path reads
 and writes single elements, which lists do several times faster; batches of changes go
-through one loop each, and the live bitmap is updated one batch at a time. ``fwd_array`` is a numpy
-copy of ``fwd`` for vectorised resolve, brought up to date by ``flush`` in O(changes).
+through one loop each, and the live bitmap is updated one batch at a time. The ids whose
+``fwd`` changed are handed to the engine (``take_remapped``), which publishes them for
+vectorised, lock-free resolve (``_snapshot``).
 """
 
 from __future__ import annotations
@@ -87,8 +88,7 @@ class BlockTracker:
         self.bwd: list[int] = list(range(num_blocks))
         self.refs: list[int] = [0] * num_blocks
         self.cached: list[bool] = [False] * num_blocks
-        self.fwd_array: npt.NDArray[np.int64] = np.arange(num_blocks, dtype=np.int64)
-        self._remapped: list[int] = []  # logical ids whose fwd changed since flush()
+        self._remapped: list[int] = []  # logical ids whose fwd changed since take_remapped()
         self.requests: dict[str, list[int]] = {}
         self.num_live = 0
         self.digest = 0
@@ -295,16 +295,11 @@ class BlockTracker:
         self.digest ^= int(np.bitwise_xor.reduce(self._live_digests[ids] ^ moved))
         self._live_digests[ids] = moved
 
-    def has_unflushed_changes(self) -> bool:
-        """True when ``fwd`` changed since the last ``flush``."""
-        return bool(self._remapped)
-
-    def flush(self) -> None:
-        """Brings ``fwd_array`` up to date with ``fwd`` (O(ids changed since last flush))."""
-        if self._remapped:
-            remapped = self._remapped
-            self.fwd_array[remapped] = [self.fwd[i] for i in remapped]
-            self._remapped = []
+    def take_remapped(self) -> list[int]:
+        """Returns the logical ids whose ``fwd`` changed since the last call (repeats
+        possible), and forgets them."""
+        remapped, self._remapped = self._remapped, []
+        return remapped
 
     # --- requests ---------------------------------------------------------------------
     def drop_request(self, request_id: str) -> bool:
