@@ -9,13 +9,13 @@ Two id spaces meet here::
 
 Reference counts and the "cached" flag belong to *logical* ids (prefix caching shares and
 caches the scheduler's blocks); the packing question -- which slots are live, which are
-holes -- is asked in *physical* space. A live bitmap with a count of live slots per
-1,024-slot chunk answers the highest live and lowest free slots (numpy, reading only the
-chunk counts and the chunks it needs), and a lazy heap the lowest expendable slot, so no
-step ever scans or sorts the pool::
+holes, which may be overwritten -- is asked in *physical* space. Two slot sets answer it
+(live, expendable), each a bitmap with a count per 1,024-slot chunk: numpy reads the
+counts, then only the chunks that hold the slots asked for, so no step ever scans or
+sorts the pool::
 
-    chunk_live  [1024, 1024, 997, 0, ..., 12, 0]   live slots per chunk (1 / 1024 of the pool)
-    live_mask   [0 1 1 1 ... ]                       one bool per physical slot
+    counts  [1024, 1024, 997, 0, ..., 12, 0]   slots in the set per chunk (1/1024 of the pool)
+    mask    [0 1 1 1 ... ]                       one bool per physical slot
 
 NOTE: the per-block state is kept in Python lists, not numpy arrays: the hot path reads
 and writes single elements, which lists do several times faster; batches of changes go
@@ -38,31 +38,88 @@ from kvdefrag.common.digest import pair_digest_array
 # Slots per chunk of the live summary (a power of two: chunk = slot >> _CHUNK_SHIFT).
 _CHUNK_SHIFT = 10
 _CHUNK_SLOTS = 1 << _CHUNK_SHIFT
-# Up to this many slots, the live bitmap is updated element by element.
-_MAX_SCALAR_MARKS = 8
+# Up to this many slots, a slot set is updated element by element.
+_MAX_SCALAR_UPDATES = 8
 
 
-class _SlotHeap:
-    """A lazy min-heap of physical slots whose entries are re-checked when read.
+class _SlotSet:
+    """A set of physical slots: a bitmap, and how many slots of each chunk are in it.
 
-    Invariant: every slot that satisfies the owner's predicate has an entry (its flag is
-    set), and a flagged slot has exactly one entry. Entries whose slot no longer satisfies
-    the predicate are dropped when they reach the top, so each change costs O(log n)
-    amortised.
+    Invariants: ``counts[c]`` is the number of slots of chunk ``c`` in the set; slot 0
+    (the null block's) never is. The owner adds only slots not in the set and removes
+    only slots in it (``add`` and ``remove`` do not check).
     """
 
-    def __init__(self, num_blocks: int, slots: Iterable[int]) -> None:
-        self.flags = bytearray(num_blocks)
-        self.heap: list[int] = []
-        for slot in slots:
-            self.flags[slot] = 1
-            self.heap.append(slot)
-        heapq.heapify(self.heap)
+    def __init__(self, num_blocks: int) -> None:
+        self.mask = np.zeros(num_blocks, dtype=np.bool_)
+        num_chunks = ((num_blocks - 1) >> _CHUNK_SHIFT) + 1
+        self.counts = np.zeros(num_chunks, dtype=np.int64)
+        capacity = np.full(num_chunks, _CHUNK_SLOTS, dtype=np.int64)
+        capacity[-1] = num_blocks - ((num_chunks - 1) << _CHUNK_SHIFT)
+        capacity[0] -= 1  # the null slot
+        self._capacity = capacity
 
-    def push(self, slot: int) -> None:
-        if not self.flags[slot]:
-            self.flags[slot] = 1
-            heapq.heappush(self.heap, slot)
+    def add(self, physical_ids: list[int]) -> None:
+        """Adds slots that are not in the set (each listed once)."""
+        self._update(physical_ids, True)
+
+    def remove(self, physical_ids: list[int]) -> None:
+        """Removes slots that are in the set (each listed once)."""
+        self._update(physical_ids, False)
+
+    def _update(self, physical_ids: list[int], is_in: bool) -> None:
+        mask, counts = self.mask, self.counts
+        if len(physical_ids) <= _MAX_SCALAR_UPDATES:  # numpy's per-call cost would dominate
+            delta = 1 if is_in else -1
+            for physical_id in physical_ids:
+                mask[physical_id] = is_in
+                counts[physical_id >> _CHUNK_SHIFT] += delta
+            return
+        slots = np.asarray(physical_ids, dtype=np.intp)
+        mask[slots] = is_in
+        chunk_counts = np.bincount(slots >> _CHUNK_SHIFT, minlength=len(counts))
+        if is_in:
+            counts += chunk_counts
+        else:
+            counts -= chunk_counts
+
+    def highest(self, max_slots: int) -> npt.NDArray[np.intp]:
+        """Up to ``max_slots`` slots of the set, highest first."""
+        found: list[npt.NDArray[np.intp]] = []
+        num_found = 0
+        for chunk in np.flatnonzero(self.counts)[::-1].tolist():
+            if num_found >= max_slots:
+                break
+            start = chunk << _CHUNK_SHIFT
+            found.append(np.flatnonzero(self.mask[start : start + _CHUNK_SLOTS])[::-1] + start)
+            num_found += len(found[-1])
+        return np.concatenate(found)[:max_slots] if found else np.empty(0, dtype=np.intp)
+
+    def lowest(self, max_slots: int, below: int, *, is_in: bool) -> npt.NDArray[np.intp]:
+        """Up to ``max_slots`` slots below ``below``, lowest first: slots of the set, or
+        (``is_in=False``) slots not in it, the null slot excepted."""
+        chunks = self.counts if is_in else self.counts < self._capacity
+        found: list[npt.NDArray[np.intp]] = []
+        num_found = 0
+        for chunk in np.flatnonzero(chunks).tolist():
+            start = chunk << _CHUNK_SHIFT
+            if num_found >= max_slots or start >= below:
+                break
+            window = self.mask[start : min(start + _CHUNK_SLOTS, below)]
+            slots = np.flatnonzero(window if is_in else ~window) + start
+            if start == NULL_BLOCK_ID and not is_in:
+                slots = slots[slots != NULL_BLOCK_ID]
+            found.append(slots)
+            num_found += len(slots)
+        return np.concatenate(found)[:max_slots] if found else np.empty(0, dtype=np.intp)
+
+    def max(self) -> int:
+        """The highest slot of the set, 0 when it is empty."""
+        chunks = np.flatnonzero(self.counts)
+        if not len(chunks):
+            return 0
+        start = int(chunks[-1]) << _CHUNK_SHIFT
+        return start + int(np.flatnonzero(self.mask[start : start + _CHUNK_SLOTS])[-1])
 
 
 class BlockTracker:
@@ -78,6 +135,9 @@ class BlockTracker:
           must be kept (prefix caching).
         * Every request in ``requests`` holds at least one block other than the null
           block (``append_blocks`` keeps no other).
+        * Slot ``p`` is in ``_live`` exactly when ``refs[bwd[p]] > 0``, and in
+          ``_expendable`` exactly when ``p != 0``, ``refs[bwd[p]] == 0`` and not
+          ``cached[bwd[p]]`` (free, holding nothing to keep).
     """
 
     def __init__(self, num_blocks: int, prefix_caching: bool) -> None:
@@ -95,16 +155,9 @@ class BlockTracker:
         # pair_digest(l, fwd[l]) as of when l became live or last moved (stale while free),
         # so releases and moves XOR the stored values out (numpy, a batch at a time).
         self._live_digests = np.zeros(num_blocks, dtype=np.uint64)
-        # live_mask[p] == (refs[bwd[p]] > 0); chunk_live[c] counts the live slots of
-        # chunk c; slot 0 is never live (nor free: it is never paired).
-        self._live_mask = np.zeros(num_blocks, dtype=np.bool_)
-        num_chunks = ((num_blocks - 1) >> _CHUNK_SHIFT) + 1
-        self._chunk_live = np.zeros(num_chunks, dtype=np.int64)
-        capacity = np.full(num_chunks, _CHUNK_SLOTS, dtype=np.int64)
-        capacity[-1] = num_blocks - ((num_chunks - 1) << _CHUNK_SHIFT)
-        capacity[0] -= 1  # the null slot
-        self._chunk_capacity = capacity
-        self._expendable = _SlotHeap(num_blocks, range(1, num_blocks))
+        self._live = _SlotSet(num_blocks)
+        self._expendable = _SlotSet(num_blocks)
+        self._expendable.add(list(range(1, num_blocks)))
 
     # --- predicates on physical slots -------------------------------------------------
     def is_expendable_slot(self, physical_id: int) -> bool:
@@ -123,11 +176,7 @@ class BlockTracker:
     @property
     def max_live(self) -> int:
         """Highest live physical id, 0 when nothing is live."""
-        chunks = np.flatnonzero(self._chunk_live)
-        if not len(chunks):
-            return 0
-        start = int(chunks[-1]) << _CHUNK_SHIFT
-        return start + int(np.flatnonzero(self._live_mask[start : start + _CHUNK_SLOTS])[-1])
+        return self._live.max()
 
     def compaction_pairs(self, max_pairs: int) -> tuple[list[int], list[int]]:
         """Pairs the highest live slots with the lowest free slots below them.
@@ -136,55 +185,17 @@ class BlockTracker:
             The source (live) and destination (free, never the null slot) slots, pair by
             pair: the i-th highest live slot with the i-th lowest free slot, while the
             free one is below, at most ``max_pairs`` pairs. Nothing changes.
-
-        NOTE: reads the chunk counts, then only the chunks that hold the slots it
-        returns (vectorised): this is the hottest part of a compaction step.
         """
-        live_mask, chunk_live = self._live_mask, self._chunk_live
-        found: list[npt.NDArray[np.intp]] = []
-        num_found = 0
-        for chunk in np.flatnonzero(chunk_live)[::-1].tolist():
-            if num_found >= max_pairs:
-                break
-            start = chunk << _CHUNK_SHIFT
-            found.append(np.flatnonzero(live_mask[start : start + _CHUNK_SLOTS])[::-1] + start)
-            num_found += len(found[-1])
-        if not num_found or max_pairs <= 0:
+        if max_pairs <= 0:
             return [], []
-        src = np.concatenate(found)[:max_pairs]
-        highest = int(src[0])
-        found, num_found = [], 0
-        for chunk in np.flatnonzero(chunk_live < self._chunk_capacity).tolist():
-            start = chunk << _CHUNK_SHIFT
-            if num_found >= len(src) or start >= highest:
-                break
-            free = np.flatnonzero(~live_mask[start : start + _CHUNK_SLOTS]) + start
-            found.append(free[1:] if start == NULL_BLOCK_ID else free)
-            num_found += len(found[-1])
-        if not num_found:
+        src = self._live.highest(max_pairs)
+        if not len(src):
             return [], []
-        dst = np.concatenate(found)[: len(src)]
+        dst = self._live.lowest(len(src), int(src[0]), is_in=False)
         num_pairs = int(np.count_nonzero(dst < src[: len(dst)]))  # a prefix: src falls, dst rises
         src_ids: list[int] = src[:num_pairs].tolist()
         dst_ids: list[int] = dst[:num_pairs].tolist()
         return src_ids, dst_ids
-
-    def _mark_live(self, physical_ids: list[int], is_live: bool) -> None:
-        """Sets the live bit of slots whose liveness just changed (each listed once)."""
-        live_mask, chunk_live = self._live_mask, self._chunk_live
-        if len(physical_ids) <= _MAX_SCALAR_MARKS:  # numpy's per-call cost would dominate
-            delta = 1 if is_live else -1
-            for physical_id in physical_ids:
-                live_mask[physical_id] = is_live
-                chunk_live[physical_id >> _CHUNK_SHIFT] += delta
-            return
-        slots = np.asarray(physical_ids, dtype=np.intp)
-        live_mask[slots] = is_live
-        counts = np.bincount(slots >> _CHUNK_SHIFT, minlength=len(chunk_live))
-        if is_live:
-            chunk_live += counts
-        else:
-            chunk_live -= counts
 
     # --- mutations --------------------------------------------------------------------
     def acquire(self, logical_id: int) -> bool:
@@ -200,60 +211,68 @@ class BlockTracker:
         """Marks a free block's content as no longer needed (a no-op for live blocks)."""
         if not self.refs[logical_id] and self.cached[logical_id]:
             self.cached[logical_id] = False
-            self._expendable.push(self.fwd[logical_id])
+            self._expendable.add([self.fwd[logical_id]])
 
     def place_fresh_blocks(self, logical_ids: Iterable[int]) -> tuple[int, list[int]]:
-        """Re-points each live block in ``logical_ids``, in order, to the lowest
-        expendable slot if that is below its own (``_policy.placement_target``'s rule);
-        the expendable block takes the vacated slot (the mapping only, no copy).
+        """Re-points each block of ``logical_ids`` (live, listed once), in order, to the
+        lowest expendable slot if that is below its own; the expendable block takes the
+        vacated slot (the mapping only, no copy).
 
         Returns:
             How many blocks were re-pointed, and every logical id whose slot changed.
 
-        NOTE: the policy's rule, applied in one loop: a block's vacated slot is
-        expendable at once, so a later block in the batch may take it.
+        NOTE: the rule of ``_policy.place_fresh`` in one loop: the lowest expendable slots
+        are read once, and a vacated slot is expendable at once, so a later block of the
+        batch may take it.
         """
-        fwd, bwd, refs, cached = self.fwd, self.bwd, self.refs, self.cached
-        exp_heap, exp_flags = self._expendable.heap, self._expendable.flags
-        heappop, heappush = heapq.heappop, heapq.heappush
+        fwd, bwd, refs = self.fwd, self.bwd, self.refs
+        logical_ids = list(logical_ids)
+        if not logical_ids:
+            return 0, []
+        highest = max(fwd[logical_id] for logical_id in logical_ids)
+        candidates: list[int] = self._expendable.lowest(
+            len(logical_ids), highest, is_in=True
+        ).tolist()
+        next_candidate = 0
+        vacated: list[int] = []  # a min-heap of the slots vacated so far (expendable too)
         placed_ids: list[int] = []
-        placed_slots: list[int] = []
+        targets: list[int] = []
         vacated_slots: list[int] = []
         changed: list[int] = []
         for logical_id in logical_ids:
             physical_id = fwd[logical_id]
-            target = None
-            while exp_heap:
-                slot = exp_heap[0]
-                holder = bwd[slot]
-                if slot != NULL_BLOCK_ID and not refs[holder] and not cached[holder]:
-                    target = slot
-                    break
-                heappop(exp_heap)  # stale: no longer expendable
-                exp_flags[slot] = 0
-            if target is None or target > physical_id:
+            assert refs[logical_id], f"placement of logical block {logical_id}, which is not live"
+            is_vacated = bool(vacated) and (
+                next_candidate == len(candidates) or vacated[0] < candidates[next_candidate]
+            )
+            if is_vacated:
+                target = vacated[0]
+            elif next_candidate < len(candidates):
+                target = candidates[next_candidate]
+            else:
                 continue
-            assert physical_id != NULL_BLOCK_ID, "the null block never moves"
+            if target > physical_id:
+                continue
+            if is_vacated:
+                heapq.heappop(vacated)
+            else:
+                next_candidate += 1
             displaced_id = bwd[target]  # expendable: no reference, no digest
             fwd[logical_id], fwd[displaced_id] = target, physical_id
             bwd[target], bwd[physical_id] = logical_id, displaced_id
             changed += (logical_id, displaced_id)
-            if refs[logical_id]:
-                placed_ids.append(logical_id)
-                placed_slots.append(target)
-                vacated_slots.append(physical_id)
-            # The target now holds the placed block, the vacated slot the expendable one.
-            for slot in (target, physical_id):
-                holder = bwd[slot]
-                if not refs[holder] and not cached[holder] and not exp_flags[slot]:
-                    exp_flags[slot] = 1
-                    heappush(exp_heap, slot)
+            placed_ids.append(logical_id)
+            targets.append(target)
+            vacated_slots.append(physical_id)
+            heapq.heappush(vacated, physical_id)
         # NOTE: vacated first: a slot vacated early in the batch may be a later target.
-        self._mark_live(vacated_slots, False)
-        self._mark_live(placed_slots, True)
-        self._update_live_digests(placed_ids, placed_slots)
+        self._live.remove(vacated_slots)
+        self._live.add(targets)
+        self._expendable.add(vacated_slots)
+        self._expendable.remove(targets)
+        self._update_live_digests(placed_ids, targets)
         self._remapped += changed
-        return len(changed) // 2, changed
+        return len(placed_ids), changed
 
     def move_live_blocks(self, src_ids: list[int], dst_ids: list[int]) -> list[int]:
         """Commits a compaction batch: live ``src_ids[i]`` and free ``dst_ids[i]`` trade
@@ -267,19 +286,18 @@ class BlockTracker:
         freed_ids = [bwd[dst] for dst in dst_ids]
         assert all(refs[i] for i in moved_ids), "compaction moves live blocks only"
         assert not any(refs[i] for i in freed_ids), "compaction targets free slots only"
-        exp_heap, exp_flags = self._expendable.heap, self._expendable.flags
-        heappush = heapq.heappush
         for moved_id, freed_id, src, dst in zip(
             moved_ids, freed_ids, src_ids, dst_ids, strict=True
         ):
             fwd[moved_id], fwd[freed_id] = dst, src
             bwd[dst], bwd[src] = moved_id, freed_id
-            # src now holds a free block: expendable unless cached.
-            if not cached[freed_id] and not exp_flags[src]:
-                exp_flags[src] = 1
-                heappush(exp_heap, src)
-        self._mark_live(src_ids, False)
-        self._mark_live(dst_ids, True)
+        self._live.remove(src_ids)
+        self._live.add(dst_ids)
+        # A free block that is not cached leaves an expendable slot (dst) for another (src).
+        uncached = [index for index, freed_id in enumerate(freed_ids) if not cached[freed_id]]
+        if uncached:
+            self._expendable.remove([dst_ids[index] for index in uncached])
+            self._expendable.add([src_ids[index] for index in uncached])
         self._update_live_digests(moved_ids, dst_ids)
         changed = moved_ids + freed_ids
         self._remapped += changed
@@ -331,21 +349,16 @@ class BlockTracker:
         """Bookkeeping of blocks whose last reference just went (refs already 0); a block
         that becomes free is cached under prefix caching."""
         fwd, cached, caching = self.fwd, self.cached, self.prefix_caching
-        exp_heap, exp_flags = self._expendable.heap, self._expendable.flags
-        heappush = heapq.heappush
         physical_ids = [fwd[logical_id] for logical_id in logical_ids]  # never the null slot
         for logical_id in logical_ids:
             cached[logical_id] = caching
         self.digest ^= int(
             np.bitwise_xor.reduce(self._live_digests[np.asarray(logical_ids, dtype=np.intp)])
         )
-        if not caching:
-            for physical_id in physical_ids:
-                if not exp_flags[physical_id]:
-                    exp_flags[physical_id] = 1
-                    heappush(exp_heap, physical_id)
         self.num_live -= len(logical_ids)
-        self._mark_live(physical_ids, False)
+        self._live.remove(physical_ids)
+        if not caching:
+            self._expendable.add(physical_ids)
 
     def append_blocks(self, request_id: str, logical_ids: list[int]) -> list[int]:
         """Adds references for a request's new blocks; returns those that became live.
@@ -385,4 +398,13 @@ class BlockTracker:
         self._live_digests[np.asarray(logical_ids, dtype=np.intp)] = mixed
         self.digest ^= int(np.bitwise_xor.reduce(mixed))
         self.num_live += len(logical_ids)
-        self._mark_live(physical_ids, True)
+        self._live.add(physical_ids)
+        # A slot that held a free block was expendable unless the block was cached.
+        cached = self.cached
+        self._expendable.remove(
+            [
+                physical_id
+                for logical_id, physical_id in zip(logical_ids, physical_ids, strict=True)
+                if not cached[logical_id]
+            ]
+        )
