@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import operator
 import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -45,6 +46,7 @@ from kvdefrag.server._validate import validate_step
 from kvdefrag.server.config import EngineConfig
 
 _LOGGER = logging.getLogger(__name__)
+_IS_TWO_WAY = operator.attrgetter("is_two_way")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -291,9 +293,10 @@ class Engine:
             self._count_step(num_placed, num_unknown, [], MoveReport(0, 0, 0))
             raise
         self._count_step(num_placed, num_unknown, moves, report)
-        fwd = tracker.fwd
+        block_mapping = dict(zip(touched, map(tracker.fwd.__getitem__, touched), strict=True))
+        block_mapping.pop(NULL_BLOCK_ID, None)
         return StepResult(
-            block_mapping={i: fwd[i] for i in touched if i != NULL_BLOCK_ID},
+            block_mapping=block_mapping,
             moves=tuple(moves),
             num_placed=num_placed,
             num_unknown_finished=num_unknown,
@@ -311,7 +314,7 @@ class Engine:
         self._totals = Totals(
             num_steps=totals.num_steps + 1,
             num_moves=totals.num_moves + len(moves),
-            num_two_way_moves=totals.num_two_way_moves + sum(m.is_two_way for m in moves),
+            num_two_way_moves=totals.num_two_way_moves + sum(map(_IS_TWO_WAY, moves)),
             num_placements=totals.num_placements + num_placed,
             num_defrag_runs=totals.num_defrag_runs + bool(moves),
             num_bytes_moved=totals.num_bytes_moved + report.num_bytes,

@@ -21,6 +21,7 @@ no set iteration), so every rank of a tensor-parallel worker plans identically.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from itertools import repeat
 from typing import NamedTuple
 
 from kvdefrag.server._tracker import BlockTracker
@@ -62,4 +63,6 @@ def plan_compaction(tracker: BlockTracker, config: EngineConfig) -> list[Move]:
     src_ids, dst_ids = tracker.compaction_pairs(config.max_moves_per_step)
     # A free destination holds data only when it is cached (prefix caching).
     cached, bwd = tracker.cached, tracker.bwd
-    return list(map(Move, src_ids, dst_ids, [cached[bwd[dst]] for dst in dst_ids]))
+    is_two_way = [cached[bwd[dst]] for dst in dst_ids]
+    # NOTE: tuple.__new__ builds each Move in C (Move(...) runs a Python __new__ per move).
+    return list(map(tuple.__new__, repeat(Move), zip(src_ids, dst_ids, is_two_way, strict=True)))

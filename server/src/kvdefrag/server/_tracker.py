@@ -284,8 +284,8 @@ class BlockTracker:
         fwd, bwd, refs, cached = self.fwd, self.bwd, self.refs, self.cached
         moved_ids = [bwd[src] for src in src_ids]
         freed_ids = [bwd[dst] for dst in dst_ids]
-        assert all(refs[i] for i in moved_ids), "compaction moves live blocks only"
-        assert not any(refs[i] for i in freed_ids), "compaction targets free slots only"
+        assert all(map(refs.__getitem__, moved_ids)), "compaction moves live blocks only"
+        assert not any(map(refs.__getitem__, freed_ids)), "compaction targets free slots only"
         for moved_id, freed_id, src, dst in zip(
             moved_ids, freed_ids, src_ids, dst_ids, strict=True
         ):
