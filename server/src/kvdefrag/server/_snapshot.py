@@ -43,7 +43,7 @@ class MappingSnapshots:
         ``changed_ids`` (and nowhere else) changed since the last publish."""
         if not changed_ids:
             return
-        values = [fwd[logical_id] for logical_id in changed_ids]
+        values = list(map(fwd.__getitem__, changed_ids))
         target = 1 - self._current
         buffer = self._buffers[target]
         self._write_counts[target] += 1  # odd: readers of this buffer read again

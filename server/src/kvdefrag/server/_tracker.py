@@ -282,8 +282,8 @@ class BlockTracker:
             Every logical id whose slot changed.
         """
         fwd, bwd, refs, cached = self.fwd, self.bwd, self.refs, self.cached
-        moved_ids = [bwd[src] for src in src_ids]
-        freed_ids = [bwd[dst] for dst in dst_ids]
+        moved_ids = list(map(bwd.__getitem__, src_ids))
+        freed_ids = list(map(bwd.__getitem__, dst_ids))
         assert all(map(refs.__getitem__, moved_ids)), "compaction moves live blocks only"
         assert not any(map(refs.__getitem__, freed_ids)), "compaction targets free slots only"
         for moved_id, freed_id, src, dst in zip(
@@ -349,7 +349,7 @@ class BlockTracker:
         """Bookkeeping of blocks whose last reference just went (refs already 0); a block
         that becomes free is cached under prefix caching."""
         fwd, cached, caching = self.fwd, self.cached, self.prefix_caching
-        physical_ids = [fwd[logical_id] for logical_id in logical_ids]  # never the null slot
+        physical_ids = list(map(fwd.__getitem__, logical_ids))  # never the null slot
         for logical_id in logical_ids:
             cached[logical_id] = caching
         self.digest ^= int(
@@ -393,7 +393,7 @@ class BlockTracker:
     def _make_live(self, logical_ids: list[int]) -> None:
         """Bookkeeping of blocks that just got their first reference (refs already 1)."""
         fwd = self.fwd
-        physical_ids = [fwd[logical_id] for logical_id in logical_ids]
+        physical_ids = list(map(fwd.__getitem__, logical_ids))
         mixed = pair_digest_array(logical_ids, physical_ids)
         self._live_digests[np.asarray(logical_ids, dtype=np.intp)] = mixed
         self.digest ^= int(np.bitwise_xor.reduce(mixed))
