@@ -32,8 +32,8 @@ from collections.abc import Iterable, Mapping
 import numpy as np
 import numpy.typing as npt
 
-from kvdefrag.common import NULL_BLOCK_ID
-from kvdefrag.common.digest import pair_digest_array
+from kvdefrag.common import NULL_BLOCK_ID, pair_digest
+from kvdefrag.common.digest import MIN_VECTOR_PAIRS, pair_digest_array
 
 # Slots per chunk of the live summary (a power of two: chunk = slot >> _CHUNK_SHIFT).
 _CHUNK_SHIFT = 10
@@ -49,6 +49,9 @@ class _SlotSet:
     (the null block's) never is. The owner adds only slots not in the set and removes
     only slots in it (``add`` and ``remove`` do not check).
     """
+
+    # NOTE: the masks and counts are 1-D, so ``x.nonzero()[0]`` is ``np.flatnonzero(x)``
+    # without its Python wrappers (a few µs a call, several calls a step).
 
     def __init__(self, num_blocks: int) -> None:
         self.mask = np.zeros(num_blocks, dtype=np.bool_)
@@ -87,11 +90,11 @@ class _SlotSet:
         """Up to ``max_slots`` slots of the set, highest first."""
         found: list[npt.NDArray[np.intp]] = []
         num_found = 0
-        for chunk in np.flatnonzero(self.counts)[::-1].tolist():
+        for chunk in self.counts.nonzero()[0][::-1].tolist():
             if num_found >= max_slots:
                 break
             start = chunk << _CHUNK_SHIFT
-            found.append(np.flatnonzero(self.mask[start : start + _CHUNK_SLOTS])[::-1] + start)
+            found.append(self.mask[start : start + _CHUNK_SLOTS].nonzero()[0][::-1] + start)
             num_found += len(found[-1])
         return np.concatenate(found)[:max_slots] if found else np.empty(0, dtype=np.intp)
 
@@ -101,12 +104,12 @@ class _SlotSet:
         chunks = self.counts if is_in else self.counts < self._capacity
         found: list[npt.NDArray[np.intp]] = []
         num_found = 0
-        for chunk in np.flatnonzero(chunks).tolist():
+        for chunk in chunks.nonzero()[0].tolist():
             start = chunk << _CHUNK_SHIFT
             if num_found >= max_slots or start >= below:
                 break
             window = self.mask[start : min(start + _CHUNK_SLOTS, below)]
-            slots = np.flatnonzero(window if is_in else ~window) + start
+            slots = (window if is_in else ~window).nonzero()[0] + start
             if start == NULL_BLOCK_ID and not is_in:
                 slots = slots[slots != NULL_BLOCK_ID]
             found.append(slots)
@@ -115,11 +118,11 @@ class _SlotSet:
 
     def max(self) -> int:
         """The highest slot of the set, 0 when it is empty."""
-        chunks = np.flatnonzero(self.counts)
+        chunks = self.counts.nonzero()[0]
         if not len(chunks):
             return 0
         start = int(chunks[-1]) << _CHUNK_SHIFT
-        return start + int(np.flatnonzero(self.mask[start : start + _CHUNK_SLOTS])[-1])
+        return start + int(self.mask[start : start + _CHUNK_SLOTS].nonzero()[0][-1])
 
 
 class BlockTracker:
@@ -308,10 +311,19 @@ class BlockTracker:
         re-mixes their digests."""
         if not logical_ids:
             return
+        live_digests = self._live_digests
+        if len(logical_ids) < MIN_VECTOR_PAIRS:  # numpy's per-call cost would dominate
+            digest = self.digest
+            for logical_id, physical_id in zip(logical_ids, physical_ids, strict=True):
+                moved_digest = pair_digest(logical_id, physical_id)
+                digest ^= int(live_digests[logical_id]) ^ moved_digest
+                live_digests[logical_id] = moved_digest
+            self.digest = digest
+            return
         ids = np.asarray(logical_ids, dtype=np.intp)
         moved = pair_digest_array(ids, physical_ids)
-        self.digest ^= int(np.bitwise_xor.reduce(self._live_digests[ids] ^ moved))
-        self._live_digests[ids] = moved
+        self.digest ^= int(np.bitwise_xor.reduce(live_digests[ids] ^ moved))
+        live_digests[ids] = moved
 
     def take_remapped(self) -> list[int]:
         """Returns the logical ids whose ``fwd`` changed since the last call (repeats
@@ -394,9 +406,18 @@ class BlockTracker:
         """Bookkeeping of blocks that just got their first reference (refs already 1)."""
         fwd = self.fwd
         physical_ids = list(map(fwd.__getitem__, logical_ids))
-        mixed = pair_digest_array(logical_ids, physical_ids)
-        self._live_digests[np.asarray(logical_ids, dtype=np.intp)] = mixed
-        self.digest ^= int(np.bitwise_xor.reduce(mixed))
+        live_digests = self._live_digests
+        if len(logical_ids) < MIN_VECTOR_PAIRS:  # numpy's per-call cost would dominate
+            digest = self.digest
+            for logical_id, physical_id in zip(logical_ids, physical_ids, strict=True):
+                became_live = pair_digest(logical_id, physical_id)
+                live_digests[logical_id] = became_live
+                digest ^= became_live
+            self.digest = digest
+        else:
+            mixed = pair_digest_array(logical_ids, physical_ids)
+            live_digests[np.asarray(logical_ids, dtype=np.intp)] = mixed
+            self.digest ^= int(np.bitwise_xor.reduce(mixed))
         self.num_live += len(logical_ids)
         self._live.add(physical_ids)
         # A slot that held a free block was expendable unless the block was cached.
