@@ -15,8 +15,9 @@ step frees more than it moves and compaction stays busy. The same steps also run
 an in-process ``Engine`` (no gRPC), so the report splits the round trip into engine work
 and what the wire adds.
 
-Run alone: ``python bench/grpc_roundtrip.py [--quick]``; ``bench/run.py`` calls
-``run_grpc_bench`` and prints ``format_grpc_bench``.
+Run alone: ``python bench/grpc_roundtrip.py [--quick]`` (client and server in one
+process). ``make bench`` runs ``step_weights.py`` instead (the server in its own process),
+which reuses this module's heavy steps, echo server and echo client.
 """
 
 from __future__ import annotations

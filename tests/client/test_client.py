@@ -245,17 +245,17 @@ def test_cut_after_the_server_applied_a_step_replays_it_once(
     pool = serve_pool(serve, socket_dir / "server.sock")
     proxy = CuttingProxy(str(socket_dir / "proxy.sock"), str(socket_dir / "server.sock"))
     engine = pool.handle.engine
-    real_step = engine.step
+    real_apply_events = engine.apply_events  # what the servicer calls
     cut_after: list[int] = []
 
-    def step_then_cut(**events: Any) -> Any:
-        result = real_step(**events)
+    def apply_then_cut(events: Any) -> Any:
+        result = real_apply_events(events)
         if cut_after:
             cut_after.clear()
             proxy.cut()  # the reply of an applied step never reaches the client
         return result
 
-    monkeypatch.setattr(engine, "step", step_then_cut)
+    monkeypatch.setattr(engine, "apply_events", apply_then_cut)
     try:
         with DefragClient(proxy.address, timeout_s=10) as client:
             fragment(client, pool.signed)

@@ -48,6 +48,18 @@ def test_new_blocks_and_deltas_update_mapping_and_digest() -> None:
     assert digest == mirror.digest == mapping_digest([(5, 1), (9, 2)])
 
 
+def test_an_id_listed_twice_in_the_deltas_ends_with_its_last_mapping() -> None:
+    mirror = Mirror(64)
+    events = StepEvents.build(new_blocks={"a": list(range(1, 41))})
+    logical_ids = [*range(1, 41), 5]  # 5 twice: first to 25, then to 63
+    physical_ids = [*range(21, 61), 63]
+
+    digest = mirror.apply_step(events, logical_ids, physical_ids)
+
+    assert mirror.fwd[5] == 63
+    assert digest == mapping_digest(mirror.live_pairs())
+
+
 def test_finished_releases_and_unknown_finished_is_tolerated() -> None:
     mirror = Mirror(16)
     mirror.apply_step(events(new_blocks={"a": [3], "b": [4]}), [], [])

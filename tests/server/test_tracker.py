@@ -2,9 +2,13 @@
 
 import random
 
+import numpy as np
+
 from kvdefrag.common import pair_digest
+from kvdefrag.common.digest import pair_digest_array, pair_digests
 from kvdefrag.server._policy import plan_compaction
-from kvdefrag.server._tracker import BlockTracker, pair_digests
+from kvdefrag.server._snapshot import MappingSnapshots
+from kvdefrag.server._tracker import BlockTracker
 from kvdefrag.server.config import EngineConfig
 
 
@@ -15,9 +19,10 @@ def test_batch_digest_equals_the_scalar_digest_on_both_paths() -> None:
         physical = [rng.randrange(1, 1 << 31) for _ in range(size)]
         expected = [pair_digest(l_id, p_id) for l_id, p_id in zip(logical, physical, strict=True)]
         assert pair_digests(logical, physical) == expected
+        assert pair_digest_array(logical, physical).tolist() == expected  # the tracker's
 
 
-def test_fwd_array_follows_fwd_after_flush() -> None:
+def test_published_mapping_follows_fwd_after_a_compaction() -> None:
     tracker = BlockTracker(4096, prefix_caching=False)
     rng = random.Random(3)
     live = rng.sample(range(2048, 4096), 600)
@@ -27,10 +32,15 @@ def test_fwd_array_follows_fwd_after_flush() -> None:
     src_ids = [move.src_physical_id for move in moves]
     dst_ids = [move.dst_physical_id for move in moves]
     assert len(src_ids) == 512 and all(dst < src for src, dst in zip(src_ids, dst_ids, strict=True))
+    snapshots = MappingSnapshots(4096)
+    snapshots.publish(tracker.fwd, tracker.take_remapped())
+    everything = np.arange(4096)
+    assert snapshots.read(everything).tolist() == tracker.fwd
     tracker.move_live_blocks(src_ids, dst_ids)
-    assert tracker.fwd_array.tolist() != tracker.fwd  # not synced until flush()
-    tracker.flush()
-    assert tracker.fwd_array.tolist() == tracker.fwd
+    assert snapshots.read(everything).tolist() != tracker.fwd  # not until published
+    snapshots.publish(tracker.fwd, tracker.take_remapped())
+    assert snapshots.read(everything).tolist() == tracker.fwd
+    assert tracker.take_remapped() == []
     assert sorted(tracker.fwd) == list(range(4096))
     assert all(tracker.bwd[tracker.fwd[i]] == i for i in range(4096))
     live_pairs = [(i, tracker.fwd[i]) for i in live]

@@ -14,10 +14,14 @@ the live mapping incrementally and compare it with the one in every reply::
 
 from __future__ import annotations
 
+import collections
+import functools
+import itertools
 import operator
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 from kvdefrag.common import NULL_BLOCK_ID, InvalidArgument, StepEvents, pair_digest
+from kvdefrag.common.digest import pair_digests
 
 
 class Mirror:
@@ -125,29 +129,53 @@ class Mirror:
                 f"reply: {len(logical_ids)} logical ids but {len(physical_ids)} physical ids"
             )
         num_blocks = self.num_blocks
-        for logical_id, physical_id in zip(logical_ids, physical_ids, strict=True):
-            if not (0 < logical_id < num_blocks and 0 < physical_id < num_blocks):
-                raise InvalidArgument(
-                    f"reply: mapping {logical_id} -> {physical_id} is outside [1, {num_blocks})"
-                )
+        if logical_ids and (
+            min(logical_ids) < 1
+            or max(logical_ids) >= num_blocks
+            or min(physical_ids) < 1
+            or max(physical_ids) >= num_blocks
+        ):
+            for logical_id, physical_id in zip(logical_ids, physical_ids, strict=True):
+                if not (0 < logical_id < num_blocks and 0 < physical_id < num_blocks):
+                    raise InvalidArgument(
+                        f"reply: mapping {logical_id} -> {physical_id} is outside [1, {num_blocks})"
+                    )
         # NOTE: the engine's order: finished, resumed (drop, then append), new blocks.
         for request_id in events.finished:
             self._drop(request_id)
         for request_id in events.resumed:
             self._drop(request_id)
+        became_live: list[int] = []
         for lists in (events.resumed, events.new_blocks):
             for request_id, block_ids in lists.items():
-                self._append(request_id, block_ids)
+                self._append(request_id, block_ids, became_live)
         fwd = self.fwd
         refs = self.refs
         live_digests = self._live_digests
         digest = self.digest
-        for logical_id, physical_id in zip(logical_ids, physical_ids, strict=True):
-            if refs[logical_id]:
-                moved = pair_digest(logical_id, physical_id)
-                digest ^= live_digests[logical_id] ^ moved
-                live_digests[logical_id] = moved
-            fwd[logical_id] = physical_id
+        if became_live:
+            mixed = pair_digests(became_live, list(map(fwd.__getitem__, became_live)))
+            _consume(map(live_digests.__setitem__, became_live, mixed))
+            digest ^= functools.reduce(operator.xor, mixed, 0)
+        # NOTE: map/filter/compress run these per-id loops in C; deltas can be thousands.
+        moved_ids = list(filter(refs.__getitem__, logical_ids))
+        if moved_ids:
+            moved_to = (
+                physical_ids
+                if len(moved_ids) == len(logical_ids)
+                else list(itertools.compress(physical_ids, map(refs.__getitem__, logical_ids)))
+            )
+            moved = pair_digests(moved_ids, moved_to)
+            if len(set(moved_ids)) == len(moved_ids):
+                digest ^= functools.reduce(
+                    operator.xor, map(live_digests.__getitem__, moved_ids), 0
+                ) ^ functools.reduce(operator.xor, moved, 0)
+                _consume(map(live_digests.__setitem__, moved_ids, moved))
+            else:  # an id listed twice ends as it would, one delta after the other
+                for logical_id, mixed_id in zip(moved_ids, moved, strict=True):
+                    digest ^= live_digests[logical_id] ^ mixed_id
+                    live_digests[logical_id] = mixed_id
+        _consume(map(fwd.__setitem__, logical_ids, physical_ids))
         self.digest = digest
         return digest
 
@@ -156,15 +184,24 @@ class Mirror:
         if logical_ids is None:
             return
         refs = self.refs
+        live_digests = self._live_digests
+        digest = self.digest
         for logical_id in logical_ids:
             if logical_id == NULL_BLOCK_ID:
                 continue
-            refs[logical_id] -= 1
-            assert refs[logical_id] >= 0, f"mirror: block {logical_id} released twice"
-            if not refs[logical_id]:
-                self.digest ^= self._live_digests[logical_id]
+            count = refs[logical_id] - 1
+            assert count >= 0, f"mirror: block {logical_id} released twice"
+            refs[logical_id] = count
+            if not count:
+                digest ^= live_digests[logical_id]
+        self.digest = digest
 
-    def _append(self, request_id: str, logical_ids: list[int]) -> None:
+    def _append(
+        self, request_id: str, logical_ids: list[int], became_live: list[int] | None = None
+    ) -> None:
+        """Adds a request's references. Blocks that become live are mixed into the digest
+        here, or listed in ``became_live`` for the caller to mix in (with the mapping as
+        it is now)."""
         held = self.requests.get(request_id)
         if held is None:
             if all(logical_id == NULL_BLOCK_ID for logical_id in logical_ids):
@@ -177,7 +214,15 @@ class Mirror:
             if logical_id == NULL_BLOCK_ID:
                 continue
             if not refs[logical_id]:
-                became_live = pair_digest(logical_id, fwd[logical_id])
-                self._live_digests[logical_id] = became_live
-                self.digest ^= became_live
+                if became_live is not None:
+                    became_live.append(logical_id)
+                else:
+                    mixed = pair_digest(logical_id, fwd[logical_id])
+                    self._live_digests[logical_id] = mixed
+                    self.digest ^= mixed
             refs[logical_id] += 1
+
+
+def _consume(iterator: Iterator[object]) -> None:
+    """Runs an iterator to its end (a C loop: ``map`` of a setter, for its effect)."""
+    collections.deque(iterator, maxlen=0)

@@ -17,7 +17,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
-from kvdefrag.common import InvalidArgument, PoolStats, StepEvents
+from kvdefrag.common import InvalidArgument, PoolStats, StepEvents, Totals
 from kvdefrag.common.errors import quote
 from kvdefrag.server._engine import RequestPage, StepResult
 from kvdefrag.v1 import defrag_pb2 as pb
@@ -178,10 +178,17 @@ def min_message_bytes(num_blocks: int, max_moves_per_step: int) -> int:
     return max_step_response_bytes(one_block, num_blocks, max_moves_per_step)
 
 
+_GAUGE_NAMES = PoolStats.gauge_names()
+_TOTAL_NAMES = tuple(field.name for field in dataclasses.fields(Totals))
+
+
 def stats_message(stats: PoolStats) -> Message:
     """Converts PoolStats to a Stats message (the gauges and totals by field name)."""
-    fields = {name: getattr(stats, name) for name in PoolStats.gauge_names()}
-    return pb.Stats(**fields, **dataclasses.asdict(stats.totals))
+    totals = stats.totals
+    return pb.Stats(
+        **{name: getattr(stats, name) for name in _GAUGE_NAMES},
+        **{name: getattr(totals, name) for name in _TOTAL_NAMES},
+    )
 
 
 def step_response(result: StepResult, seq: int, epoch: int) -> Message:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import operator
 import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -39,11 +40,13 @@ from kvdefrag.common.errors import quote
 from kvdefrag.server import _policy
 from kvdefrag.server._executor import KvCaches, MoveReport, SwapExecutor, make_executor
 from kvdefrag.server._policy import Move
+from kvdefrag.server._snapshot import MappingSnapshots
 from kvdefrag.server._tracker import BlockTracker
 from kvdefrag.server._validate import validate_step
 from kvdefrag.server.config import EngineConfig
 
 _LOGGER = logging.getLogger(__name__)
+_IS_TWO_WAY = operator.attrgetter("is_two_way")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,9 +109,9 @@ class StepObserver(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class _Published:
-    """What lock-free readers see: replaced whole at the end of each step or reset."""
+    """What lock-free readers see besides the mapping (``MappingSnapshots``): replaced
+    whole at the end of each step or reset."""
 
-    fwd: npt.NDArray[np.int64]
     digest: int
     stats: PoolStats
 
@@ -177,7 +180,8 @@ class Engine:
         # Counts the steps applied (failed ones included) and resets: a request page
         # token names the generation its first page saw.
         self._generation = 0
-        self._published = self._publish_locked(is_new_tracker=True)
+        self._snapshots = MappingSnapshots(self.num_blocks)
+        self._published = self._publish_locked()
 
     def add_observer(self, observer: StepObserver) -> None:
         """Adds an observer told about every later step, move failure and reset."""
@@ -211,6 +215,18 @@ class Engine:
         events = StepEvents.build(
             finished=finished, new_blocks=new_blocks, resumed=resumed, fresh=fresh, evicted=evicted
         )
+        return self.apply_events(events)
+
+    def apply_events(self, events: StepEvents) -> StepResult:
+        """``step`` for events that are already a ``StepEvents`` (the servicer's path).
+
+        The types are taken as ``StepEvents.build`` (or a proto conversion) guarantees
+        them, and nothing is copied: the caller must not change ``events`` afterwards.
+        The pool checks (ranges, duplicates, fresh blocks) run as in ``step``.
+
+        Raises:
+            InvalidArgument, EngineUnhealthy: As ``step``.
+        """
         started = time.perf_counter()
         with self._lock:
             if self._unhealthy_reason is not None:
@@ -218,13 +234,16 @@ class Engine:
             validate_step(self._tracker, events)
             self._generation += 1
             move_failed = False
+            result: StepResult | None = None
             try:
                 result = self._apply(events)
             except EngineUnhealthy:
                 move_failed = True
                 raise
             finally:
-                self._published = self._publish_locked()
+                self._published = self._publish_locked(
+                    stats=None if result is None else result.stats
+                )
                 if move_failed:
                     self._notify("on_move_failure")
         self._notify("on_step", result, time.perf_counter() - started)
@@ -252,16 +271,15 @@ class Engine:
 
     def _apply(self, events: StepEvents) -> StepResult:
         tracker = self._tracker
-        num_unknown = sum(not tracker.drop_request(rid) for rid in events.finished)
-        for request_id in events.resumed:
-            tracker.drop_request(request_id)
+        num_unknown = len(events.finished) - tracker.drop_requests(events.finished)
+        tracker.drop_requests(events.resumed)
         for logical_id in events.evicted:
             tracker.evict(logical_id)
         touched: list[int] = []
         newly_live: list[int] = []
         for lists in (events.resumed, events.new_blocks):
-            for request_id, logical_ids in lists.items():
-                newly_live += tracker.append_blocks(request_id, logical_ids)
+            newly_live += tracker.append_requests(lists)
+            for logical_ids in lists.values():
                 touched += logical_ids
         fresh = events.fresh
         if fresh is None:
@@ -275,9 +293,10 @@ class Engine:
             self._count_step(num_placed, num_unknown, [], MoveReport(0, 0, 0))
             raise
         self._count_step(num_placed, num_unknown, moves, report)
-        fwd = tracker.fwd
+        block_mapping = dict(zip(touched, map(tracker.fwd.__getitem__, touched), strict=True))
+        block_mapping.pop(NULL_BLOCK_ID, None)
         return StepResult(
-            block_mapping={i: fwd[i] for i in touched if i != NULL_BLOCK_ID},
+            block_mapping=block_mapping,
             moves=tuple(moves),
             num_placed=num_placed,
             num_unknown_finished=num_unknown,
@@ -292,28 +311,20 @@ class Engine:
         self, num_placed: int, num_unknown: int, moves: list[Move], report: MoveReport
     ) -> None:
         totals = self._totals
-        self._totals = dataclasses.replace(
-            totals,
+        self._totals = Totals(
             num_steps=totals.num_steps + 1,
-            num_placements=totals.num_placements + num_placed,
-            num_unknown_finished=totals.num_unknown_finished + num_unknown,
-            num_defrag_runs=totals.num_defrag_runs + bool(moves),
             num_moves=totals.num_moves + len(moves),
-            num_two_way_moves=totals.num_two_way_moves + sum(m.is_two_way for m in moves),
+            num_two_way_moves=totals.num_two_way_moves + sum(map(_IS_TWO_WAY, moves)),
+            num_placements=totals.num_placements + num_placed,
+            num_defrag_runs=totals.num_defrag_runs + bool(moves),
             num_bytes_moved=totals.num_bytes_moved + report.num_bytes,
+            num_unknown_finished=totals.num_unknown_finished + num_unknown,
         )
 
     def _place(self, fresh: list[int], touched: list[int]) -> int:
         """Re-points each fresh block to the slot the policy picks (no copy)."""
-        tracker = self._tracker
-        num_placed = 0
-        for logical_id in dict.fromkeys(fresh):
-            physical_id = tracker.fwd[logical_id]
-            target = _policy.placement_target(tracker, physical_id)
-            if target is None:
-                continue
-            touched += tracker.swap_slots(physical_id, target)
-            num_placed += 1
+        num_placed, changed = _policy.place_fresh(self._tracker, fresh)
+        touched += changed
         return num_placed
 
     def _compact(self, touched: list[int]) -> tuple[list[Move], MoveReport, float]:
@@ -329,7 +340,6 @@ class Engine:
             try:
                 report = self._executor.execute(moves)
             except Exception as err:
-                tracker.restore_slots([slot for move in moves for slot in move[:2]])
                 self._unhealthy_reason = (
                     f"the events of step {self._totals.num_steps + 1} (counted since the "
                     "last reset, like seq) were applied without its compaction: the KV "
@@ -348,16 +358,14 @@ class Engine:
             self._published = self._publish_locked()
         return moves, report, swap_s
 
-    def _publish_locked(self, *, is_new_tracker: bool = False) -> _Published:
-        """Snapshots the mapping for lock-free readers (copy-on-write of the fwd array)."""
+    def _publish_locked(self, *, stats: PoolStats | None = None) -> _Published:
+        """Publishes the mapping's changes for lock-free readers (O(changes)) and returns
+        the digest and ``stats`` (the pool statistics of now, computed if None)."""
         tracker = self._tracker
-        if is_new_tracker or tracker.has_unflushed_changes():
-            tracker.flush()
-            fwd = tracker.fwd_array.copy()
-            fwd.flags.writeable = False
-        else:
-            fwd = self._published.fwd
-        return _Published(fwd=fwd, digest=tracker.digest, stats=self._stats_locked())
+        self._snapshots.publish(tracker.fwd, tracker.take_remapped())
+        if stats is None:
+            stats = self._stats_locked()
+        return _Published(digest=tracker.digest, stats=stats)
 
     # --- reads ------------------------------------------------------------------------
     def resolve(self, logical_ids: Sequence[int] | npt.ArrayLike) -> npt.NDArray[np.int64]:
@@ -373,8 +381,7 @@ class Engine:
         if ids.size and (ids.min() < 0 or ids.max() >= self.num_blocks):
             bad = int(ids[(ids < 0) | (ids >= self.num_blocks)][0])
             raise InvalidArgument(f"resolve: block id {bad} is outside [0, {self.num_blocks})")
-        physical_ids: npt.NDArray[np.int64] = self._published.fwd[ids]
-        return physical_ids
+        return self._snapshots.read(ids)
 
     def resolve_tables(self, tables: Sequence[Sequence[int]]) -> list[list[int]]:
         """Maps every block table (one list of logical ids per request) to physical ids."""
@@ -444,7 +451,9 @@ class Engine:
                 raise NotFound(f"request_id {quote(request_id)} is not running")
             # NOTE: under the lock no step is half done, so the published mapping is
             # the one of the tracker's request table.
-            physical_ids: list[int] = self._published.fwd[blocks].tolist()
+            physical_ids: list[int] = self._snapshots.read(
+                np.asarray(blocks, dtype=np.int64)
+            ).tolist()
             return list(blocks), physical_ids
 
     def list_requests(self) -> dict[str, list[int]]:
@@ -503,5 +512,6 @@ class Engine:
             self._unhealthy_reason = None
             self._force_defrag = False
             self._generation += 1
-            self._published = self._publish_locked(is_new_tracker=True)
+            self._snapshots = MappingSnapshots(self.num_blocks)
+            self._published = self._publish_locked()
         self._notify("on_reset")

@@ -20,6 +20,8 @@ no set iteration), so every rank of a tensor-parallel worker plans identically.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from itertools import repeat
 from typing import NamedTuple
 
 from kvdefrag.server._tracker import BlockTracker
@@ -46,32 +48,21 @@ def should_compact(tracker: BlockTracker, config: EngineConfig, *, is_forced: bo
     return is_forced or tracker.max_live - tracker.num_live > config.threshold
 
 
-def placement_target(tracker: BlockTracker, physical_id: int) -> int | None:
-    """The slot a fresh block at ``physical_id`` should take, or None to stay put."""
-    target = tracker.lowest_expendable()
-    if target is None or target > physical_id:
-        return None
-    return target
+def place_fresh(tracker: BlockTracker, fresh_ids: Iterable[int]) -> tuple[int, list[int]]:
+    """Re-points each fresh block, in order, to the lowest expendable slot below it.
+
+    Returns:
+        How many blocks were re-pointed, and every logical id whose slot changed.
+    """
+    return tracker.place_fresh_blocks(dict.fromkeys(fresh_ids))
 
 
 def plan_compaction(tracker: BlockTracker, config: EngineConfig) -> list[Move]:
-    """Pairs the highest live slots with the lowest free slots below them.
-
-    The slots of the returned moves are taken out of the tracker's indexes: the caller
-    commits them (``BlockTracker.move_live_blocks``) or hands them back
-    (``BlockTracker.restore_slots``).
-    """
-    max_moves = config.max_moves_per_step
-    holds_data = tracker.holds_data
-    moves: list[Move] = []
-    live_slots, free_slots = tracker.pop_live_slots(), tracker.pop_free_slots()
-    while len(moves) < max_moves:
-        src = next(live_slots, None)
-        if src is None:
-            break
-        dst = next(free_slots, None)
-        if dst is None or dst > src:
-            tracker.restore_slots((src,) if dst is None else (src, dst))
-            break
-        moves.append(Move(src, dst, holds_data(dst)))
-    return moves
+    """Pairs the highest live slots with the lowest free slots below them (nothing
+    changes until the caller commits them with ``BlockTracker.move_live_blocks``)."""
+    src_ids, dst_ids = tracker.compaction_pairs(config.max_moves_per_step)
+    # A free destination holds data only when it is cached (prefix caching).
+    cached, bwd = tracker.cached, tracker.bwd
+    is_two_way = [cached[bwd[dst]] for dst in dst_ids]
+    # NOTE: tuple.__new__ builds each Move in C (Move(...) runs a Python __new__ per move).
+    return list(map(tuple.__new__, repeat(Move), zip(src_ids, dst_ids, is_two_way, strict=True)))

@@ -388,7 +388,7 @@ class DefragServicer:
             self._check_reply_bound(events)
             num_steps = engine.stats().totals.num_steps
             try:
-                result = engine.step(**events.as_kwargs())
+                result = engine.apply_events(events)
             except EngineUnhealthy:
                 if engine.stats().totals.num_steps > num_steps:
                     # NOTE: applied without its compaction (docs/design.md §4): the seq

@@ -9,75 +9,120 @@ Two id spaces meet here::
 
 Reference counts and the "cached" flag belong to *logical* ids (prefix caching shares and
 caches the scheduler's blocks); the packing question -- which slots are live, which are
-holes -- is asked in *physical* space. Three lazy heaps answer it in O(log n) per change,
-so no step ever scans or sorts the pool.
+holes, which may be overwritten -- is asked in *physical* space. Two slot sets answer it
+(live, expendable), each a bitmap with a count per 1,024-slot chunk: numpy reads the
+counts, then only the chunks that hold the slots asked for, so no step ever scans or
+sorts the pool::
+
+    counts  [1024, 1024, 997, 0, ..., 12, 0]   slots in the set per chunk (1/1024 of the pool)
+    mask    [0 1 1 1 ... ]                       one bool per physical slot
 
 NOTE: the per-block state is kept in Python lists, not numpy arrays: the hot path reads
-and writes single elements, which lists do several times faster. ``fwd_array`` is a numpy
-copy of ``fwd`` for vectorised resolve, brought up to date by ``flush`` in O(changes).
+and writes single elements, which lists do several times faster; batches of changes go
+through one loop each, and the live bitmap is updated one batch at a time. The ids whose
+``fwd`` changed are handed to the engine (``take_remapped``), which publishes them for
+vectorised, lock-free resolve (``_snapshot``).
 """
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Mapping
 
 import numpy as np
 import numpy.typing as npt
 
 from kvdefrag.common import NULL_BLOCK_ID, pair_digest
-from kvdefrag.common.digest import DIGEST_INCREMENT, DIGEST_MULTIPLIER_1, DIGEST_MULTIPLIER_2
+from kvdefrag.common.digest import MIN_VECTOR_PAIRS, pair_digest_array
+
+# Slots per chunk of the live summary (a power of two: chunk = slot >> _CHUNK_SHIFT).
+_CHUNK_SHIFT = 10
+_CHUNK_SLOTS = 1 << _CHUNK_SHIFT
+# Up to this many slots, a slot set is updated element by element.
+_MAX_SCALAR_UPDATES = 8
 
 
-def pair_digests(logical_ids: list[int], physical_ids: list[int]) -> list[int]:
-    """``pair_digest`` of many pairs; numpy for batches, the same values."""
-    if len(logical_ids) < 32:
-        return [
-            pair_digest(l_id, p_id) for l_id, p_id in zip(logical_ids, physical_ids, strict=True)
-        ]
-    logical = np.asarray(logical_ids, dtype=np.uint64)
-    physical = np.asarray(physical_ids, dtype=np.uint64)
-    z = (logical << np.uint64(32)) ^ physical ^ np.uint64(DIGEST_INCREMENT)
-    z = (z ^ (z >> np.uint64(30))) * np.uint64(DIGEST_MULTIPLIER_1)
-    z = (z ^ (z >> np.uint64(27))) * np.uint64(DIGEST_MULTIPLIER_2)
-    z ^= z >> np.uint64(31)
-    digests: list[int] = z.tolist()
-    return digests
+class _SlotSet:
+    """A set of physical slots: a bitmap, and how many slots of each chunk are in it.
 
-
-class _SlotHeap:
-    """A lazy heap of physical slots whose entries are re-checked when read.
-
-    Invariant: every slot that satisfies the owner's predicate has an entry (its flag is
-    set), and a flagged slot has exactly one entry. Entries whose slot no longer satisfies
-    the predicate are dropped when they reach the top, so each change costs O(log n)
-    amortised.
+    Invariants: ``counts[c]`` is the number of slots of chunk ``c`` in the set; slot 0
+    (the null block's) never is. The owner adds only slots not in the set and removes
+    only slots in it (``add`` and ``remove`` do not check).
     """
 
-    def __init__(self, num_blocks: int, slots: Iterable[int], descending: bool) -> None:
-        self._sign = -1 if descending else 1
-        self.flags = bytearray(num_blocks)
-        self.heap: list[int] = []
-        for slot in slots:
-            self.flags[slot] = 1
-            self.heap.append(self._sign * slot)
-        heapq.heapify(self.heap)
+    # NOTE: the masks and counts are 1-D, so ``x.nonzero()[0]`` is ``np.flatnonzero(x)``
+    # without its Python wrappers (a few µs a call, several calls a step).
 
-    def push(self, slot: int) -> None:
-        if not self.flags[slot]:
-            self.flags[slot] = 1
-            heapq.heappush(self.heap, self._sign * slot)
+    def __init__(self, num_blocks: int) -> None:
+        self.mask = np.zeros(num_blocks, dtype=np.bool_)
+        num_chunks = ((num_blocks - 1) >> _CHUNK_SHIFT) + 1
+        self.counts = np.zeros(num_chunks, dtype=np.int64)
+        capacity = np.full(num_chunks, _CHUNK_SLOTS, dtype=np.int64)
+        capacity[-1] = num_blocks - ((num_chunks - 1) << _CHUNK_SHIFT)
+        capacity[0] -= 1  # the null slot
+        self._capacity = capacity
 
-    def top(self, is_valid: Callable[[int], bool]) -> int | None:
-        """Returns the best valid slot, dropping stale entries above it; None if empty."""
-        heap = self.heap
-        while heap:
-            slot = self._sign * heap[0]
-            if is_valid(slot):
-                return slot
-            heapq.heappop(heap)
-            self.flags[slot] = 0
-        return None
+    def add(self, physical_ids: list[int]) -> None:
+        """Adds slots that are not in the set (each listed once)."""
+        self._update(physical_ids, True)
+
+    def remove(self, physical_ids: list[int]) -> None:
+        """Removes slots that are in the set (each listed once)."""
+        self._update(physical_ids, False)
+
+    def _update(self, physical_ids: list[int], is_in: bool) -> None:
+        mask, counts = self.mask, self.counts
+        if len(physical_ids) <= _MAX_SCALAR_UPDATES:  # numpy's per-call cost would dominate
+            delta = 1 if is_in else -1
+            for physical_id in physical_ids:
+                mask[physical_id] = is_in
+                counts[physical_id >> _CHUNK_SHIFT] += delta
+            return
+        slots = np.asarray(physical_ids, dtype=np.intp)
+        mask[slots] = is_in
+        chunk_counts = np.bincount(slots >> _CHUNK_SHIFT, minlength=len(counts))
+        if is_in:
+            counts += chunk_counts
+        else:
+            counts -= chunk_counts
+
+    def highest(self, max_slots: int) -> npt.NDArray[np.intp]:
+        """Up to ``max_slots`` slots of the set, highest first."""
+        found: list[npt.NDArray[np.intp]] = []
+        num_found = 0
+        for chunk in self.counts.nonzero()[0][::-1].tolist():
+            if num_found >= max_slots:
+                break
+            start = chunk << _CHUNK_SHIFT
+            found.append(self.mask[start : start + _CHUNK_SLOTS].nonzero()[0][::-1] + start)
+            num_found += len(found[-1])
+        return np.concatenate(found)[:max_slots] if found else np.empty(0, dtype=np.intp)
+
+    def lowest(self, max_slots: int, below: int, *, is_in: bool) -> npt.NDArray[np.intp]:
+        """Up to ``max_slots`` slots below ``below``, lowest first: slots of the set, or
+        (``is_in=False``) slots not in it, the null slot excepted."""
+        chunks = self.counts if is_in else self.counts < self._capacity
+        found: list[npt.NDArray[np.intp]] = []
+        num_found = 0
+        for chunk in chunks.nonzero()[0].tolist():
+            start = chunk << _CHUNK_SHIFT
+            if num_found >= max_slots or start >= below:
+                break
+            window = self.mask[start : min(start + _CHUNK_SLOTS, below)]
+            slots = (window if is_in else ~window).nonzero()[0] + start
+            if start == NULL_BLOCK_ID and not is_in:
+                slots = slots[slots != NULL_BLOCK_ID]
+            found.append(slots)
+            num_found += len(slots)
+        return np.concatenate(found)[:max_slots] if found else np.empty(0, dtype=np.intp)
+
+    def max(self) -> int:
+        """The highest slot of the set, 0 when it is empty."""
+        chunks = self.counts.nonzero()[0]
+        if not len(chunks):
+            return 0
+        start = int(chunks[-1]) << _CHUNK_SHIFT
+        return start + int(self.mask[start : start + _CHUNK_SLOTS].nonzero()[0][-1])
 
 
 class BlockTracker:
@@ -93,6 +138,9 @@ class BlockTracker:
           must be kept (prefix caching).
         * Every request in ``requests`` holds at least one block other than the null
           block (``append_blocks`` keeps no other).
+        * Slot ``p`` is in ``_live`` exactly when ``refs[bwd[p]] > 0``, and in
+          ``_expendable`` exactly when ``p != 0``, ``refs[bwd[p]] == 0`` and not
+          ``cached[bwd[p]]`` (free, holding nothing to keep).
     """
 
     def __init__(self, num_blocks: int, prefix_caching: bool) -> None:
@@ -103,23 +151,18 @@ class BlockTracker:
         self.bwd: list[int] = list(range(num_blocks))
         self.refs: list[int] = [0] * num_blocks
         self.cached: list[bool] = [False] * num_blocks
-        self.fwd_array: npt.NDArray[np.int64] = np.arange(num_blocks, dtype=np.int64)
-        self._remapped: list[int] = []  # logical ids whose fwd changed since flush()
+        self._remapped: list[int] = []  # logical ids whose fwd changed since take_remapped()
         self.requests: dict[str, list[int]] = {}
         self.num_live = 0
         self.digest = 0
         # pair_digest(l, fwd[l]) as of when l became live or last moved (stale while free),
-        # so releases and moves XOR the stored value out instead of recomputing it.
-        self._live_digests: list[int] = [0] * num_blocks
-        slots = range(1, num_blocks)
-        self._live = _SlotHeap(num_blocks, (), descending=True)
-        self._free = _SlotHeap(num_blocks, slots, descending=False)
-        self._expendable = _SlotHeap(num_blocks, slots, descending=False)
+        # so releases and moves XOR the stored values out (numpy, a batch at a time).
+        self._live_digests = np.zeros(num_blocks, dtype=np.uint64)
+        self._live = _SlotSet(num_blocks)
+        self._expendable = _SlotSet(num_blocks)
+        self._expendable.add(list(range(1, num_blocks)))
 
     # --- predicates on physical slots -------------------------------------------------
-    def is_live_slot(self, physical_id: int) -> bool:
-        return self.refs[self.bwd[physical_id]] > 0
-
     def is_expendable_slot(self, physical_id: int) -> bool:
         logical_id = self.bwd[physical_id]
         return (
@@ -136,40 +179,26 @@ class BlockTracker:
     @property
     def max_live(self) -> int:
         """Highest live physical id, 0 when nothing is live."""
-        return self._live.top(self.is_live_slot) or 0
+        return self._live.max()
 
-    def lowest_expendable(self) -> int | None:
-        return self._expendable.top(self.is_expendable_slot)
+    def compaction_pairs(self, max_pairs: int) -> tuple[list[int], list[int]]:
+        """Pairs the highest live slots with the lowest free slots below them.
 
-    def pop_live_slots(self) -> Iterator[int]:
-        """Yields live slots, highest first; each yielded slot leaves the live index
-        (commit it with ``move_live_blocks`` or hand it back with ``restore_slots``).
-
-        NOTE: works on the heap directly: this and ``pop_free_slots`` are the hottest
-        loop of a compaction step.
+        Returns:
+            The source (live) and destination (free, never the null slot) slots, pair by
+            pair: the i-th highest live slot with the i-th lowest free slot, while the
+            free one is below, at most ``max_pairs`` pairs. Nothing changes.
         """
-        refs, bwd = self.refs, self.bwd
-        heap, flags = self._live.heap, self._live.flags
-        while heap:
-            slot = -heapq.heappop(heap)
-            flags[slot] = 0
-            if refs[bwd[slot]]:  # else stale: no longer live
-                yield slot
-
-    def pop_free_slots(self) -> Iterator[int]:
-        """Yields free slots, lowest first, taking each out of the free index (as above)."""
-        refs, bwd = self.refs, self.bwd
-        heap, flags = self._free.heap, self._free.flags
-        while heap:
-            slot = heapq.heappop(heap)
-            flags[slot] = 0
-            if not refs[bwd[slot]]:  # else stale: live again
-                yield slot
-
-    def restore_slots(self, physical_ids: Iterable[int]) -> None:
-        """Re-indexes slots taken by ``pop_*_slots`` (their state has not changed)."""
-        for physical_id in physical_ids:
-            self._index_slot(physical_id)
+        if max_pairs <= 0:
+            return [], []
+        src = self._live.highest(max_pairs)
+        if not len(src):
+            return [], []
+        dst = self._live.lowest(len(src), int(src[0]), is_in=False)
+        num_pairs = int(np.count_nonzero(dst < src[: len(dst)]))  # a prefix: src falls, dst rises
+        src_ids: list[int] = src[:num_pairs].tolist()
+        dst_ids: list[int] = dst[:num_pairs].tolist()
+        return src_ids, dst_ids
 
     # --- mutations --------------------------------------------------------------------
     def acquire(self, logical_id: int) -> bool:
@@ -178,115 +207,170 @@ class BlockTracker:
         self.refs[logical_id] = refs + 1
         if refs:
             return False
-        physical_id = self.fwd[logical_id]
-        self.num_live += 1
-        became_live = pair_digest(logical_id, physical_id)
-        self._live_digests[logical_id] = became_live
-        self.digest ^= became_live
-        self._live.push(physical_id)
+        self._make_live([logical_id])
         return True
-
-    def release(self, logical_id: int) -> None:
-        """Drops one reference; a block that becomes free is cached under prefix caching."""
-        refs = self.refs[logical_id]
-        assert refs > 0, f"release of logical block {logical_id} with no references"
-        self.refs[logical_id] = refs - 1
-        if refs > 1:
-            return
-        physical_id = self.fwd[logical_id]
-        self.num_live -= 1
-        self.digest ^= self._live_digests[logical_id]
-        self.cached[logical_id] = self.prefix_caching
-        self._index_slot(physical_id)
 
     def evict(self, logical_id: int) -> None:
         """Marks a free block's content as no longer needed (a no-op for live blocks)."""
         if not self.refs[logical_id] and self.cached[logical_id]:
             self.cached[logical_id] = False
-            self._index_slot(self.fwd[logical_id])
+            self._expendable.add([self.fwd[logical_id]])
 
-    def swap_slots(self, physical_a: int, physical_b: int) -> tuple[int, int]:
-        """Exchanges the logical ids held by two physical slots (the mapping only).
+    def place_fresh_blocks(self, logical_ids: Iterable[int]) -> tuple[int, list[int]]:
+        """Re-points each block of ``logical_ids`` (live, listed once), in order, to the
+        lowest expendable slot if that is below its own; the expendable block takes the
+        vacated slot (the mapping only, no copy).
 
         Returns:
-            The logical ids now at ``physical_a`` and ``physical_b``.
+            How many blocks were re-pointed, and every logical id whose slot changed.
+
+        NOTE: the rule of ``_policy.place_fresh`` in one loop: the lowest expendable slots
+        are read once, and a vacated slot is expendable at once, so a later block of the
+        batch may take it.
         """
-        assert NULL_BLOCK_ID not in (physical_a, physical_b), "the null block never moves"
-        logical_a = self.bwd[physical_a]
-        logical_b = self.bwd[physical_b]
-        for logical_id, new in ((logical_a, physical_b), (logical_b, physical_a)):
-            if self.refs[logical_id]:
-                moved = pair_digest(logical_id, new)
-                self.digest ^= self._live_digests[logical_id] ^ moved
-                self._live_digests[logical_id] = moved
-        self.fwd[logical_a], self.fwd[logical_b] = physical_b, physical_a
-        self.bwd[physical_a], self.bwd[physical_b] = logical_b, logical_a
-        self._remapped += (logical_a, logical_b)
-        self._index_slot(physical_a)
-        self._index_slot(physical_b)
-        return logical_b, logical_a
+        fwd, bwd, refs = self.fwd, self.bwd, self.refs
+        logical_ids = list(logical_ids)
+        if not logical_ids:
+            return 0, []
+        highest = max(fwd[logical_id] for logical_id in logical_ids)
+        candidates: list[int] = self._expendable.lowest(
+            len(logical_ids), highest, is_in=True
+        ).tolist()
+        next_candidate = 0
+        vacated: list[int] = []  # a min-heap of the slots vacated so far (expendable too)
+        placed_ids: list[int] = []
+        targets: list[int] = []
+        vacated_slots: list[int] = []
+        changed: list[int] = []
+        for logical_id in logical_ids:
+            physical_id = fwd[logical_id]
+            assert refs[logical_id], f"placement of logical block {logical_id}, which is not live"
+            is_vacated = bool(vacated) and (
+                next_candidate == len(candidates) or vacated[0] < candidates[next_candidate]
+            )
+            if is_vacated:
+                target = vacated[0]
+            elif next_candidate < len(candidates):
+                target = candidates[next_candidate]
+            else:
+                continue
+            if target > physical_id:
+                continue
+            if is_vacated:
+                heapq.heappop(vacated)
+            else:
+                next_candidate += 1
+            displaced_id = bwd[target]  # expendable: no reference, no digest
+            fwd[logical_id], fwd[displaced_id] = target, physical_id
+            bwd[target], bwd[physical_id] = logical_id, displaced_id
+            changed += (logical_id, displaced_id)
+            placed_ids.append(logical_id)
+            targets.append(target)
+            vacated_slots.append(physical_id)
+            heapq.heappush(vacated, physical_id)
+        # NOTE: vacated first: a slot vacated early in the batch may be a later target.
+        self._live.remove(vacated_slots)
+        self._live.add(targets)
+        self._expendable.add(vacated_slots)
+        self._expendable.remove(targets)
+        self._update_live_digests(placed_ids, targets)
+        self._remapped += changed
+        return len(placed_ids), changed
 
     def move_live_blocks(self, src_ids: list[int], dst_ids: list[int]) -> list[int]:
         """Commits a compaction batch: live ``src_ids[i]`` and free ``dst_ids[i]`` trade
-        logical ids. The slots must have been taken by ``pop_live_slots`` and
-        ``pop_free_slots``.
+        logical ids (the pairs of ``compaction_pairs``).
 
         Returns:
             Every logical id whose slot changed.
         """
-        fwd, bwd = self.fwd, self.bwd
-        moved_ids = [bwd[src] for src in src_ids]
-        freed_ids = [bwd[dst] for dst in dst_ids]
-        assert all(self.refs[i] for i in moved_ids), "compaction moves live blocks only"
-        assert not any(self.refs[i] for i in freed_ids), "compaction targets free slots only"
+        fwd, bwd, refs, cached = self.fwd, self.bwd, self.refs, self.cached
+        moved_ids = list(map(bwd.__getitem__, src_ids))
+        freed_ids = list(map(bwd.__getitem__, dst_ids))
+        assert all(map(refs.__getitem__, moved_ids)), "compaction moves live blocks only"
+        assert not any(map(refs.__getitem__, freed_ids)), "compaction targets free slots only"
         for moved_id, freed_id, src, dst in zip(
             moved_ids, freed_ids, src_ids, dst_ids, strict=True
         ):
             fwd[moved_id], fwd[freed_id] = dst, src
             bwd[dst], bwd[src] = moved_id, freed_id
-        live_digests = self._live_digests
-        digest = self.digest
-        for moved_id, moved in zip(moved_ids, pair_digests(moved_ids, dst_ids), strict=True):
-            digest ^= live_digests[moved_id] ^ moved
-            live_digests[moved_id] = moved
-        self.digest = digest
-        for physical_id in (*src_ids, *dst_ids):
-            self._index_slot(physical_id)
+        self._live.remove(src_ids)
+        self._live.add(dst_ids)
+        # A free block that is not cached leaves an expendable slot (dst) for another (src).
+        uncached = [index for index, freed_id in enumerate(freed_ids) if not cached[freed_id]]
+        if uncached:
+            self._expendable.remove([dst_ids[index] for index in uncached])
+            self._expendable.add([src_ids[index] for index in uncached])
+        self._update_live_digests(moved_ids, dst_ids)
         changed = moved_ids + freed_ids
         self._remapped += changed
         return changed
 
-    def has_unflushed_changes(self) -> bool:
-        """True when ``fwd`` changed since the last ``flush``."""
-        return bool(self._remapped)
+    def _update_live_digests(self, logical_ids: list[int], physical_ids: list[int]) -> None:
+        """Live blocks ``logical_ids`` (each listed once) now sit at ``physical_ids``:
+        re-mixes their digests."""
+        if not logical_ids:
+            return
+        live_digests = self._live_digests
+        if len(logical_ids) < MIN_VECTOR_PAIRS:  # numpy's per-call cost would dominate
+            digest = self.digest
+            for logical_id, physical_id in zip(logical_ids, physical_ids, strict=True):
+                moved_digest = pair_digest(logical_id, physical_id)
+                digest ^= int(live_digests[logical_id]) ^ moved_digest
+                live_digests[logical_id] = moved_digest
+            self.digest = digest
+            return
+        ids = np.asarray(logical_ids, dtype=np.intp)
+        moved = pair_digest_array(ids, physical_ids)
+        self.digest ^= int(np.bitwise_xor.reduce(live_digests[ids] ^ moved))
+        live_digests[ids] = moved
 
-    def flush(self) -> None:
-        """Brings ``fwd_array`` up to date with ``fwd`` (O(ids changed since last flush))."""
-        if self._remapped:
-            remapped = self._remapped
-            self.fwd_array[remapped] = [self.fwd[i] for i in remapped]
-            self._remapped = []
-
-    def _index_slot(self, physical_id: int) -> None:
-        """Puts a slot into every heap whose predicate it now satisfies."""
-        logical_id = self.bwd[physical_id]
-        if self.refs[logical_id]:
-            self._live.push(physical_id)
-        elif physical_id != NULL_BLOCK_ID:
-            self._free.push(physical_id)
-            if not self.cached[logical_id]:
-                self._expendable.push(physical_id)
+    def take_remapped(self) -> list[int]:
+        """Returns the logical ids whose ``fwd`` changed since the last call (repeats
+        possible), and forgets them."""
+        remapped, self._remapped = self._remapped, []
+        return remapped
 
     # --- requests ---------------------------------------------------------------------
     def drop_request(self, request_id: str) -> bool:
         """Releases every reference a request holds; False if the request is unknown."""
-        logical_ids = self.requests.pop(request_id, None)
-        if logical_ids is None:
-            return False
+        return self.drop_requests((request_id,)) == 1
+
+    def drop_requests(self, request_ids: Iterable[str]) -> int:
+        """``drop_request`` for each request, in order; returns how many were known."""
+        requests, refs = self.requests, self.refs
+        freed_ids: list[int] = []
+        num_known = 0
+        for request_id in request_ids:
+            logical_ids = requests.pop(request_id, None)
+            if logical_ids is None:
+                continue
+            num_known += 1
+            for logical_id in logical_ids:
+                if logical_id != NULL_BLOCK_ID:
+                    count = refs[logical_id]
+                    assert count > 0, f"release of logical block {logical_id} with no references"
+                    refs[logical_id] = count - 1
+                    if count == 1:
+                        freed_ids.append(logical_id)
+        if freed_ids:
+            self._free_blocks(freed_ids)
+        return num_known
+
+    def _free_blocks(self, logical_ids: list[int]) -> None:
+        """Bookkeeping of blocks whose last reference just went (refs already 0); a block
+        that becomes free is cached under prefix caching."""
+        fwd, cached, caching = self.fwd, self.cached, self.prefix_caching
+        physical_ids = list(map(fwd.__getitem__, logical_ids))  # never the null slot
         for logical_id in logical_ids:
-            if logical_id != NULL_BLOCK_ID:
-                self.release(logical_id)
-        return True
+            cached[logical_id] = caching
+        self.digest ^= int(
+            np.bitwise_xor.reduce(self._live_digests[np.asarray(logical_ids, dtype=np.intp)])
+        )
+        self.num_live -= len(logical_ids)
+        self._live.remove(physical_ids)
+        if not caching:
+            self._expendable.add(physical_ids)
 
     def append_blocks(self, request_id: str, logical_ids: list[int]) -> list[int]:
         """Adds references for a request's new blocks; returns those that became live.
@@ -294,14 +378,54 @@ class BlockTracker:
         A request that would hold no block but the null block is not kept (it holds
         nothing to track, and would stay forever if the scheduler never finishes it).
         """
-        held = self.requests.get(request_id)
-        if held is None:
-            if all(logical_id == NULL_BLOCK_ID for logical_id in logical_ids):
-                return []
-            held = self.requests[request_id] = []
-        held.extend(logical_ids)
-        return [
-            logical_id
-            for logical_id in logical_ids
-            if logical_id != NULL_BLOCK_ID and self.acquire(logical_id)
-        ]
+        return self.append_requests({request_id: logical_ids})
+
+    def append_requests(self, lists: Mapping[str, list[int]]) -> list[int]:
+        """``append_blocks`` for every request of ``lists``, in order; returns the blocks
+        that became live."""
+        requests, refs = self.requests, self.refs
+        became_live: list[int] = []
+        for request_id, logical_ids in lists.items():
+            held = requests.get(request_id)
+            if held is None:
+                if all(logical_id == NULL_BLOCK_ID for logical_id in logical_ids):
+                    continue
+                held = requests[request_id] = []
+            held.extend(logical_ids)
+            for logical_id in logical_ids:
+                if logical_id != NULL_BLOCK_ID:
+                    count = refs[logical_id]
+                    refs[logical_id] = count + 1
+                    if not count:
+                        became_live.append(logical_id)
+        if became_live:
+            self._make_live(became_live)
+        return became_live
+
+    def _make_live(self, logical_ids: list[int]) -> None:
+        """Bookkeeping of blocks that just got their first reference (refs already 1)."""
+        fwd = self.fwd
+        physical_ids = list(map(fwd.__getitem__, logical_ids))
+        live_digests = self._live_digests
+        if len(logical_ids) < MIN_VECTOR_PAIRS:  # numpy's per-call cost would dominate
+            digest = self.digest
+            for logical_id, physical_id in zip(logical_ids, physical_ids, strict=True):
+                became_live = pair_digest(logical_id, physical_id)
+                live_digests[logical_id] = became_live
+                digest ^= became_live
+            self.digest = digest
+        else:
+            mixed = pair_digest_array(logical_ids, physical_ids)
+            live_digests[np.asarray(logical_ids, dtype=np.intp)] = mixed
+            self.digest ^= int(np.bitwise_xor.reduce(mixed))
+        self.num_live += len(logical_ids)
+        self._live.add(physical_ids)
+        # A slot that held a free block was expendable unless the block was cached.
+        cached = self.cached
+        self._expendable.remove(
+            [
+                physical_id
+                for logical_id, physical_id in zip(logical_ids, physical_ids, strict=True)
+                if not cached[logical_id]
+            ]
+        )

@@ -13,6 +13,7 @@ prometheus_client's global registry.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from typing import Protocol
 
@@ -176,7 +177,7 @@ class Metrics:
         self._placements.inc(result.num_placed)
         self._unknown_finished.inc(result.num_unknown_finished)
         if result.moves:
-            num_two_way = sum(move.is_two_way for move in result.moves)
+            num_two_way = sum(map(operator.attrgetter("is_two_way"), result.moves))
             self._runs_moved.inc()
             self._moved_one_way.inc(len(result.moves) - num_two_way)
             self._moved_two_way.inc(num_two_way)
