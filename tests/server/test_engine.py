@@ -363,6 +363,17 @@ def test_moves_swap_with_cached_targets_and_copy_one_way_onto_evicted_ones() -> 
     assert result.num_bytes_moved == 5 * bytes_per_block
 
 
+def test_a_capped_pass_moves_onto_an_empty_slot_rather_than_swap_with_a_cached_one() -> None:
+    h = Harness(threshold=0, prefix_caching=True, max_moves_per_step=1, enable_placement=False)
+    h.step(new_blocks={"gone": [1, 2], "a": [3, 4]}, fresh=range(1, 5))
+    result = h.step(finished=["gone"], evicted=[2])  # slot 1 cached, slot 2 empty
+    # One move allowed: the top block leaves either way and the pool ends as packed
+    # (slot 3 stays live), but onto the empty slot it is a copy, not a swap.
+    assert result.moves == (Move(4, 2, False),)
+    assert h.engine.stats().max_live == 3
+    assert h.model.cached == {1}
+
+
 def test_cached_blocks_survive_compaction_and_are_reused_as_prefix_hits() -> None:
     h = Harness(threshold=0, prefix_caching=True)
     h.step(new_blocks={"a": [1, 2, 3], "b": [4, 5, 6]}, fresh=range(1, 7))

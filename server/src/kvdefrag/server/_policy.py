@@ -11,6 +11,9 @@ state it asks about, and the engine carries the decisions out.
 * **Pairing.** Compaction pairs the highest live slot with the lowest free slot, again
   and again, while the free slot is below the live one, at most ``max_moves_per_step``
   times. A block only ever moves down; slot 0 (the null block) is never a candidate.
+  When the cap stops the pass early, a cached destination gives way to an empty slot
+  that still lies below the highest live slot that stays (a copy instead of a swap, the
+  pool as packed).
 * **Move kind.** A destination that holds cached data (prefix caching) swaps contents
   with the source (two-way); otherwise the source is copied one way.
 

@@ -184,6 +184,11 @@ class BlockTracker:
     def compaction_pairs(self, max_pairs: int) -> tuple[list[int], list[int]]:
         """Pairs the highest live slots with the lowest free slots below them.
 
+        With prefix caching, a destination holding cached data costs a swap (twice the
+        transfers of a one-way copy), so a cached destination gives way to a free slot
+        that holds nothing when one lies between the destinations and the highest live
+        slot that stays: the same sources leave the top and the pool ends as packed.
+
         Returns:
             The source (live) and destination (free, never the null slot) slots, pair by
             pair: the i-th highest live slot with the i-th lowest free slot, while the
@@ -191,14 +196,35 @@ class BlockTracker:
         """
         if max_pairs <= 0:
             return [], []
-        src = self._live.highest(max_pairs)
+        src = self._live.highest(max_pairs + 1)  # one more: the highest that stays
         if not len(src):
             return [], []
-        dst = self._live.lowest(len(src), int(src[0]), is_in=False)
+        dst = self._live.lowest(min(len(src), max_pairs), int(src[0]), is_in=False)
         num_pairs = int(np.count_nonzero(dst < src[: len(dst)]))  # a prefix: src falls, dst rises
+        dst = dst[:num_pairs]
+        if self.prefix_caching and num_pairs and num_pairs < len(src):
+            dst = self._prefer_empty(dst, stays=int(src[num_pairs]))
         src_ids: list[int] = src[:num_pairs].tolist()
-        dst_ids: list[int] = dst[:num_pairs].tolist()
+        dst_ids: list[int] = dst.tolist()
         return src_ids, dst_ids
+
+    def _prefer_empty(self, dst: npt.NDArray[np.intp], stays: int) -> npt.NDArray[np.intp]:
+        """Swaps cached destinations, highest first, for empty slots in ``(dst[-1], stays)``.
+
+        Every destination stays below ``stays`` (a live slot that does not move) and so
+        below every source; the highest live slot after the moves is unchanged.
+        """
+        is_cached = ~self._expendable.mask[dst]
+        num_cached = int(np.count_nonzero(is_cached))
+        if not num_cached or stays <= int(dst[-1]) + 1:
+            return dst
+        empty = self._expendable.lowest(num_cached + len(dst), stays, is_in=True)
+        empty = empty[empty > dst[-1]][:num_cached]
+        if not len(empty):
+            return dst
+        keep = np.ones(len(dst), dtype=np.bool_)
+        keep[np.flatnonzero(is_cached)[::-1][: len(empty)]] = False
+        return np.sort(np.concatenate([dst[keep], empty]))
 
     # --- mutations --------------------------------------------------------------------
     def acquire(self, logical_id: int) -> bool:
