@@ -212,11 +212,42 @@ def run_grpc_bench(quick: bool = False) -> dict[str, Any]:
     }
 
 
+def time_alternately(
+    client: DefragClient,
+    echo: _EchoClient,
+    steps: list[dict[str, Any]],
+    requests: list[bytes],
+    num_setup: int,
+) -> tuple[list[float], list[float]]:
+    """Steps ``steps[:num_setup]`` untimed, then times each echo and step in turn.
+
+    Returns:
+        The echo round trips and the steps, in seconds, one of each per timed step.
+    """
+    for kwargs in steps[:num_setup]:
+        client.step(**kwargs)
+    for message in requests[:20]:  # warm the echo path; its replies wrap around
+        echo.round_trip(message)
+    echo_s: list[float] = []
+    step_s: list[float] = []
+    gc.collect()
+    gc.freeze()
+    try:
+        for message, kwargs in zip(requests, steps[num_setup:], strict=True):
+            started = time.perf_counter()
+            echo.round_trip(message)
+            echo_s.append(time.perf_counter() - started)
+            started = time.perf_counter()
+            client.step(**kwargs)
+            step_s.append(time.perf_counter() - started)
+    finally:
+        gc.unfreeze()
+    return echo_s, step_s
+
+
 def _measure(steps: list[dict[str, Any]], num_setup: int, num_blocks: int) -> dict[str, Any]:
     """Runs ``steps[:num_setup]`` untimed, then times the rest against the echo."""
     engine_s, requests, replies, moves = _engine_pass(steps, num_blocks, num_setup)
-    stream_s: list[float] = []
-    echo_s: list[float] = []
     with tempfile.TemporaryDirectory(prefix="kvdefrag-bench-") as socket_dir:
         echo_address = f"unix:{socket_dir}/echo.sock"
         echo_server = _EchoServer(echo_address, replies)
@@ -229,22 +260,7 @@ def _measure(steps: list[dict[str, Any]], num_setup: int, num_blocks: int) -> di
         echo = _EchoClient(echo_address)
         try:
             with DefragClient(handle.address, client_name="bench") as client:
-                for kwargs in steps[:num_setup]:
-                    client.step(**kwargs)
-                for message in requests[:20]:  # warm the echo path too
-                    echo.round_trip(message)
-                gc.collect()
-                gc.freeze()
-                try:
-                    for message, kwargs in zip(requests, steps[num_setup:], strict=True):
-                        started = time.perf_counter()
-                        echo.round_trip(message)
-                        echo_s.append(time.perf_counter() - started)
-                        started = time.perf_counter()
-                        client.step(**kwargs)
-                        stream_s.append(time.perf_counter() - started)
-                finally:
-                    gc.unfreeze()
+                echo_s, stream_s = time_alternately(client, echo, steps, requests, num_setup)
         finally:
             echo.close()
             echo_server.stop()

@@ -48,9 +48,9 @@ import torch
 from mover_step import run_mover_step
 from seed_baseline import SeedEquivalentDefragmenter, SeedEquivalentSwap
 from step_weights import format_details, run_step_weights, summary_rows
-from traffic import format_traffic, run_traffic
+from traffic import CountingExecutor, format_traffic, run_traffic
 
-from kvdefrag.server import Engine, EngineConfig, Move, MoveReport, make_executor
+from kvdefrag.server import Engine, EngineConfig, Move, make_executor
 from kvdefrag.tools.workload import SyntheticWorkload, WorkloadConfig, WorkloadStep
 
 DYNAMIC_BLOCKS = 10_000
@@ -182,25 +182,6 @@ def run_executor_part(quick: bool) -> list[dict[str, Any]]:
 
 
 # --- 2. and 3. the engine ----------------------------------------------------------------
-class CountingExecutor:
-    """A swap executor that moves nothing and counts what it was asked to move."""
-
-    def __init__(self, num_blocks: int) -> None:
-        self.num_blocks = num_blocks
-        self.num_one_way = 0
-        self.num_two_way = 0
-
-    def execute(self, moves: Sequence[Move]) -> MoveReport:
-        two_way = sum(move.is_two_way for move in moves)
-        self.num_two_way += two_way
-        self.num_one_way += len(moves) - two_way
-        return MoveReport(num_moves=len(moves), num_padded=0, num_bytes=0)
-
-    @property
-    def num_blocks_copied(self) -> int:
-        return self.num_one_way + 2 * self.num_two_way
-
-
 @dataclasses.dataclass
 class SeedCounter:
     """Stands in for the seed's KV swap: counts pairs (two copies each with prefix caching)."""

@@ -25,7 +25,6 @@ figures are the control path's. Run alone: ``python bench/step_weights.py [--qui
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import random
@@ -38,7 +37,14 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from grpc_roundtrip import MAX_MOVES_PER_STEP, _EchoClient, _EchoServer, _kv_caches, make_steps
+from grpc_roundtrip import (
+    MAX_MOVES_PER_STEP,
+    _EchoClient,
+    _EchoServer,
+    _kv_caches,
+    make_steps,
+    time_alternately,
+)
 
 from kvdefrag.client import DefragClient, StepEvents
 from kvdefrag.client import _convert as client_convert
@@ -183,8 +189,6 @@ def measure(
     """Times one step weight through ``DefragClient.step`` and the echo, interleaved."""
     steps, num_setup, num_blocks = make(num_timed)
     requests, replies, engine_s, moves = _engine_pass(steps, num_blocks, num_setup)
-    step_s: list[float] = []
-    echo_s: list[float] = []
     with tempfile.TemporaryDirectory(prefix="kvdefrag-bench-") as socket_dir:
         (Path(socket_dir) / "replies.json").write_text(json.dumps([r.hex() for r in replies]))
         server = subprocess.Popen(
@@ -208,22 +212,7 @@ def measure(
                 with DefragClient(
                     f"unix:{socket_dir}/kvdefrag.sock", client_name="bench"
                 ) as client:
-                    for kwargs in steps[:num_setup]:
-                        client.step(**kwargs)
-                    for message in requests[:20]:  # warm the echo path; its replies wrap around
-                        echo.round_trip(message)
-                    gc.collect()
-                    gc.freeze()
-                    try:
-                        for message, kwargs in zip(requests, steps[num_setup:], strict=True):
-                            started = time.perf_counter()
-                            echo.round_trip(message)
-                            echo_s.append(time.perf_counter() - started)
-                            started = time.perf_counter()
-                            client.step(**kwargs)
-                            step_s.append(time.perf_counter() - started)
-                    finally:
-                        gc.unfreeze()
+                    echo_s, step_s = time_alternately(client, echo, steps, requests, num_setup)
             finally:
                 echo.close()
             server.stdin.close()

@@ -28,8 +28,8 @@ from kvdefrag.server import Engine, EngineConfig, Move, MoveReport
 from kvdefrag.tools.workload import SyntheticWorkload, WorkloadConfig, WorkloadStep
 
 
-class _CountingExecutor:
-    """Moves nothing; counts one-way moves and two-way swaps."""
+class CountingExecutor:
+    """A swap executor that moves nothing and counts what it was asked to move."""
 
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
@@ -41,6 +41,11 @@ class _CountingExecutor:
         self.num_two_way += two_way
         self.num_one_way += len(moves) - two_way
         return MoveReport(num_moves=len(moves), num_padded=0, num_bytes=0)
+
+    @property
+    def num_blocks_copied(self) -> int:
+        """Blocks written: one per one-way move, two per swap."""
+        return self.num_one_way + 2 * self.num_two_way
 
 
 @dataclasses.dataclass
@@ -68,7 +73,7 @@ def _stream(prefix_caching: bool, num_steps: int) -> list[WorkloadStep]:
 
 
 def _kvdefrag(stream: list[WorkloadStep], config: EngineConfig, name: str) -> Traffic:
-    executor = _CountingExecutor(NUM_BLOCKS)
+    executor = CountingExecutor(NUM_BLOCKS)
     engine = Engine([], config=config, executor=executor)
     traffic = Traffic(name)
     for step in stream:

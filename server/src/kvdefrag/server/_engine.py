@@ -434,10 +434,13 @@ class Engine:
             NotFound: The engine holds no request with that id.
         """
         with self._lock:
-            blocks = self._tracker.requests.get(request_id)
-            if blocks is None:
-                raise NotFound(f"request_id {quote(request_id)} is not running")
-            return list(blocks)
+            return list(self._request_blocks_locked(request_id))
+
+    def _request_blocks_locked(self, request_id: str) -> list[int]:
+        blocks = self._tracker.requests.get(request_id)
+        if blocks is None:
+            raise NotFound(f"request_id {quote(request_id)} is not running")
+        return blocks
 
     def resolve_request(self, request_id: str) -> tuple[list[int], list[int]]:
         """Returns a running request's logical block ids and their physical ids.
@@ -446,9 +449,7 @@ class Engine:
             NotFound: The engine holds no request with that id.
         """
         with self._lock:
-            blocks = self._tracker.requests.get(request_id)
-            if blocks is None:
-                raise NotFound(f"request_id {quote(request_id)} is not running")
+            blocks = self._request_blocks_locked(request_id)
             # NOTE: under the lock no step is half done, so the published mapping is
             # the one of the tracker's request table.
             physical_ids: list[int] = self._snapshots.read(
