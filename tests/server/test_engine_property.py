@@ -214,6 +214,21 @@ class Run:
             engine.list_requests(),
         )
 
+    def prefer_empty(
+        self, pairs: list[tuple[int, int]], stays: int, slot_owner: Any
+    ) -> list[tuple[int, int]]:
+        """Cached destinations, highest first, give way to empty slots between the last
+        destination and ``stays`` (the highest live slot that does not move)."""
+        model = self.model
+        dsts = [dst for _, dst in pairs]
+        cached = [dst for dst in dsts if int(slot_owner[dst]) in model.cached]
+        expendable = model.expendable()
+        empty = [slot for slot in range(max(dsts) + 1, stays) if slot_owner[slot] in expendable]
+        for dst, slot in zip(reversed(cached), empty, strict=False):
+            dsts[dsts.index(dst)] = slot
+            self.totals["empty_preferred"] += 1
+        return list(zip([src for src, _ in pairs], sorted(dsts), strict=True))
+
     def run_step(self) -> None:
         drawn, pools, fresh_drawn = self.draw_step()
         events = drawn.events
@@ -296,6 +311,8 @@ class Run:
                 if dst > src or len(expected) == self.max_moves:
                     break
                 expected.append((src, dst))
+            if expected and len(expected) < len(live_slots):
+                expected = self.prefer_empty(expected, live_slots[len(expected)], slot_owner)
             assert [(m.src_physical_id, m.dst_physical_id) for m in result.moves] == expected
             if len(expected) < self.max_moves:
                 assert result.stats.holes == 0
@@ -330,6 +347,7 @@ def test_engine_matches_reference_model(prefix_caching: bool) -> None:
         assert totals[key] > 0, f"no {key} across the run: {dict(totals)}"
     if prefix_caching:
         assert totals["two_way"] > 0 and totals["evicted"] > 0
+        assert totals["empty_preferred"] > 0
         assert totals["two_way"] < totals["moves"]  # and some one-way moves too
     else:
         assert totals["two_way"] == 0
