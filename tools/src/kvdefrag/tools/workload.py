@@ -148,8 +148,10 @@ class WorkloadStep:
             previous iteration or were preempted in this one; ``new_blocks``: appended
             blocks (new requests included); ``resumed``: full block lists of requests
             resumed after preemption; ``fresh``: every newly allocated block (prefix-cache
-            hits are not fresh, so it is never None); ``evicted``: blocks whose
-            prefix-cache entry was dropped to reuse them this step.
+            hits are not fresh, so it is never None); ``evicted`` (prefix caching):
+            blocks whose prefix-cache entry was dropped to reuse them this step, and
+            blocks freed without one (never full) that are still free, as the vLLM
+            integration reports them.
         num_scheduled_tokens: Request id -> tokens computed this step.
         num_live_blocks: Blocks referenced once this step's events are applied (what a
             defragmenter counts as live; see ``SyntheticWorkload.block_tables``).
