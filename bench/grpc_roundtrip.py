@@ -23,6 +23,7 @@ which reuses this module's heavy steps, echo server and echo client.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import queue
 import random
@@ -101,27 +102,41 @@ def _kv_caches(num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(torch.zeros(shape, dtype=torch.float16), torch.zeros(shape, dtype=torch.float16))]
 
 
-def _engine_pass(
-    steps: list[dict[str, Any]], num_blocks: int, num_setup: int
-) -> tuple[list[float], list[bytes], list[bytes], list[int]]:
-    """Runs the steps in process; returns timed durations, wire bytes and moves per step."""
+@dataclasses.dataclass
+class EnginePass:
+    """One in-process run of a step stream: wire bytes and engine time of each timed step."""
+
+    requests: list[bytes]
+    replies: list[bytes]
+    durations_s: list[float]
+    swap_s: list[float]  # of which the executor's copy
+    moves: list[int]
+
+    @property
+    def without_copy_s(self) -> list[float]:
+        return [total - swap for total, swap in zip(self.durations_s, self.swap_s, strict=True)]
+
+
+def engine_pass(steps: list[dict[str, Any]], num_blocks: int, num_setup: int) -> EnginePass:
+    """Runs the steps through an in-process ``Engine``; ``steps[:num_setup]`` untimed."""
     engine = Engine(
         _kv_caches(num_blocks), 16, config=EngineConfig(max_moves_per_step=MAX_MOVES_PER_STEP)
     )
-    durations, requests, replies, moves = [], [], [], []
+    timed = EnginePass([], [], [], [], [])
     for seq, kwargs in enumerate(steps, start=1):
         started = time.perf_counter()
         result = engine.step(**kwargs)
         elapsed = time.perf_counter() - started
         if seq <= num_setup:
             continue
-        durations.append(elapsed)
-        moves.append(len(result.moves))
+        timed.durations_s.append(elapsed)
+        timed.swap_s.append(result.swap_duration_s)
+        timed.moves.append(len(result.moves))
         request = client_convert.step_request(seq, 1, StepEvents.build(**kwargs))
-        requests.append(client_convert.stream_step(request).SerializeToString())
+        timed.requests.append(client_convert.stream_step(request).SerializeToString())
         reply = server_convert.step_response(result, seq, 1)
-        replies.append(server_convert.stream_step_response(reply).SerializeToString())
-    return durations, requests, replies, moves
+        timed.replies.append(server_convert.stream_step_response(reply).SerializeToString())
+    return timed
 
 
 class _EchoServer:
@@ -247,7 +262,13 @@ def time_alternately(
 
 def _measure(steps: list[dict[str, Any]], num_setup: int, num_blocks: int) -> dict[str, Any]:
     """Runs ``steps[:num_setup]`` untimed, then times the rest against the echo."""
-    engine_s, requests, replies, moves = _engine_pass(steps, num_blocks, num_setup)
+    timed = engine_pass(steps, num_blocks, num_setup)
+    engine_s, requests, replies, moves = (
+        timed.durations_s,
+        timed.requests,
+        timed.replies,
+        timed.moves,
+    )
     with tempfile.TemporaryDirectory(prefix="kvdefrag-bench-") as socket_dir:
         echo_address = f"unix:{socket_dir}/echo.sock"
         echo_server = _EchoServer(echo_address, replies)

@@ -32,7 +32,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -42,14 +41,13 @@ from grpc_roundtrip import (
     _EchoClient,
     _EchoServer,
     _kv_caches,
+    engine_pass,
     make_steps,
     time_alternately,
 )
 
-from kvdefrag.client import DefragClient, StepEvents
-from kvdefrag.client import _convert as client_convert
-from kvdefrag.server import Engine, EngineConfig, StepResult, serve_in_process
-from kvdefrag.server import _convert as server_convert
+from kvdefrag.client import DefragClient
+from kvdefrag.server import StepResult, serve_in_process
 
 GOALS = {"light": 1.3, "mid": 1.6, "heavy": 3.0}
 GOAL_P99_OVER_P50 = 3.0
@@ -147,27 +145,6 @@ def serve(socket_dir: str, num_blocks: int) -> None:
 
 
 # --- measuring ------------------------------------------------------------------------------
-def _engine_pass(
-    steps: list[dict[str, Any]], num_blocks: int, num_setup: int
-) -> tuple[list[bytes], list[bytes], list[float], list[int]]:
-    """Runs the steps in process: wire bytes, engine time without the copy, moves."""
-    engine = Engine(
-        _kv_caches(num_blocks), 16, config=EngineConfig(max_moves_per_step=MAX_MOVES_PER_STEP)
-    )
-    requests, replies, engine_s, moves = [], [], [], []
-    for seq, kwargs in enumerate(steps, start=1):
-        started = time.perf_counter()
-        result = engine.step(**kwargs)
-        elapsed = time.perf_counter() - started
-        if seq <= num_setup:
-            continue
-        engine_s.append(elapsed - result.swap_duration_s)
-        moves.append(len(result.moves))
-        request = client_convert.step_request(seq, 1, StepEvents.build(**kwargs))
-        requests.append(client_convert.stream_step(request).SerializeToString())
-        reply = server_convert.step_response(result, seq, 1)
-        replies.append(server_convert.stream_step_response(reply).SerializeToString())
-    return requests, replies, engine_s, moves
 
 
 def _percentile(samples: Sequence[float], fraction: float) -> float:
@@ -188,7 +165,13 @@ def measure(
 ) -> dict[str, Any]:
     """Times one step weight through ``DefragClient.step`` and the echo, interleaved."""
     steps, num_setup, num_blocks = make(num_timed)
-    requests, replies, engine_s, moves = _engine_pass(steps, num_blocks, num_setup)
+    timed = engine_pass(steps, num_blocks, num_setup)
+    requests, replies, engine_s, moves = (
+        timed.requests,
+        timed.replies,
+        timed.without_copy_s,
+        timed.moves,
+    )
     with tempfile.TemporaryDirectory(prefix="kvdefrag-bench-") as socket_dir:
         (Path(socket_dir) / "replies.json").write_text(json.dumps([r.hex() for r in replies]))
         server = subprocess.Popen(
@@ -246,11 +229,12 @@ def measure(
 def engine_bookkeeping(num_timed: int) -> dict[str, Any]:
     """Engine.step without the executor's copy on steps of >= 500 moves (in process)."""
     steps, num_setup, num_blocks = heavy_steps(num_timed)
-    _, _, engine_s, moves = _engine_pass(steps, num_blocks, num_setup)
-    big = [s for s, n in zip(engine_s, moves, strict=True) if n >= 500]
+    timed = engine_pass(steps, num_blocks, num_setup)
+    engine_s = timed.without_copy_s
+    big = [s for s, n in zip(engine_s, timed.moves, strict=True) if n >= 500]
     return {
         "num_steps": len(big),
-        "mean_moves": statistics.fmean(n for n in moves if n >= 500) if big else 0.0,
+        "mean_moves": statistics.fmean(n for n in timed.moves if n >= 500) if big else 0.0,
         "engine_no_copy": _summary_us(big or engine_s),
     }
 

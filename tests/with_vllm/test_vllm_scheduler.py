@@ -345,11 +345,14 @@ def test_models_kvdefrag_cannot_serve_are_refused_at_startup_by_feature(
 
 @pytest.mark.parametrize("scheduler_cls", ["sync", "async"])
 def test_new_blocks_to_zero_are_zeroed_at_their_physical_slots(
-    model_dir: str, run_dir: str, scheduler_cls: str
+    model_dir: str,
+    scheduler_cls: str,
+    request: pytest.FixtureRequest,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    cls = TwoRankScheduler if scheduler_cls == "sync" else TwoRankAsyncScheduler
-    num_blocks = NUM_BLOCKS if scheduler_cls == "sync" else ASYNC_NUM_BLOCKS
-    served = list(_serve_two_ranks(run_dir, num_blocks).__next__())
+    is_sync = scheduler_cls == "sync"
+    cls = TwoRankScheduler if is_sync else TwoRankAsyncScheduler
+    served: list[Any] = request.getfixturevalue("ranks" if is_sync else "async_ranks")
     zeroed: list[int] = []
     original = SignedWorker.execute
 
@@ -357,11 +360,8 @@ def test_new_blocks_to_zero_are_zeroed_at_their_physical_slots(
         zeroed.extend(output.new_block_ids_to_zero or ())
         return original(worker, output)
 
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(SignedWorker, "execute", execute)
-        _, workers, _ = _run(cls, model_dir, served, prefix_caching=True, zero_new_blocks=True)
-    for handle, _ in served:
-        handle.stop(grace_s=0.5)
+    monkeypatch.setattr(SignedWorker, "execute", execute)
+    _, workers, _ = _run(cls, model_dir, served, prefix_caching=True, zero_new_blocks=True)
     assert len(zeroed) > 100
     assert served[0][0].engine.stats().totals.num_moves > 0
     for worker in workers:
