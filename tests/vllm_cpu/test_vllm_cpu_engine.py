@@ -6,7 +6,8 @@ engine on a tiny Llama with large drawn weights, 96 requests (most of them shari
 prefix) through a 40-block pool of 32 tokens, so vLLM preempts and kvdefrag compacts. With
 DefragScheduler and DefragWorker every request must generate exactly what plain vLLM
 generates with the same settings: prefix caching off and on, and with tensor parallel 2 in
-vLLM's engine-core and worker processes (as under ``vllm serve``). A run whose KV is
+vLLM's engine-core and worker processes (as under ``vllm serve``), its ranks on TCP with
+mutual TLS as across hosts. A run whose KV is
 overwritten once, and a run whose scheduler never re-sends the rows of requests whose
 blocks moved, must not.
 """
@@ -17,6 +18,7 @@ import dataclasses
 import importlib.util
 import json
 import os
+import socket
 import subprocess
 import sys
 from functools import cache
@@ -26,7 +28,10 @@ from typing import Any
 
 import pytest
 
+from kvdefrag.client.vllm.topology import CLIENT_TLS_ENV, RANKS_FILE, TCP_HOST_ENV, TCP_PORT_ENV
 from kvdefrag.server.vllm_worker import DefragWorkerMixin
+
+from support.tls import make_certificates
 
 pytestmark = pytest.mark.slow
 
@@ -48,6 +53,7 @@ class Options:
     prefix_caching: bool = False
     tp: int = 1
     engine_processes: bool = False
+    tcp_mtls: bool = False
 
     def argv(self) -> list[str]:
         argv = ["--num-requests", str(NUM_REQUESTS), "--tp", str(self.tp)]
@@ -59,10 +65,32 @@ class Options:
 
     def name(self) -> str:
         """Short: a unix socket path below it is at most 107 bytes."""
-        return f"apc{int(self.prefix_caching)}-tp{self.tp}{'-mp' if self.engine_processes else ''}"
+        name = f"apc{int(self.prefix_caching)}-tp{self.tp}"
+        return name + ("-mp" if self.engine_processes else "") + ("-tcp" if self.tcp_mtls else "")
 
 
-TP2 = Options(prefix_caching=True, tp=2, engine_processes=True)
+# As ranks on several hosts would: each serves on TCP with mutual TLS and the scheduler
+# finds them through the addresses rank 0 gathered over vLLM's world group.
+TP2 = Options(prefix_caching=True, tp=2, engine_processes=True, tcp_mtls=True)
+
+
+def _tcp_mtls_environment(folder: Path) -> dict[str, str]:
+    """The operator's settings for TCP ranks with mutual TLS, certificates made here."""
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = make_certificates(folder)
+    with socket.socket() as probe:  # a free base port; ranks take base and base + 1
+        probe.bind(("127.0.0.1", 0))
+        base = probe.getsockname()[1]
+    return {
+        TCP_HOST_ENV: "127.0.0.1",
+        TCP_PORT_ENV: str(base),
+        "KVDEFRAG_TLS_CERT_FILE": os.fspath(paths["server"]),
+        "KVDEFRAG_TLS_KEY_FILE": os.fspath(paths["server_key"]),
+        "KVDEFRAG_TLS_CLIENT_CA_FILE": os.fspath(paths["ca"]),
+        CLIENT_TLS_ENV["root_certificates"]: os.fspath(paths["ca"]),
+        CLIENT_TLS_ENV["certificate_chain"]: os.fspath(paths["client"]),
+        CLIENT_TLS_ENV["private_key"]: os.fspath(paths["client_key"]),
+    }
 
 
 @cache
@@ -70,6 +98,8 @@ def run_engines(options: Options, modes: tuple[str, ...], root: str) -> dict[str
     """Runs ``engine_run.py`` once per group (one engine per mode, in turn); by mode."""
     run_dir = os.path.join(root, options.name())
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    if options.tcp_mtls:
+        env.update(_tcp_mtls_environment(Path(run_dir) / "certs"))
     done = subprocess.run(
         [sys.executable, os.fspath(ENGINE_RUN), ",".join(modes), os.path.join(root, "model"),
          run_dir, *options.argv()],
@@ -141,6 +171,11 @@ def test_defrag_generates_what_plain_vllm_generates_while_blocks_move(
 def test_tensor_parallel_2_in_vllms_engine_and_worker_processes(root: str) -> None:
     runs = run_engines(TP2, ("plain", "defrag"), root)
     _assert_same_as_plain(runs["defrag"], runs["plain"], TP2)
+    published = os.path.join(root, TP2.name(), "defrag", RANKS_FILE)
+    with open(published) as file:
+        addresses = json.load(file)["addresses"]
+    base = int(addresses[0].rsplit(":", 1)[1])
+    assert addresses == [f"127.0.0.1:{base}", f"127.0.0.1:{base + 1}"]
 
 
 @APC

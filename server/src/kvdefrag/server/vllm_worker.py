@@ -1,4 +1,4 @@
-"""The worker side of kvdefrag in vLLM: each rank serves its KV caches on a unix socket.
+"""The worker side of kvdefrag in vLLM: each rank serves its own KV caches.
 
 Select it with ``--worker-cls kvdefrag.server.vllm_worker.DefragWorker`` (or
 ``LLM(worker_cls=...)``), next to ``--scheduler-cls
@@ -10,7 +10,9 @@ yourself.
 Once vLLM has allocated the KV caches (``initialize_from_config``), the worker binds them
 as per-layer views whose first dimension is ``num_blocks * block_size`` and starts
 ``serve_in_process`` on ``unix:$KVDEFRAG_VLLM_RUN_DIR/rank<N>.sock``, ``N`` the worker's
-global rank: the address ``DefragScheduler`` connects to. It holds the engine's
+global rank (or on TCP, see ``kvdefrag.client.vllm.topology``). The ranks then gather
+their addresses over vLLM's world group and rank 0 publishes them in the run directory,
+where ``DefragScheduler`` reads them. It holds the engine's
 ``kv_lock`` during every ``execute_model`` (the engine moves KV data only while holding
 it) and stops the service in ``shutdown``.
 
@@ -23,6 +25,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import socket
 from collections.abc import Sequence
 from typing import Any
 
@@ -30,7 +33,14 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from kvdefrag.client.vllm.topology import rank_address, run_dir_from_env, workers_translate
+from kvdefrag.client.vllm.topology import (
+    TCP_PORT_ENV,
+    publish_rank_addresses,
+    rank_address,
+    run_dir_from_env,
+    tcp_address,
+    workers_translate,
+)
 from kvdefrag.server._server import ServerHandle, serve_in_process
 
 __all__ = [
@@ -270,15 +280,15 @@ class DefragWorkerMixin:
                 parent_shutdown()
 
     def kvdefrag_address(self) -> str:
-        """Where this rank serves: ``unix:$KVDEFRAG_VLLM_RUN_DIR/rank<N>.sock``.
-
-        Override it (with ``DefragScheduler.kvdefrag_addresses``) to serve on TCP across
-        hosts; TLS comes from the ``KVDEFRAG_TLS_*`` variables.
+        """Where this rank serves: ``unix:$KVDEFRAG_VLLM_RUN_DIR/rank<N>.sock``, or
+        ``HOST:PORT+local rank`` when ``KVDEFRAG_VLLM_TCP_PORT`` is set (ranks on several
+        hosts; TLS from the ``KVDEFRAG_TLS_*`` variables).
         """
         run_dir = run_dir_from_env()
         os.makedirs(run_dir, mode=0o700, exist_ok=True)
-        rank: int = self.rank  # type: ignore[attr-defined]
-        return rank_address(run_dir, rank)
+        worker: Any = self
+        tcp = tcp_address(int(worker.local_rank), _host_ip())
+        return tcp if tcp is not None else rank_address(run_dir, int(worker.rank))
 
     def _start_kvdefrag(self, kv_cache_config: Any) -> ServerHandle:
         worker: Any = self
@@ -295,6 +305,13 @@ class DefragWorkerMixin:
         device = kv_caches[0][0].device
         stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
         handle = serve_in_process(kv_caches, block_size, address=address, stream=stream)
+        try:
+            addresses = _gather_addresses(address)
+            if worker.rank == 0:
+                publish_rank_addresses(run_dir_from_env(), addresses)
+        except BaseException:
+            handle.stop(grace_s=0)
+            raise
         logger.info(
             "kvdefrag: rank %d serves %d blocks of %d tokens (%d layers) on %s",
             worker.rank,
@@ -304,6 +321,38 @@ class DefragWorkerMixin:
             address,
         )
         return handle
+
+
+def _host_ip() -> str:
+    """The IP vLLM itself uses for this host (``VLLM_HOST_IP`` or its guess)."""
+    from vllm.utils.network_utils import get_ip
+
+    return str(get_ip())
+
+
+def _gather_addresses(address: str) -> list[str]:
+    """Every rank's address, rank 0 first, gathered over vLLM's world process group.
+
+    Every rank calls this once its service listens (a collective).
+
+    Raises:
+        RuntimeError: The ranks span hosts but some serve on a unix socket.
+    """
+    from vllm.distributed.parallel_state import get_world_group
+
+    group = get_world_group()
+    mine = (socket.gethostname(), address)
+    if group.world_size == 1:
+        return [address]
+    gathered: list[Any] = [None] * group.world_size
+    torch.distributed.all_gather_object(gathered, mine, group=group.cpu_group)
+    hosts = sorted({host for host, _ in gathered})
+    if len(hosts) > 1 and any(addr.startswith("unix:") for _, addr in gathered):
+        raise RuntimeError(
+            f"kvdefrag: the ranks span hosts {hosts} but serve on unix sockets: set "
+            f"{TCP_PORT_ENV} (and the KVDEFRAG_TLS_* files) on every host"
+        )
+    return [str(addr) for _, addr in gathered]
 
 
 @functools.cache

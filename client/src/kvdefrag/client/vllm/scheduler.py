@@ -38,7 +38,12 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 from kvdefrag.client._client import DefragClient
 from kvdefrag.client.vllm._bridge import SchedulerBridge
 from kvdefrag.client.vllm._ranks import RankGroup
-from kvdefrag.client.vllm.topology import rank_addresses, run_dir_from_env, workers_translate
+from kvdefrag.client.vllm.topology import (
+    client_tls_from_env,
+    published_rank_addresses,
+    run_dir_from_env,
+    workers_translate,
+)
 
 __all__ = ["DefragAsyncScheduler", "DefragScheduler", "UnsupportedByKvdefrag", "check_supported"]
 
@@ -121,8 +126,11 @@ class DefragScheduler(Scheduler):  # type: ignore[misc]
         self._kvdefrag_pool = manager.block_pool.blocks
         block_size = int(self.kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size)
         prefix_caching = bool(self.cache_config.enable_prefix_caching)
+        tls = client_tls_from_env()
         clients = [
-            DefragClient(address, prefix_caching=prefix_caching, client_name=f"vllm-rank{rank}")
+            DefragClient(
+                address, prefix_caching=prefix_caching, client_name=f"vllm-rank{rank}", **tls
+            )
             for rank, address in enumerate(self.kvdefrag_addresses())
         ]
         for rank, client in enumerate(clients):
@@ -136,8 +144,10 @@ class DefragScheduler(Scheduler):  # type: ignore[misc]
         )
 
     def kvdefrag_addresses(self) -> list[str]:
-        """Every rank's service address (override to place them elsewhere)."""
-        return rank_addresses(run_dir_from_env(), self.vllm_config.parallel_config.world_size)
+        """Every rank's service address, as rank 0's worker published them (override to
+        place them elsewhere)."""
+        world_size = self.vllm_config.parallel_config.world_size
+        return published_rank_addresses(run_dir_from_env(), world_size)
 
     def _kvdefrag_is_cached(self, block_id: int) -> bool:
         block = self._kvdefrag_pool[block_id]

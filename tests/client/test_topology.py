@@ -1,0 +1,78 @@
+"""Where the scheduler finds each rank: TCP addresses, the published list, client TLS."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+from kvdefrag.client.vllm.topology import (
+    CLIENT_TLS_ENV,
+    RANKS_FILE,
+    TCP_HOST_ENV,
+    TCP_PORT_ENV,
+    client_tls_from_env,
+    publish_rank_addresses,
+    published_rank_addresses,
+    tcp_address,
+)
+
+
+def test_no_tcp_port_means_a_unix_socket(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(TCP_PORT_ENV, raising=False)
+    assert tcp_address(3, "10.0.0.7") is None
+
+
+def test_each_local_rank_takes_the_next_port(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(TCP_PORT_ENV, "50100")
+    monkeypatch.delenv(TCP_HOST_ENV, raising=False)
+    assert tcp_address(0, "10.0.0.7") == "10.0.0.7:50100"
+    assert tcp_address(3, "10.0.0.7") == "10.0.0.7:50103"
+    monkeypatch.setenv(TCP_HOST_ENV, "fd00::5")
+    assert tcp_address(1, "10.0.0.7") == "[fd00::5]:50101"
+
+
+@pytest.mark.parametrize("port", ["http", "0", "65535"])
+def test_a_bad_port_is_named(monkeypatch: pytest.MonkeyPatch, port: str) -> None:
+    monkeypatch.setenv(TCP_PORT_ENV, port)
+    with pytest.raises(
+        RuntimeError, match=re.escape(f"{TCP_PORT_ENV} must be a TCP port, got {port!r}")
+    ):
+        tcp_address(1 if port == "65535" else 0, "10.0.0.7")
+
+
+def test_published_addresses_round_trip_in_rank_order(tmp_path: Path) -> None:
+    run_dir = os.fspath(tmp_path / "run")
+    publish_rank_addresses(run_dir, ["10.0.0.7:50100", "10.0.0.8:50100"])
+    assert published_rank_addresses(run_dir, 2) == ["10.0.0.7:50100", "10.0.0.8:50100"]
+    assert os.stat(run_dir).st_mode & 0o777 == 0o700
+    assert os.listdir(run_dir) == [RANKS_FILE]  # no partial file left behind
+
+
+def test_missing_addresses_say_which_worker_class_publishes_them(tmp_path: Path) -> None:
+    with pytest.raises(RuntimeError, match=re.escape("kvdefrag.server.vllm_worker.DefragWorker")):
+        published_rank_addresses(os.fspath(tmp_path), 1)
+
+
+def test_addresses_for_another_world_size_are_refused(tmp_path: Path) -> None:
+    (tmp_path / RANKS_FILE).write_text(json.dumps({"addresses": ["unix:/a.sock"]}))
+    with pytest.raises(RuntimeError, match="lists 1 rank addresses, the engine has 2 ranks"):
+        published_rank_addresses(os.fspath(tmp_path), 2)
+
+
+def test_client_tls_reads_the_named_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for variable in CLIENT_TLS_ENV.values():
+        monkeypatch.delenv(variable, raising=False)
+    assert client_tls_from_env() == {}
+    (tmp_path / "ca.pem").write_bytes(b"CA")
+    (tmp_path / "client.pem").write_bytes(b"CERT")
+    monkeypatch.setenv(CLIENT_TLS_ENV["root_certificates"], os.fspath(tmp_path / "ca.pem"))
+    monkeypatch.setenv(CLIENT_TLS_ENV["certificate_chain"], os.fspath(tmp_path / "client.pem"))
+    assert client_tls_from_env() == {"root_certificates": b"CA", "certificate_chain": b"CERT"}
+    missing = os.fspath(tmp_path / "client.key")
+    monkeypatch.setenv(CLIENT_TLS_ENV["private_key"], missing)
+    with pytest.raises(RuntimeError, match=f"cannot read KVDEFRAG_VLLM_TLS_KEY_FILE='{missing}'"):
+        client_tls_from_env()
