@@ -32,6 +32,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -47,7 +48,9 @@ from grpc_roundtrip import (
 )
 
 from kvdefrag.client import DefragClient
+from kvdefrag.client._stream import Stream
 from kvdefrag.server import StepResult, serve_in_process
+from kvdefrag.server._servicer import DefragServicer
 
 GOALS = {"light": 1.3, "mid": 1.6, "heavy": 3.0}
 GOAL_P99_OVER_P50 = 3.0
@@ -108,6 +111,33 @@ def heavy_steps(num_timed: int) -> tuple[list[dict[str, Any]], int, int]:
     return steps, num_setup, num_blocks
 
 
+# --- where a step's time goes ----------------------------------------------------------------
+# NOTE: timers wrapped around two private methods, in the bench only: what a step spends in
+# each process's Python besides the wire (``Stream.receive`` is the client's wait for the
+# reply; ``DefragServicer._stream_step`` the server's work from the parsed request to the
+# built reply). Each adds one perf_counter pair to a step.
+class _Timed:
+    """Wraps ``owner.name`` (a method) so that every call's duration is kept."""
+
+    def __init__(self, owner: type, name: str) -> None:
+        self.durations_s: list[float] = []
+        self._owner, self._name = owner, name
+        self._original = getattr(owner, name)
+        original, durations = self._original, self.durations_s
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                durations.append(time.perf_counter() - started)
+
+        setattr(owner, name, timed)
+
+    def restore(self) -> None:
+        setattr(self._owner, self._name, self._original)
+
+
 # --- the server process ---------------------------------------------------------------------
 class _SwapTimes:
     """A step observer that keeps each step's executor time (written out at the end)."""
@@ -137,11 +167,13 @@ def serve(socket_dir: str, num_blocks: int) -> None:
         max_moves_per_step=MAX_MOVES_PER_STEP,
     )
     handle.engine.add_observer(swap_times)  # besides the server's own metrics
+    handler = _Timed(DefragServicer, "_stream_step")
     print("ready", flush=True)
     sys.stdin.read()
     handle.stop(1.0)
     echo.stop()
-    (Path(socket_dir) / "swap_s.json").write_text(json.dumps(swap_times.swap_s))
+    times = {"swap_s": swap_times.swap_s, "handler_s": handler.durations_s}
+    (Path(socket_dir) / "times.json").write_text(json.dumps(times))
 
 
 # --- measuring ------------------------------------------------------------------------------
@@ -191,21 +223,35 @@ def measure(
             if server.stdout.readline().strip() != "ready":
                 raise RuntimeError(f"{name}: the server process did not start")
             echo = _EchoClient(f"unix:{socket_dir}/echo.sock")
+            receive = _Timed(Stream, "receive")
             try:
                 with DefragClient(
                     f"unix:{socket_dir}/kvdefrag.sock", client_name="bench"
                 ) as client:
                     echo_s, step_s = time_alternately(client, echo, steps, requests, num_setup)
             finally:
+                receive.restore()
                 echo.close()
             server.stdin.close()
             server.wait(30)
-            swap_s = json.loads((Path(socket_dir) / "swap_s.json").read_text())[num_setup:]
+            times = json.loads((Path(socket_dir) / "times.json").read_text())
+            swap_s = times["swap_s"][num_setup:]
+            handler_s = times["handler_s"][-len(step_s) :]
+            # the open's reply and any reconnect come first; a timed step receives once
+            wait_s = receive.durations_s[-len(step_s) - 1 : -1]
         finally:
             if server.poll() is None:
                 server.kill()
                 server.wait()
     non_copy_s = [total - swap for total, swap in zip(step_s, swap_s, strict=True)]
+    client_s = [total - wait for total, wait in zip(step_s, wait_s, strict=True)]
+    server_s = [handler - swap for handler, swap in zip(handler_s, swap_s, strict=True)]
+    rest_s = [
+        total - swap - echo_one - client_one - server_one
+        for total, swap, echo_one, client_one, server_one in zip(
+            step_s, swap_s, echo_s, client_s, server_s, strict=True
+        )
+    ]
     step = _summary_us(non_copy_s if name == "heavy" else step_s)
     echo = _summary_us(echo_s)
     return {
@@ -219,6 +265,9 @@ def measure(
         "echo": echo,
         "swap": _summary_us(swap_s),
         "engine_no_copy": _summary_us(engine_s),
+        "client_python": _summary_us(client_s),
+        "server_python": _summary_us(server_s),
+        "rest": _summary_us(rest_s),
         "max_moves": max(moves),
         "ratio_p50": step["p50_us"] / echo["p50_us"],
         "p99_over_p50": step["p99_us"] / step["p50_us"],
@@ -306,6 +355,13 @@ def format_details(results: dict[str, Any]) -> list[str]:
             f"{weight['step']['p99_us']:.0f}, echo {weight['echo']['p50_us']:.0f}/"
             f"{weight['echo']['p99_us']:.0f}, engine w/o copy in process "
             f"{weight['engine_no_copy']['p50_us']:.0f}, copy {weight['swap']['p50_us']:.0f}"
+        )
+        lines.append(
+            f"         where a step goes, p50 µs: echo {weight['echo']['p50_us']:.0f} + client "
+            f"Python {weight['client_python']['p50_us']:.0f} + server Python (w/o copy) "
+            f"{weight['server_python']['p50_us']:.0f} + the rest "
+            f"{weight['rest']['p50_us']:.0f} (gRPC's proto (de)serialization, thread "
+            f"wake-ups, GIL)"
         )
     return lines
 
