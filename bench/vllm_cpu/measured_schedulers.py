@@ -79,6 +79,7 @@ class MeasuredDefragScheduler(DefragScheduler):
     def update_from_output(self, *args: Any, **kwargs: Any) -> dict[int, EngineCoreOutputs]:
         outputs = super().update_from_output(*args, **kwargs)
         if not self.has_unfinished_requests():
+            self.kvdefrag.settle()  # the last step's reply, when the workers translate
             totals = self.kvdefrag.totals
             ranks = [client.stats().stats.totals for client in self.kvdefrag.ranks.clients]
             write_report(

@@ -23,16 +23,16 @@ from kvdefrag.client.vllm.topology import (
 
 def test_no_tcp_port_means_a_unix_socket(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(TCP_PORT_ENV, raising=False)
-    assert tcp_address(3, "10.0.0.7") is None
+    assert tcp_address(3, lambda: "10.0.0.7") is None
 
 
 def test_each_local_rank_takes_the_next_port(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(TCP_PORT_ENV, "50100")
     monkeypatch.delenv(TCP_HOST_ENV, raising=False)
-    assert tcp_address(0, "10.0.0.7") == "10.0.0.7:50100"
-    assert tcp_address(3, "10.0.0.7") == "10.0.0.7:50103"
+    assert tcp_address(0, lambda: "10.0.0.7") == "10.0.0.7:50100"
+    assert tcp_address(3, lambda: "10.0.0.7") == "10.0.0.7:50103"
     monkeypatch.setenv(TCP_HOST_ENV, "fd00::5")
-    assert tcp_address(1, "10.0.0.7") == "[fd00::5]:50101"
+    assert tcp_address(1, lambda: "10.0.0.7") == "[fd00::5]:50101"
 
 
 @pytest.mark.parametrize("port", ["http", "0", "65535"])
@@ -41,7 +41,7 @@ def test_a_bad_port_is_named(monkeypatch: pytest.MonkeyPatch, port: str) -> None
     with pytest.raises(
         RuntimeError, match=re.escape(f"{TCP_PORT_ENV} must be a TCP port, got {port!r}")
     ):
-        tcp_address(1 if port == "65535" else 0, "10.0.0.7")
+        tcp_address(1 if port == "65535" else 0, lambda: "10.0.0.7")
 
 
 def test_published_addresses_round_trip_in_rank_order(tmp_path: Path) -> None:

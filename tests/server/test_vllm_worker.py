@@ -82,10 +82,13 @@ class _FakeRunner:
 
 
 class _FakeVllmWorker:
-    """What the mixin uses of vLLM's Worker: rank, cache_config, model_runner, hooks."""
+    """What the mixin uses of vLLM's Worker: ranks, configs, model_runner, hooks."""
 
     def __init__(self, rank: int) -> None:
         self.rank = rank
+        self.local_rank = rank
+        # NOTE: one rank as far as vLLM's world group goes (there is none here).
+        self.parallel_config = type("ParallelConfig", (), {"world_size": 1})()
         self.cache_config = type("CacheConfig", (), {"block_size": BLOCK_SIZE})()
         self.model_runner = _FakeRunner()
         self.calls: list[str] = []

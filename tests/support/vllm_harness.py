@@ -29,8 +29,12 @@ from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
-from kvdefrag.server import serve_in_process
-from kvdefrag.server.vllm_worker import BlockIdTranslator, translate_scheduler_output
+from kvdefrag.server import ServerHandle, serve_in_process
+from kvdefrag.server.vllm_worker import (
+    BlockIdTranslator,
+    translate_scheduler_output,
+    wait_for_planned_step,
+)
 
 BLOCK_SIZE = 16
 MAX_MODEL_LEN = 1024
@@ -124,9 +128,16 @@ class SignedWorker:
         num_checked: Reads checked.
     """
 
-    def __init__(self, kv: torch.Tensor, translator: BlockIdTranslator | None = None) -> None:
+    def __init__(
+        self,
+        kv: torch.Tensor,
+        translator: BlockIdTranslator | None = None,
+        *,
+        service: tuple[ServerHandle, int] | None = None,
+    ) -> None:
         self.kv = kv
         self.translator = translator
+        self.service = service  # (its rank's service, the rank): as DefragWorkerMixin
         self.rows: dict[str, _Row] = {}
         self.cached_signatures: dict[int, list[int]] = {}
         self.num_corrupted = 0
@@ -138,7 +149,20 @@ class SignedWorker:
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
         """Applies one (rewritten) output, runs the "forward pass", returns sampled tokens.
 
-        With a translator (the workers translate, as ``DefragWorkerMixin`` does under
+        With its rank's service, it runs as ``DefragWorkerMixin.execute_model`` does:
+        holding ``kv_lock``, after waiting (with a translator) for the step planned with
+        the output, which the scheduler sent without waiting for the reply.
+        """
+        if self.service is None:
+            return self._execute(output)
+        handle, rank = self.service
+        if self.translator is not None:
+            wait_for_planned_step(handle, rank, output)
+        with handle.engine.kv_lock:
+            return self._execute(output)
+
+    def _execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
+        """With a translator (the workers translate, as ``DefragWorkerMixin`` does under
         async scheduling) the rows first follow the blocks that moved, then a copy of the
         output (the ranks share it here) turns physical.
         """

@@ -9,6 +9,7 @@ every block vLLM keeps in its prefix cache) must find its own signature.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -24,8 +25,10 @@ from kvdefrag.client.vllm.scheduler import (
     UnsupportedByKvdefrag,
 )
 from kvdefrag.client.vllm.topology import RUN_DIR_ENV, rank_address
+from kvdefrag.server import Engine, ServerHandle
 from kvdefrag.server.vllm_worker import BlockIdTranslator
 
+from support import vllm_harness
 from support.vllm_harness import SignedWorker, Workload, make_scheduler, run_loop, serve_rank
 
 NUM_BLOCKS = 96  # small: preemption happens
@@ -118,8 +121,9 @@ def _run(
             BlockIdTranslator(lambda handle=handle: handle.engine.resolve(all_ids))
             if translate
             else None,
+            service=(handle, rank) if is_defrag else None,
         )
-        for handle, kv in ranks[:num_ranks]
+        for rank, (handle, kv) in enumerate(ranks[:num_ranks])
     ]
     resolve = scheduler.kvdefrag.ranks.primary.resolve if is_defrag else (lambda ids: list(ids))
     steps = run_loop(
@@ -131,6 +135,7 @@ def _run(
         **loop,
     )
     if is_defrag:
+        scheduler.kvdefrag.settle()  # the last step's replies, when the workers translate
         scheduler.kvdefrag.ranks.close()
     return scheduler, workers, steps
 
@@ -276,6 +281,55 @@ def test_async_workers_that_do_not_follow_moves_corrupt(
 
     monkeypatch.setattr(BlockIdTranslator, "advance", advance_without_remap)
     _, workers, _ = _run(TwoRankAsyncScheduler, model_dir, async_ranks, prefix_caching=False)
+    assert workers[0].num_corrupted > 0
+
+
+def _slow_rank_services(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every rank applies each step 3 ms late: the workers run while it is in flight."""
+    apply_events = Engine.apply_events
+
+    def late(self: Engine, events: Any) -> Any:
+        time.sleep(0.003)
+        return apply_events(self, events)
+
+    monkeypatch.setattr(Engine, "apply_events", late)
+
+
+def test_translating_workers_wait_for_the_step_sent_without_waiting(
+    model_dir: str, ranks: list[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Workers that translate run each output while its step is still in flight (here
+    always: a synchronous loop, slow services), and wait for it."""
+    _slow_rank_services(monkeypatch)
+    monkeypatch.setenv("KVDEFRAG_VLLM_TRANSLATE", "worker")
+    wait_applied = ServerHandle.wait_applied
+    waits_for_a_step_in_flight = []
+
+    def counted(self: ServerHandle, epoch: int, seq: int, timeout_s: float) -> None:
+        if self.engine.stats().totals.num_steps < seq:
+            waits_for_a_step_in_flight.append(seq)
+        wait_applied(self, epoch, seq, timeout_s)
+
+    monkeypatch.setattr(ServerHandle, "wait_applied", counted)
+    scheduler, workers, _ = _run(
+        TwoRankScheduler, model_dir, ranks, prefix_caching=True, translate=True
+    )
+    assert len(waits_for_a_step_in_flight) > 100
+    assert scheduler.kvdefrag.totals.num_preempted > 0
+    for worker in workers:
+        assert worker.num_checked > 10_000
+        assert worker.num_corrupted == 0
+
+
+def test_translating_workers_that_do_not_wait_for_their_step_corrupt(
+    model_dir: str, ranks: list[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _slow_rank_services(monkeypatch)
+    monkeypatch.setenv("KVDEFRAG_VLLM_TRANSLATE", "worker")
+    monkeypatch.setattr(vllm_harness, "wait_for_planned_step", lambda *args: None)
+    # NOTE: without prefix caching every new block is fresh and placed (re-pointed with no
+    # copy) when its step is applied: after a worker that did not wait wrote it.
+    _, workers, _ = _run(TwoRankScheduler, model_dir, ranks, prefix_caching=False, translate=True)
     assert workers[0].num_corrupted > 0
 
 

@@ -165,6 +165,20 @@ class ServerHandle:
         self._is_stopped_cleanly = True
         call_at_exit(self._stop_at_exit)
 
+    def wait_applied(self, epoch: int, seq: int, timeout_s: float) -> None:
+        """Returns once the service has applied step ``seq`` of ``epoch``.
+
+        For a worker told of a step that its scheduler sent without waiting for the reply
+        (``kvdefrag.client.vllm``): call it before taking ``engine.kv_lock`` (the step may
+        need the lock to move KV data).
+
+        Raises:
+            EpochMismatch: The service is at another epoch (restarted or reset).
+            EngineUnhealthy: A KV move failed; the step may never be applied.
+            ServiceUnavailable: Not applied within ``timeout_s``, or the service stops.
+        """
+        self._servicer.wait_applied(epoch, seq, timeout_s)
+
     @property
     def metrics_port(self) -> int | None:
         """The port of the ``/metrics`` endpoint, None when it is not served."""

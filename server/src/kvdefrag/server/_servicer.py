@@ -26,6 +26,7 @@ import functools
 import logging
 import secrets
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any, NoReturn, Protocol, TypeVar
 
@@ -41,6 +42,7 @@ from kvdefrag.common import (
     NotFound,
     OutOfOrder,
     PoolStats,
+    ServiceUnavailable,
     SessionConflict,
     StalePageToken,
     StepEvents,
@@ -53,6 +55,9 @@ from kvdefrag.server._validate import check_client_name, check_request_id
 from kvdefrag.server.config import ServiceConfig
 
 _LOGGER = logging.getLogger(__name__)
+
+# How often wait_applied looks at what is signalled without the lock (stopping).
+_WAIT_SLICE_S = 0.1
 
 ERROR_CODES: dict[type[DefragError], grpc.StatusCode] = {
     InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
@@ -161,6 +166,8 @@ class DefragServicer:
         self._max_message_bytes = config.max_message_bytes
         self._metrics = metrics
         self._lock = threading.Lock()
+        # Notified (under the lock) whenever _next_seq or _epoch changes: wait_applied.
+        self._seq_changed = threading.Condition(self._lock)
         self._epoch = new_epoch()
         self._next_seq = 1
         self._replies: collections.OrderedDict[int, Message] = collections.OrderedDict()
@@ -176,6 +183,39 @@ class DefragServicer:
         """The current epoch."""
         with self._lock:
             return self._epoch
+
+    def wait_applied(self, epoch: int, seq: int, timeout_s: float) -> None:
+        """Returns once step ``seq`` of ``epoch`` has been applied (for an in-process
+        reader that must not act before a step it was told of, sent by someone else).
+
+        Raises:
+            EpochMismatch: The server is at another epoch (restarted or reset).
+            EngineUnhealthy: A KV move failed: the step may never be applied.
+            ServiceUnavailable: The step was not applied within ``timeout_s``, or the
+                server is stopping.
+        """
+        deadline = time.monotonic() + timeout_s
+        with self._seq_changed:
+            while True:
+                if self._epoch != epoch:
+                    raise EpochMismatch(
+                        f"waiting for step seq {seq} of epoch {epoch}: the server is at "
+                        f"epoch {self._epoch} (it restarted or was reset)"
+                    )
+                if self._next_seq > seq:
+                    return
+                reason = self._engine.unhealthy_reason
+                if reason is not None:
+                    raise EngineUnhealthy(reason)
+                remaining_s = deadline - time.monotonic()
+                if remaining_s <= 0 or self._is_stopping.is_set():
+                    raise ServiceUnavailable(
+                        f"step seq {seq} of epoch {epoch} was not applied within "
+                        f"{timeout_s} s (next seq {self._next_seq})"
+                        + ("; the server is stopping" if self._is_stopping.is_set() else "")
+                    )
+                # NOTE: in slices: stopping is signalled without the lock.
+                self._seq_changed.wait(min(remaining_s, _WAIT_SLICE_S))
 
     def begin_shutdown(self, timeout_s: float) -> bool:
         """Refuses every later step and ends the open stream once its step is done.
@@ -395,12 +435,14 @@ class DefragServicer:
                     # is used up. A resend gets EngineUnhealthy, as every step does until
                     # a Reset starts a new epoch, so no reply is cached for it.
                     self._next_seq += 1
+                    self._seq_changed.notify_all()
                 raise
             response = _convert.step_response(result, seq, self._epoch)
             self._replies[seq] = response
             while len(self._replies) > self._replay_cache_size:
                 self._replies.popitem(last=False)
             self._next_seq += 1
+            self._seq_changed.notify_all()
         return response
 
     # --- reads (no servicer lock) -----------------------------------------------------
@@ -510,6 +552,7 @@ class DefragServicer:
                 self._replies.clear()
             finally:
                 self._reset_version += 1
+                self._seq_changed.notify_all()
             epoch = self._epoch
         _LOGGER.info("reset: new epoch %d (prefix_caching=%s)", epoch, request.prefix_caching)
         return _convert.reset_response(epoch)

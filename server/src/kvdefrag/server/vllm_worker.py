@@ -34,6 +34,8 @@ import numpy.typing as npt
 import torch
 
 from kvdefrag.client.vllm.topology import (
+    STEP_STAMP,
+    STEP_WAIT_ENV,
     TCP_PORT_ENV,
     publish_rank_addresses,
     rank_address,
@@ -49,11 +51,13 @@ __all__ = [
     "bind_vllm_kv_caches",
     "remap_v1_runner_rows",
     "translate_scheduler_output",
+    "wait_for_planned_step",
 ]
 
 logger = logging.getLogger(__name__)
 
 _STOP_GRACE_S = 1.0
+_DEFAULT_STEP_WAIT_S = 60.0
 
 
 def bind_vllm_kv_caches(
@@ -229,6 +233,36 @@ class BlockIdTranslator:
         return current, remap
 
 
+def wait_for_planned_step(handle: ServerHandle, rank: int, output: Any) -> None:
+    """Waits until this rank's service has applied the step planned with ``output``.
+
+    When the workers translate, the scheduler sends each step without waiting for its
+    reply and marks the output with every rank's ``(epoch, seq)`` of it (``STEP_STAMP``);
+    an output translated before its step is applied would name the blocks' old places.
+    Call it before taking ``kv_lock`` (the step may need the lock to move KV data).
+
+    Raises:
+        EpochMismatch, EngineUnhealthy, ServiceUnavailable: As
+            ``ServerHandle.wait_applied`` (the step will not be applied here).
+    """
+    stamps = getattr(output, STEP_STAMP, None)
+    if stamps is None:
+        return
+    epoch, seq = stamps[rank]
+    handle.wait_applied(epoch, seq, _step_wait_s())
+
+
+def _step_wait_s() -> float:
+    text = os.environ.get(STEP_WAIT_ENV, "").strip()
+    try:
+        wait_s = float(text) if text else _DEFAULT_STEP_WAIT_S
+    except ValueError:
+        wait_s = -1.0
+    if not wait_s > 0:
+        raise ValueError(f"kvdefrag: {STEP_WAIT_ENV} must be a positive number, got {text!r}")
+    return wait_s
+
+
 class DefragWorkerMixin:
     """Serves one rank's KV caches to ``DefragScheduler``; put it before a vLLM Worker.
 
@@ -252,15 +286,18 @@ class DefragWorkerMixin:
     def execute_model(self, scheduler_output: Any) -> Any:
         """vLLM's forward pass, holding ``kv_lock`` so no block moves meanwhile.
 
-        When the workers translate (async scheduling), the persistent rows first follow
-        the blocks that moved since the last pass and the output turns physical, both
-        with the mapping the KV data is in while the lock is held.
+        When the workers translate (async scheduling), it first waits for the step
+        planned with this output to be applied (``wait_for_planned_step``); then the
+        persistent rows follow the blocks that moved since the last pass and the output
+        turns physical, both with the mapping the KV data is in while the lock is held.
         """
         handle = self.kvdefrag_handle
         if handle is None:
             return super().execute_model(scheduler_output)  # type: ignore[misc]
+        translator = self.kvdefrag_translator
+        if translator is not None:
+            wait_for_planned_step(handle, self.rank, scheduler_output)  # type: ignore[attr-defined]
         with handle.engine.kv_lock:
-            translator = self.kvdefrag_translator
             if translator is not None:
                 mapping, remap = translator.advance()
                 if remap is not None:
@@ -287,7 +324,7 @@ class DefragWorkerMixin:
         run_dir = run_dir_from_env()
         os.makedirs(run_dir, mode=0o700, exist_ok=True)
         worker: Any = self
-        tcp = tcp_address(int(worker.local_rank), _host_ip())
+        tcp = tcp_address(int(worker.local_rank), _host_ip)
         return tcp if tcp is not None else rank_address(run_dir, int(worker.rank))
 
     def _start_kvdefrag(self, kv_cache_config: Any) -> ServerHandle:
@@ -306,7 +343,7 @@ class DefragWorkerMixin:
         stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
         handle = serve_in_process(kv_caches, block_size, address=address, stream=stream)
         try:
-            addresses = _gather_addresses(address)
+            addresses = _gather_addresses(address, int(worker.parallel_config.world_size))
             if worker.rank == 0:
                 publish_rank_addresses(run_dir_from_env(), addresses)
         except BaseException:
@@ -330,7 +367,7 @@ def _host_ip() -> str:
     return str(get_ip())
 
 
-def _gather_addresses(address: str) -> list[str]:
+def _gather_addresses(address: str, world_size: int) -> list[str]:
     """Every rank's address, rank 0 first, gathered over vLLM's world process group.
 
     Every rank calls this once its service listens (a collective).
@@ -338,12 +375,12 @@ def _gather_addresses(address: str) -> list[str]:
     Raises:
         RuntimeError: The ranks span hosts but some serve on a unix socket.
     """
+    if world_size == 1:
+        return [address]
     from vllm.distributed.parallel_state import get_world_group
 
     group = get_world_group()
     mine = (socket.gethostname(), address)
-    if group.world_size == 1:
-        return [address]
     gathered: list[Any] = [None] * group.world_size
     torch.distributed.all_gather_object(gathered, mine, group=group.cpu_group)
     hosts = sorted({host for host, _ in gathered})

@@ -29,7 +29,8 @@ from typing import Any
 
 from kvdefrag.client._types import StepReply
 from kvdefrag.client.vllm._ledger import BlockLedger, WorkerRows
-from kvdefrag.client.vllm._ranks import RankGroup
+from kvdefrag.client.vllm._ranks import InFlightStep, RankGroup
+from kvdefrag.client.vllm.topology import STEP_STAMP
 
 
 def _single_group(block_ids: Sequence[Sequence[int]], what: str) -> list[int]:
@@ -56,7 +57,8 @@ class SchedulerBridge:
     """Turns each ``schedule()`` result into one step for every rank and rewrites it.
 
     Invariant: after ``apply`` returns, every block id in the output is physical and every
-    rank's engine mirrors ``ledger.held`` and ``ledger.cached_free``.
+    rank's engine mirrors ``ledger.held`` and ``ledger.cached_free`` (when the workers
+    translate: once the step in flight is applied, which ``settle`` waits for).
     """
 
     def __init__(self, ranks: RankGroup, *, block_size: int, prefix_caching: bool) -> None:
@@ -65,6 +67,7 @@ class SchedulerBridge:
         self.rows = WorkerRows()
         self.totals = BridgeTotals()
         self.keep_durations = 100_000
+        self._in_flight: InFlightStep | None = None
 
     def apply(
         self,
@@ -81,7 +84,10 @@ class SchedulerBridge:
             truth: Request id -> its logical block ids now, from the KV cache manager.
             is_cached: Whether a free logical id still carries a prefix-cache hash.
             rewrite: False when the workers translate ids themselves (async scheduling,
-                see ``topology.workers_translate``): ``output`` is then left logical.
+                see ``topology.workers_translate``): ``output`` is then left logical,
+                the step is only sent (its replies are checked at the next ``apply`` or
+                ``settle``), and ``output`` carries each rank's ``(epoch, seq)`` of it
+                as ``STEP_STAMP``, which a worker waits for before it translates.
         """
         started = time.perf_counter()
         preempted_ids = sorted(output.preempted_req_ids or ())
@@ -95,9 +101,13 @@ class SchedulerBridge:
         not_fresh = frozenset(int(copy[1]) for copy in copies)
         plan = self.ledger.plan(truth, num_computed, is_cached, not_fresh)
         if not rewrite:
+            # Nothing in the output depends on the reply: the step flies while vLLM goes
+            # on, and the workers wait for it (STEP_STAMP) before they translate.
+            self.settle()
             if not plan.events.is_empty:
-                self.totals.last_reply = self.ranks.step(plan.events)
+                self._in_flight = self.ranks.submit(plan.events)
                 self.totals.num_steps += 1
+                setattr(output, STEP_STAMP, self._in_flight.stamps)
         elif not plan.events.is_empty:
             reply = self.ranks.step(plan.events)
             self.totals.num_steps += 1
@@ -112,6 +122,16 @@ class SchedulerBridge:
             self._rewrite(output)
         if len(self.totals.step_durations_s) < self.keep_durations:
             self.totals.step_durations_s.append(time.perf_counter() - started)
+
+    def settle(self) -> None:
+        """Waits for the step in flight, if any, and checks every rank's reply.
+
+        Raises:
+            RanksDiverged, StepOutcomeUnknown, DefragError: As ``RankGroup.step``.
+        """
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is not None:
+            self.totals.last_reply = in_flight.result()
 
     def _rewrite(self, output: Any) -> None:
         resolve = self.ranks.primary.resolve

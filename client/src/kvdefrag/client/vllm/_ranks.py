@@ -8,7 +8,7 @@ digest of the live mapping and on the epoch the session was opened in.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from kvdefrag.client._client import DefragClient
@@ -62,12 +62,24 @@ class RankGroup:
             DefragError: A rank refused the step (the first such error, by rank).
         """
         if len(self.clients) == 1:
-            replies = [step_through_timeouts(self.primary, events)]
-        else:
-            futures = [
-                self._pool.submit(step_through_timeouts, client, events) for client in self.clients
-            ]
-            replies = [future.result() for future in futures]
+            return self._checked([step_through_timeouts(self.primary, events)])
+        return self.submit(events).result()
+
+    def submit(self, events: StepEvents) -> InFlightStep:
+        """Sends one step to every rank concurrently without waiting for the replies.
+
+        Returns:
+            The step in flight: each rank's ``(epoch, seq)`` of it, and ``result()``,
+            which waits for every reply and checks them as ``step`` does. Submit the next
+            step only after ``result()`` returned.
+        """
+        stamps = tuple((client.epoch, client.next_seq) for client in self.clients)
+        futures = [
+            self._pool.submit(step_through_timeouts, client, events) for client in self.clients
+        ]
+        return InFlightStep(stamps, lambda: self._checked([f.result() for f in futures]))
+
+    def _checked(self, replies: list[StepReply]) -> StepReply:
         for rank, (reply, epoch) in enumerate(zip(replies, self.epochs, strict=True)):
             if reply.epoch != epoch:
                 raise RanksDiverged(
@@ -86,6 +98,18 @@ class RankGroup:
         self._pool.shutdown(wait=True)
         for client in self.clients:
             client.close()
+
+
+class InFlightStep:
+    """A step sent to every rank whose replies have not been checked yet."""
+
+    def __init__(self, stamps: tuple[tuple[int, int], ...], wait: Callable[[], StepReply]) -> None:
+        self.stamps = stamps  # by rank: (epoch, seq) of this step on that rank's service
+        self._wait = wait
+
+    def result(self) -> StepReply:
+        """Waits for every rank's reply; raises as ``RankGroup.step`` does."""
+        return self._wait()
 
 
 def step_through_timeouts(client: DefragClient, events: StepEvents) -> StepReply:

@@ -172,9 +172,12 @@ class DefragScheduler(Scheduler):  # type: ignore[misc]
         return output
 
     def shutdown(self) -> None:
-        """Closes the rank clients, then shuts vLLM's scheduler down."""
-        self.kvdefrag.ranks.close()
-        super().shutdown()
+        """Waits for the step in flight, closes the rank clients, shuts vLLM's scheduler down."""
+        try:
+            self.kvdefrag.settle()
+        finally:
+            self.kvdefrag.ranks.close()
+            super().shutdown()
 
 
 class DefragAsyncScheduler(DefragScheduler, AsyncScheduler):  # type: ignore[misc]

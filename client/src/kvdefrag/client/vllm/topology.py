@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from typing import TypedDict
 
 RUN_DIR_ENV = "KVDEFRAG_VLLM_RUN_DIR"
@@ -39,6 +40,15 @@ def rank_address(run_dir: str, rank: int) -> str:
     """The gRPC address of rank ``rank``'s service."""
     return f"unix:{os.path.join(run_dir, f'rank{rank}.sock')}"
 
+
+STEP_STAMP = "kvdefrag_step"
+"""When the workers translate: the ``SchedulerOutput`` attribute holding, by rank, the
+``(epoch, seq)`` of the step planned with it, which that rank's worker waits for
+(``ServerHandle.wait_applied``) before it translates the output; absent when no step was
+sent."""
+
+STEP_WAIT_ENV = "KVDEFRAG_VLLM_STEP_WAIT_S"
+"""How long a worker waits for its step to be applied (seconds; default 60)."""
 
 TRANSLATE_ENV = "KVDEFRAG_VLLM_TRANSLATE"
 """``worker`` makes the workers translate block ids even under synchronous scheduling."""
@@ -77,8 +87,10 @@ CLIENT_TLS_ENV = {
 """``DefragClient`` TLS argument -> the variable naming its PEM file (scheduler side)."""
 
 
-def tcp_address(local_rank: int, default_host: str) -> str | None:
+def tcp_address(local_rank: int, default_host: Callable[[], str]) -> str | None:
     """``HOST:PORT`` for this rank when ``KVDEFRAG_VLLM_TCP_PORT`` is set, else None.
+
+    ``default_host()`` is asked only when the port is set and the host is not.
 
     Raises:
         RuntimeError: The port is not a number in 1..65535 for every local rank.
@@ -92,7 +104,7 @@ def tcp_address(local_rank: int, default_host: str) -> str | None:
         port = -1
     if not 0 < port < 65536:
         raise RuntimeError(f"kvdefrag: {TCP_PORT_ENV} must be a TCP port, got {text!r}")
-    host = os.environ.get(TCP_HOST_ENV, "").strip() or default_host
+    host = os.environ.get(TCP_HOST_ENV, "").strip() or default_host()
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
