@@ -73,7 +73,7 @@ def test_waiting_for_a_step_that_never_comes_names_it(serve: Serve) -> None:
     with DefragClient(handle.address) as client:
         client.step(new_blocks={"a": [3]})
         handle.wait_applied(client.epoch, 1, timeout_s=0.0)  # applied: no wait at all
-        with pytest.raises(ServiceUnavailable, match="step seq 2 of epoch .* was not applied"):
+        with pytest.raises(ServiceUnavailable, match=r"step seq 2 of epoch .* was not applied"):
             handle.wait_applied(client.epoch, 2, timeout_s=0.05)
         epoch = client.epoch
         client.reset()
