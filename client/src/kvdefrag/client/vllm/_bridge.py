@@ -81,7 +81,8 @@ class SchedulerBridge:
             truth: Request id -> its logical block ids now, from the KV cache manager.
             is_cached: Whether a free logical id still carries a prefix-cache hash.
             rewrite: False when the workers translate ids themselves (async scheduling,
-                see ``topology.workers_translate``): ``output`` is then left logical.
+                the V2 model runner; see ``topology.workers_translate``): ``output`` is
+                then left logical.
         """
         started = time.perf_counter()
         preempted_ids = sorted(output.preempted_req_ids or ())
