@@ -46,8 +46,8 @@ BLOCK_SIZE = 16
 MAX_MODEL_LEN = 1024
 NUM_BLOCKS = 96  # small: preemption happens
 # NOTE: under async scheduling vLLM 0.33 re-sends a preempted request with in-flight
-# tokens in a way this harness's V1 worker does not model (plain vLLM "corrupts" in it
-# too), so the V1 async runs use a pool where nothing is preempted.
+# tokens in a way this harness's workers (V1 and V2) do not model (plain vLLM "corrupts"
+# in it too), so the async runs use a pool where nothing is preempted.
 ASYNC_NUM_BLOCKS = 400
 _MASK = (1 << 62) - 1
 

@@ -5,7 +5,9 @@ v2=True)``: resumed requests come as new ones, with every token), real rank serv
 ``V2SignedWorker``: ``DefragWorkerMixin`` in front of a simulated V2 runner whose block
 table is a torch int32 tensor where vLLM's ``BlockTables`` keeps it. Every read of a
 computed token, and of every block vLLM keeps in its prefix cache, must find its own
-signature. Simulated on CPU: never run on a GPU.
+signature. Synchronous runs preempt (a 96-block pool); async runs, as the V1 ones, use a
+pool where nothing is preempted (``ASYNC_NUM_BLOCKS``). Simulated on CPU: never run on a
+GPU.
 """
 
 from __future__ import annotations
