@@ -109,6 +109,7 @@ def _modes(text: str) -> list[str]:
 
 def set_environment(args: argparse.Namespace) -> None:
     """vLLM and kvdefrag read these when imported or started: set them first."""
+    # NOTE: these runs test the V1 runner; kvdefrag serves V2 too (tests/with_vllm, simulated).
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if args.engine_processes else "0"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")

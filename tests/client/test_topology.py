@@ -1,4 +1,5 @@
-"""Where the scheduler finds each rank: TCP addresses, the published list, client TLS."""
+"""Who translates block ids, where the scheduler finds each rank (TCP addresses, the
+published list) and its client TLS."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import json
 import os
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -14,10 +16,12 @@ from kvdefrag.client.vllm.topology import (
     RANKS_FILE,
     TCP_HOST_ENV,
     TCP_PORT_ENV,
+    TRANSLATE_ENV,
     client_tls_from_env,
     publish_rank_addresses,
     published_rank_addresses,
     tcp_address,
+    workers_translate,
 )
 
 
@@ -76,3 +80,35 @@ def test_client_tls_reads_the_named_files(tmp_path: Path, monkeypatch: pytest.Mo
     monkeypatch.setenv(CLIENT_TLS_ENV["private_key"], missing)
     with pytest.raises(RuntimeError, match=f"cannot read KVDEFRAG_VLLM_TLS_KEY_FILE='{missing}'"):
         client_tls_from_env()
+
+
+def _config(*, async_scheduling: bool, use_v2_model_runner: bool) -> SimpleNamespace:
+    return SimpleNamespace(
+        scheduler_config=SimpleNamespace(async_scheduling=async_scheduling),
+        use_v2_model_runner=use_v2_model_runner,
+    )
+
+
+@pytest.mark.parametrize(
+    ("async_scheduling", "use_v2_model_runner", "expected"),
+    [(False, False, False), (True, False, True), (False, True, True), (True, True, True)],
+)
+def test_the_workers_translate_under_async_scheduling_or_the_v2_runner(
+    monkeypatch: pytest.MonkeyPatch,
+    async_scheduling: bool,
+    use_v2_model_runner: bool,
+    expected: bool,
+) -> None:
+    monkeypatch.delenv(TRANSLATE_ENV, raising=False)
+    config = _config(async_scheduling=async_scheduling, use_v2_model_runner=use_v2_model_runner)
+    assert workers_translate(config) is expected
+
+
+def test_the_environment_makes_the_workers_translate_under_sync_v1(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv(TRANSLATE_ENV, "worker")
+    assert workers_translate(_config(async_scheduling=False, use_v2_model_runner=False))
+    assert workers_translate(None) is True
+    monkeypatch.setenv(TRANSLATE_ENV, "")
+    assert workers_translate(None) is False

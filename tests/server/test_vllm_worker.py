@@ -19,7 +19,9 @@ from kvdefrag.server.vllm_worker import (
     BlockIdTranslator,
     DefragWorkerMixin,
     bind_vllm_kv_caches,
+    check_v2_runner,
     remap_v1_runner_rows,
+    remap_v2_runner_rows,
     translate_scheduler_output,
 )
 
@@ -213,6 +215,91 @@ def test_the_runners_rows_follow_the_blocks_that_moved() -> None:
     assert table[0, :3].tolist() == [6, 2, 3] and table[1, :1].tolist() == [5]
     assert table[2:].sum() == 0  # unused rows and the null block stay 0
     assert translator.advance()[1] is None
+
+
+def _v2_runner(rows: list[list[int]], num_groups: int = 1) -> Any:
+    """vLLM 0.33's V2 runner as far as kvdefrag reads it: ``block_tables.block_tables[g].gpu``."""
+    table = torch.zeros(4, 6, dtype=torch.int32)
+    for index, row in enumerate(rows):
+        table[index, : len(row)] = torch.tensor(row, dtype=torch.int32)
+    staged = [SimpleNamespace(gpu=table.clone()) for _ in range(num_groups)]
+    return SimpleNamespace(kv_caches=[], block_tables=SimpleNamespace(block_tables=staged))
+
+
+def test_the_v2_runners_table_follows_the_blocks_that_moved_on_its_device() -> None:
+    runner = _v2_runner([[1, 2, 3], [4], [7, 7]])
+    table = runner.block_tables.block_tables[0].gpu
+    before = table.data_ptr()
+    # the engine swapped the data of physical 1 and 6, and moved 4 to 5 (5 was free)
+    remap_v2_runner_rows(runner, np.array([0, 6, 2, 3, 5, 4, 1, 7]))
+    assert table.data_ptr() == before and table.dtype == torch.int32  # rewritten in place
+    assert table[0, :3].tolist() == [6, 2, 3]
+    assert table[1, :1].tolist() == [5]
+    assert table[2, :2].tolist() == [7, 7]
+    assert table[3].sum() == 0 and table[0, 3:].sum() == 0  # the null block stays 0
+    with pytest.raises(AssertionError, match="null block"):
+        remap_v2_runner_rows(runner, np.array([1, 0, 2, 3, 4, 5, 6, 7]))
+
+
+def test_a_v2_runner_without_the_expected_block_table_is_refused_by_name() -> None:
+    check_v2_runner(_v2_runner([[1]]))
+    with pytest.raises(ValueError, match=r"no list model_runner\.block_tables\.block_tables"):
+        check_v2_runner(_FakeRunner())
+    with pytest.raises(ValueError, match="has 2 block tables"):
+        check_v2_runner(_v2_runner([[1]], num_groups=2))
+    wrong = [
+        (SimpleNamespace(cpu=torch.zeros(4, 6)), "is NoneType"),
+        (SimpleNamespace(gpu=np.zeros((4, 6))), "is ndarray"),
+        (SimpleNamespace(gpu=torch.zeros(4, 6)), "torch.float32 tensor of shape \\(4, 6\\)"),
+        (SimpleNamespace(gpu=torch.zeros(6, dtype=torch.int32)), "shape \\(6,\\)"),
+    ]
+    for staged, found in wrong:
+        runner = SimpleNamespace(block_tables=SimpleNamespace(block_tables=[staged]))
+        with pytest.raises(ValueError, match=f"gpu of the V2 model runner .* {found}; expected"):
+            check_v2_runner(runner)
+
+
+class _V2Worker(_Worker):
+    """The mixin in front of a worker whose config selects vLLM's V2 runner (sync scheduling)."""
+
+    def __init__(self, rank: int, runner: Any) -> None:
+        super().__init__(rank)
+        self.model_runner = runner
+        self.vllm_config = SimpleNamespace(
+            use_v2_model_runner=True, scheduler_config=SimpleNamespace(async_scheduling=False)
+        )
+
+
+def test_the_mixin_refuses_a_v2_runner_it_cannot_follow_before_serving(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KVDEFRAG_VLLM_RUN_DIR", str(tmp_path))
+    worker = _V2Worker(rank=0, runner=_FakeRunner())
+    with pytest.raises(ValueError, match="V2 model runner \\(_FakeRunner\\) has no list"):
+        worker.initialize_from_config(_kv_cache_config())
+    assert worker.kvdefrag_handle is None
+    assert not (tmp_path / "rank0.sock").exists()
+
+
+def test_the_mixin_translates_and_remaps_the_v2_runners_table(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KVDEFRAG_VLLM_RUN_DIR", str(tmp_path))
+    runner = _v2_runner([[1, 2, 3], [4]])
+    worker = _V2Worker(rank=0, runner=runner)
+    worker.initialize_from_config(_kv_cache_config())
+    assert worker.kvdefrag_is_v2_runner and worker.kvdefrag_translator is not None
+    current = np.arange(NUM_BLOCKS)
+    worker.kvdefrag_translator = BlockIdTranslator(lambda: current.copy())
+    current = np.array([0, 6, 2, 3, 5, 4, 1, 7])
+    output = _output()
+    assert worker.execute_model(output) is output
+    table = runner.block_tables.block_tables[0].gpu
+    assert table[0, :3].tolist() == [6, 2, 3] and table[1, :1].tolist() == [5]
+    # the output is translated with the mapping the rows were remapped to
+    assert output.scheduled_new_reqs[0].block_ids == ([6, 2],)
+    assert output.scheduled_cached_reqs.new_block_ids == [None, ([3],)]
+    worker.shutdown()
 
 
 def test_importing_the_module_imports_no_vllm() -> None:

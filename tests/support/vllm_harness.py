@@ -1,5 +1,6 @@
 """vLLM 0.33's real scheduler in a continuous-batching loop, and a worker that keeps its rows
-exactly as vLLM's V1 runner does (gpu_model_runner.py ``_update_states``) and signs every
+exactly as vLLM's V1 runner does (gpu_model_runner.py ``_update_states``), or as its V2
+runner does (``v1/worker/gpu/model_runner.py``: ``V2SignedWorker``), and signs every
 (request, token position) into the physical slot it writes.
 
 The signature of a token is a function of the token ids up to it, so a block shared through
@@ -13,8 +14,10 @@ from __future__ import annotations
 import copy
 import dataclasses
 import hashlib
+import os
 import random
 from collections.abc import Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -29,15 +32,24 @@ from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
+from kvdefrag.client.vllm.scheduler import DefragAsyncScheduler, DefragScheduler
+from kvdefrag.client.vllm.topology import RUN_DIR_ENV, rank_address
 from kvdefrag.server import ServerHandle, serve_in_process
 from kvdefrag.server.vllm_worker import (
     BlockIdTranslator,
+    DefragWorkerMixin,
+    check_v2_runner,
     translate_scheduler_output,
     wait_for_planned_step,
 )
 
 BLOCK_SIZE = 16
 MAX_MODEL_LEN = 1024
+NUM_BLOCKS = 96  # small: preemption happens
+# NOTE: under async scheduling vLLM 0.33 re-sends a preempted request with in-flight
+# tokens in a way this harness's workers (V1 and V2) do not model (plain vLLM "corrupts"
+# in it too), so the async runs use a pool where nothing is preempted.
+ASYNC_NUM_BLOCKS = 400
 _MASK = (1 << 62) - 1
 
 
@@ -63,6 +75,15 @@ def model_config(model_dir: str) -> ModelConfig:
     return _MODEL_CONFIG[0]
 
 
+class V2VllmConfig(VllmConfig):
+    """A ``VllmConfig`` that selects vLLM's V2 model runner, as ``VLLM_USE_V2_MODEL_RUNNER=1``
+    does, for this one config (the process runs with ``VLLM_USE_V2_MODEL_RUNNER=0``)."""
+
+    @property
+    def use_v2_model_runner(self) -> bool:
+        return True
+
+
 def make_scheduler(
     cls: type[Scheduler],
     model_dir: str,
@@ -72,9 +93,15 @@ def make_scheduler(
     max_num_seqs: int = 16,
     max_num_batched_tokens: int = 256,
     async_scheduling: bool = False,
+    v2: bool = False,
 ) -> Scheduler:
-    """Builds ``cls`` the way ``EngineCore`` does, on a one-group full-attention cache."""
-    vllm_config = VllmConfig(
+    """Builds ``cls`` the way ``EngineCore`` does, on a one-group full-attention cache.
+
+    ``v2`` selects vLLM's V2 model runner: the scheduler then sends resumed requests as new
+    ones, with every token (``prefill_token_ids``), and the workers translate.
+    """
+    config_cls = V2VllmConfig if v2 else VllmConfig
+    vllm_config = config_cls(
         model_config=model_config(model_dir),
         cache_config=CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=prefix_caching),
         scheduler_config=SchedulerConfig(
@@ -112,11 +139,37 @@ def serve_rank(socket_path: str, num_blocks: int) -> tuple[Any, torch.Tensor]:
     return handle, key
 
 
+def serve_two_ranks(run_dir: str, num_blocks: int) -> Iterator[list[Any]]:
+    """Rank 0 and rank 1 served in ``run_dir`` (a fixture's body: stops them after)."""
+    served = [serve_rank(f"{run_dir}/rank{rank}.sock", num_blocks) for rank in range(2)]
+    yield served
+    for handle, _ in served:
+        handle.stop(grace_s=0.5)
+
+
+class TwoRankScheduler(DefragScheduler):
+    """Two ranks (as under TP=2) without a TP=2 config on a CPU-only machine."""
+
+    def kvdefrag_addresses(self) -> list[str]:
+        return [rank_address(os.environ[RUN_DIR_ENV], rank) for rank in range(2)]
+
+
+class TwoRankAsyncScheduler(DefragAsyncScheduler):
+    """``DefragAsyncScheduler`` on two ranks."""
+
+    def kvdefrag_addresses(self) -> list[str]:
+        return [rank_address(os.environ[RUN_DIR_ENV], rank) for rank in range(2)]
+
+
 @dataclasses.dataclass
 class _Row:
     block_ids: list[int]
     token_ids: list[int]
     num_computed_tokens: int = 0
+
+
+def _slot(block_ids: list[int], position: int) -> int:
+    return block_ids[position // BLOCK_SIZE] * BLOCK_SIZE + position % BLOCK_SIZE
 
 
 class SignedWorker:
@@ -143,8 +196,9 @@ class SignedWorker:
         self.num_corrupted = 0
         self.num_checked = 0
 
-    def _slot(self, row: _Row, position: int) -> int:
-        return row.block_ids[position // BLOCK_SIZE] * BLOCK_SIZE + position % BLOCK_SIZE
+    def _block_ids(self, request_id: str) -> list[int]:
+        """The physical row the "forward pass" reads and writes for ``request_id``."""
+        return self.rows[request_id].block_ids
 
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
         """Applies one (rewritten) output, runs the "forward pass", returns sampled tokens.
@@ -173,6 +227,10 @@ class SignedWorker:
                     held.block_ids = remap[held.block_ids].tolist()
             output = copy.deepcopy(output)
             translate_scheduler_output(output, mapping)
+        self._update_rows(output)
+        return self._forward(output)
+
+    def _update_rows(self, output: SchedulerOutput) -> None:
         for request_id in output.finished_req_ids:
             self.rows.pop(request_id, None)
         for block_id in output.new_block_ids_to_zero or ():
@@ -201,15 +259,19 @@ class SignedWorker:
                 row.block_ids = list(new_ids[0])
             elif new_ids is not None:
                 row.block_ids.extend(new_ids[0])
+
+    def _forward(self, output: SchedulerOutput) -> ModelRunnerOutput:
+        """Signs every scheduled token into its slot, checks the row, samples a token."""
         sampled: dict[str, list[int]] = {}
         for request_id, num_tokens in output.num_scheduled_tokens.items():
             row = self.rows[request_id]
+            block_ids = self._block_ids(request_id)
             start = row.num_computed_tokens
             for position in range(start, start + num_tokens):
-                self.kv[self._slot(row, position), 0] = _signature(
+                self.kv[_slot(block_ids, position), 0] = _signature(
                     tuple(row.token_ids[: position + 1])
                 )
-            self._check_row(row, start + num_tokens)
+            self._check_row(row, block_ids, start + num_tokens)
             row.num_computed_tokens = start + num_tokens
             if start + num_tokens >= len(row.token_ids):
                 token = _signature(tuple(row.token_ids)) % 500 + 3
@@ -222,11 +284,11 @@ class SignedWorker:
             sampled_token_ids=[sampled.get(request_id, []) for request_id in request_ids],
         )
 
-    def _check_row(self, row: _Row, num_tokens: int) -> None:
+    def _check_row(self, row: _Row, block_ids: list[int], num_tokens: int) -> None:
         for position in range(num_tokens):
             expected = _signature(tuple(row.token_ids[: position + 1]))
             self.num_checked += 1
-            if int(self.kv[self._slot(row, position), 0]) != expected:
+            if int(self.kv[_slot(block_ids, position), 0]) != expected:
                 self.num_corrupted += 1
 
     def check_cached_free(self, scheduler: Scheduler, resolve: Any) -> None:
@@ -259,6 +321,108 @@ class SignedWorker:
                     _signature(tuple(row.token_ids[: position + 1]))
                     for position in range(index * BLOCK_SIZE, end)
                 ]
+
+
+class V2SignedRunner(SignedWorker):
+    """Keeps rows exactly as vLLM 0.33's V2 runner does (``v1/worker/gpu/model_runner.py``).
+
+    Its block table is a torch int32 ``[max_num_reqs, max_num_blocks]`` tensor at
+    ``model_runner.block_tables.block_tables[0].gpu``, where vLLM's ``BlockTables`` keeps
+    it; a request has a slot (a row) from the step it comes as new until it finishes or
+    is preempted (``finish_requests``). New requests, resumed ones among them, take a
+    free slot and overwrite its row and their tokens (``add_requests``: every token,
+    ``prefill_token_ids``); cached requests only append ``new_block_ids``
+    (``update_requests``); ``resumed_req_ids`` and ``all_token_ids`` are not read.
+    """
+
+    def __init__(self, kv: torch.Tensor, max_num_reqs: int) -> None:
+        super().__init__(kv)
+        table = torch.zeros(max_num_reqs, MAX_MODEL_LEN // BLOCK_SIZE, dtype=torch.int32)
+        self.model_runner = SimpleNamespace(
+            block_tables=SimpleNamespace(block_tables=[SimpleNamespace(gpu=table)])
+        )
+        self.req_indices: dict[str, int] = {}
+        self.num_blocks = [0] * max_num_reqs
+        self._table_rows: list[list[int]] = []
+
+    def _block_ids(self, request_id: str) -> list[int]:
+        req_index = self.req_indices[request_id]
+        return self._table_rows[req_index][: self.num_blocks[req_index]]
+
+    def execute_model(self, output: SchedulerOutput) -> ModelRunnerOutput:
+        """The V2 runner's ``execute_model`` as far as rows go, then the signed pass."""
+        self._update_rows(output)
+        self._table_rows = self.model_runner.block_tables.block_tables[0].gpu.tolist()
+        return self._forward(output)
+
+    def _remove(self, request_id: str) -> None:
+        self.rows.pop(request_id, None)
+        self.req_indices.pop(request_id, None)
+
+    def _append(self, req_index: int, block_ids: list[int], overwrite: bool) -> None:
+        table = self.model_runner.block_tables.block_tables[0].gpu
+        start = 0 if overwrite else self.num_blocks[req_index]
+        end = start + len(block_ids)
+        assert end <= table.shape[1], f"row {req_index} overflows: {end} blocks"
+        table[req_index, start:end] = torch.tensor(block_ids, dtype=torch.int32)
+        self.num_blocks[req_index] = end
+
+    def _update_rows(self, output: SchedulerOutput) -> None:
+        for request_id in output.finished_req_ids | (output.preempted_req_ids or set()):
+            self._remove(request_id)
+        for new in output.scheduled_new_reqs:
+            assert new.prefill_token_ids is not None, "a V2 scheduler sends every token"
+            self._remove(new.req_id)
+            in_use = set(self.req_indices.values())
+            req_index = min(set(range(len(self.num_blocks))) - in_use)
+            self.req_indices[new.req_id] = req_index
+            self.rows[new.req_id] = _Row(
+                block_ids=[],
+                token_ids=list(new.prefill_token_ids),
+                num_computed_tokens=new.num_computed_tokens,
+            )
+            self._append(req_index, list(new.block_ids[0]), overwrite=True)
+        cached = output.scheduled_cached_reqs
+        for position, request_id in enumerate(cached.req_ids):
+            self.rows[request_id].num_computed_tokens = cached.num_computed_tokens[position]
+            new_ids = cached.new_block_ids[position]
+            if new_ids is not None:
+                self._append(self.req_indices[request_id], list(new_ids[0]), overwrite=False)
+        for block_id in output.new_block_ids_to_zero or ():
+            self.kv[block_id * BLOCK_SIZE : (block_id + 1) * BLOCK_SIZE] = 0
+        for src, dst in output.kv_cache_block_copies or ():
+            self.kv[dst * BLOCK_SIZE : (dst + 1) * BLOCK_SIZE] = self.kv[
+                src * BLOCK_SIZE : (src + 1) * BLOCK_SIZE
+            ].clone()
+
+
+class V2SignedWorker(DefragWorkerMixin, V2SignedRunner):
+    """``DefragWorkerMixin`` in front of ``V2SignedRunner``: what ``DefragWorker`` is to vLLM.
+
+    Given a rank's ``handle``, the mixin's own ``kvdefrag_attach`` and ``execute_model``
+    hold ``kv_lock``, make the table follow moved blocks (``remap_v2_runner_rows``) and
+    translate each output (``translate_scheduler_output``); without one it runs plain.
+    """
+
+    def __init__(
+        self,
+        kv: torch.Tensor,
+        vllm_config: VllmConfig,
+        handle: ServerHandle | None = None,
+        num_blocks: int = 0,
+        rank: int = 0,
+    ) -> None:
+        super().__init__(kv, max_num_reqs=vllm_config.scheduler_config.max_num_seqs)
+        check_v2_runner(self.model_runner)  # what DefragWorker checks before serving
+        self.vllm_config = vllm_config
+        self.rank = rank
+        if handle is not None:
+            self.kvdefrag_attach(handle, num_blocks)
+
+    def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
+        """Each rank runs its own copy of the output (vLLM's executor sends one to each)."""
+        result: ModelRunnerOutput = self.execute_model(copy.deepcopy(output))
+        return result
 
 
 @dataclasses.dataclass
@@ -297,17 +461,20 @@ def run_loop(
     abort_every: int = 0,
     reset_prefix_cache_every: int = 0,
     in_flight: int = 1,
+    snapshot_outputs: bool = False,
 ) -> int:
     """Drives the scheduler and the workers until every request is done; returns steps.
 
     ``in_flight=2`` is async scheduling as vLLM's engine core runs it (a batch queue of
     two): step ``N + 1`` is scheduled, and its kvdefrag step taken, before the workers
-    run step ``N``.
+    run step ``N``. ``snapshot_outputs`` hands the workers a copy of each output taken
+    when it was scheduled, as vLLM's executor sends it then: a V2 scheduler's
+    ``prefill_token_ids`` is the request's live token list, which grows meanwhile.
     """
     pending = list(workload.requests(BLOCK_SIZE))
     rng = random.Random(workload.seed + 1)
     steps = 0
-    queue: list[SchedulerOutput] = []
+    queue: list[tuple[SchedulerOutput, SchedulerOutput]] = []
     while (pending or scheduler.has_requests() or queue) and steps < max_steps:
         steps += 1
         for _ in range(rng.randrange(0, 4)):
@@ -319,11 +486,12 @@ def run_loop(
         if reset_prefix_cache_every and steps % reset_prefix_cache_every == 0:
             scheduler.reset_prefix_cache()
         if scheduler.has_requests():
-            queue.append(scheduler.schedule())
+            output = scheduler.schedule()
+            queue.append((output, copy.deepcopy(output) if snapshot_outputs else output))
         if not queue or (len(queue) < in_flight and scheduler.has_requests()):
             continue
-        output = queue.pop(0)
-        runner_outputs = [worker.execute(output) for worker in workers]
+        output, sent = queue.pop(0)
+        runner_outputs = [worker.execute(sent) for worker in workers]
         for worker in workers:
             worker.record_full_blocks(scheduler)
         scheduler.update_from_output(output, runner_outputs[0])

@@ -3,10 +3,12 @@
 import importlib.metadata
 import json
 import os
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
-# kvdefrag serves vLLM's V1 model runner (the scheduler refuses V2 by name).
+# vLLM's V1 model runner unless a test's config selects V2 (support.vllm_harness.V2VllmConfig).
 os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
 
 
@@ -46,3 +48,30 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     folder = tmp_path_factory.mktemp("tiny-llama")
     (folder / "config.json").write_text(json.dumps(TINY_LLAMA))
     return os.fspath(folder)
+
+
+@pytest.fixture
+def run_dir(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> str:
+    """A private run directory, named by ``KVDEFRAG_VLLM_RUN_DIR`` for the test."""
+    from kvdefrag.client.vllm.topology import RUN_DIR_ENV
+
+    folder = tmp_path / "run"
+    folder.mkdir(mode=0o700)
+    monkeypatch.setenv(RUN_DIR_ENV, os.fspath(folder))
+    return os.fspath(folder)
+
+
+@pytest.fixture
+def ranks(run_dir: str) -> Iterator[list[Any]]:
+    """Two ranks' services on the small pool (``NUM_BLOCKS``: preemption happens)."""
+    from support.vllm_harness import NUM_BLOCKS, serve_two_ranks
+
+    yield from serve_two_ranks(run_dir, NUM_BLOCKS)
+
+
+@pytest.fixture
+def async_ranks(run_dir: str) -> Iterator[list[Any]]:
+    """Two ranks' services on the pool where nothing is preempted (``ASYNC_NUM_BLOCKS``)."""
+    from support.vllm_harness import ASYNC_NUM_BLOCKS, serve_two_ranks
+
+    yield from serve_two_ranks(run_dir, ASYNC_NUM_BLOCKS)

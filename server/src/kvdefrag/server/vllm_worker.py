@@ -14,7 +14,10 @@ global rank (or on TCP, see ``kvdefrag.client.vllm.topology``). The ranks then g
 their addresses over vLLM's world group and rank 0 publishes them in the run directory,
 where ``DefragScheduler`` reads them. It holds the engine's
 ``kv_lock`` during every ``execute_model`` (the engine moves KV data only while holding
-it) and stops the service in ``shutdown``.
+it) and stops the service in ``shutdown``. When the workers translate block ids
+(``topology.workers_translate``: async scheduling, or vLLM's V2 model runner), it also
+keeps the runner's persistent block tables physical: vLLM's V1 runner
+(``remap_v1_runner_rows``) or its V2 runner (``remap_v2_runner_rows``).
 
 This is the only module of the package that imports vLLM, and only when a worker class is
 looked up (``DefragWorker``, ``DefragCPUWorker``, ``DefragGPUWorker``).
@@ -41,6 +44,7 @@ from kvdefrag.client.vllm.topology import (
     rank_address,
     run_dir_from_env,
     tcp_address,
+    uses_v2_model_runner,
     workers_translate,
 )
 from kvdefrag.server._server import ServerHandle, serve_in_process
@@ -49,7 +53,9 @@ __all__ = [
     "BlockIdTranslator",
     "DefragWorkerMixin",
     "bind_vllm_kv_caches",
+    "check_v2_runner",
     "remap_v1_runner_rows",
+    "remap_v2_runner_rows",
     "translate_scheduler_output",
     "wait_for_planned_step",
 ]
@@ -58,6 +64,7 @@ logger = logging.getLogger(__name__)
 
 _STOP_GRACE_S = 1.0
 _DEFAULT_STEP_WAIT_S = 60.0
+_NULL_BLOCK_ID = 0
 
 
 def bind_vllm_kv_caches(
@@ -162,8 +169,9 @@ def _flat(tensor: torch.Tensor, num_blocks: int, block_size: int) -> torch.Tenso
 def translate_scheduler_output(output: Any, mapping: npt.NDArray[np.int64]) -> None:
     """Rewrites, in place, every block id a ``SchedulerOutput`` names from logical to physical.
 
-    Covers what vLLM 0.33's V1 runner reads: new requests' rows, ``new_block_ids`` of
-    cached requests, ``new_block_ids_to_zero`` and ``kv_cache_block_copies``.
+    Covers what vLLM 0.33's V1 and V2 runners read: new requests' rows (under the V2
+    runner resumed requests come as new ones, with their whole row), ``new_block_ids``
+    of cached requests, ``new_block_ids_to_zero`` and ``kv_cache_block_copies``.
     """
 
     def physical(block_ids: Sequence[int]) -> list[int]:
@@ -208,6 +216,73 @@ def remap_v1_runner_rows(model_runner: Any, remap: npt.NDArray[np.int64]) -> Non
             continue
         rows = table.block_table.np[: int(in_use[-1]) + 1]
         rows[...] = remap[rows]
+
+
+def remap_v2_runner_rows(model_runner: Any, remap: npt.NDArray[np.int64]) -> None:
+    """Rewrites the V2 runner's persistent block table after blocks moved: ``remap[old] = new``.
+
+    vLLM 0.33's V2 runner (``vllm/v1/worker/gpu/model_runner.py``) keeps one row per
+    request slot in ``block_tables.block_tables[0].gpu``, an int32
+    ``[max_num_reqs, max_num_blocks]`` tensor on the runner's device; new requests
+    overwrite their row, cached requests only append to it. The whole table is rewritten
+    on its own device, in stream order before the forward pass: entries past a row's
+    length, and rows of free slots, hold stale ids or the null block, and since ``remap``
+    is a permutation of every block id they stay harmless (the null block 0 never moves,
+    so zeros stay zeros). Staged writes are applied inside ``execute_model``, so none is
+    pending when this runs (before it).
+
+    Args:
+        model_runner: A runner ``check_v2_runner`` accepts.
+        remap: ``remap[old_physical] = new_physical`` for every block id.
+    """
+    assert remap[_NULL_BLOCK_ID] == _NULL_BLOCK_ID, (
+        f"kvdefrag moved the null block to {int(remap[_NULL_BLOCK_ID])}"
+    )
+    for staged in model_runner.block_tables.block_tables:
+        table: torch.Tensor = staged.gpu
+        lookup = torch.as_tensor(remap, dtype=torch.int64, device=table.device)
+        table.copy_(lookup[table.long()].to(table.dtype))
+
+
+def check_v2_runner(model_runner: Any) -> None:
+    """Refuses, at startup, a V2 runner whose block table is not where kvdefrag follows it.
+
+    ``remap_v2_runner_rows`` relies on ``model_runner.block_tables.block_tables`` holding
+    exactly one table (one KV-cache group) whose ``.gpu`` is a 2-D integer tensor.
+
+    Raises:
+        ValueError: Naming the part of that structure the runner lacks.
+    """
+    runner_name = type(model_runner).__name__
+    tables = getattr(getattr(model_runner, "block_tables", None), "block_tables", None)
+    if not isinstance(tables, (list, tuple)):
+        raise ValueError(
+            f"kvdefrag: the V2 model runner ({runner_name}) has no list "
+            "model_runner.block_tables.block_tables, where kvdefrag follows the blocks it "
+            "moves; this vLLM's V2 runner is not the one kvdefrag supports (vLLM 0.33)"
+        )
+    if len(tables) != 1:
+        raise ValueError(
+            f"kvdefrag: the V2 model runner ({runner_name}) has {len(tables)} block tables "
+            "in model_runner.block_tables.block_tables; kvdefrag serves exactly one "
+            "(one KV-cache group)"
+        )
+    table = getattr(tables[0], "gpu", None)
+    if (
+        not isinstance(table, torch.Tensor)
+        or table.dim() != 2
+        or table.dtype not in (torch.int32, torch.int64)
+    ):
+        found = (
+            f"a {table.dtype} tensor of shape {tuple(table.shape)}"
+            if isinstance(table, torch.Tensor)
+            else type(table).__name__
+        )
+        raise ValueError(
+            f"kvdefrag: model_runner.block_tables.block_tables[0].gpu of the V2 model runner "
+            f"({runner_name}) is {found}; expected a 2-D int32 or int64 tensor "
+            "[max_num_reqs, max_num_blocks]"
+        )
 
 
 class BlockIdTranslator:
@@ -269,27 +344,41 @@ class DefragWorkerMixin:
     Invariants: ``kvdefrag_handle`` is None until ``initialize_from_config`` has bound the
     caches and the service listens; while it is set, every ``execute_model`` runs holding
     ``kvdefrag_handle.engine.kv_lock``, so no block moves during a forward pass.
+    ``kvdefrag_translator`` is set exactly when the workers translate, and
+    ``kvdefrag_is_v2_runner`` says which runner's rows follow the moves then.
     """
 
     kvdefrag_handle: ServerHandle | None = None
     kvdefrag_translator: BlockIdTranslator | None = None
+    kvdefrag_is_v2_runner: bool = False
 
     def initialize_from_config(self, kv_cache_config: Any) -> None:
         """Lets vLLM allocate the KV caches, then binds them and starts the service."""
         super().initialize_from_config(kv_cache_config)  # type: ignore[misc]
         handle = self._start_kvdefrag(kv_cache_config)
-        if workers_translate(getattr(self, "vllm_config", None)):
-            all_ids = np.arange(int(kv_cache_config.num_blocks), dtype=np.int64)
+        self.kvdefrag_attach(handle, int(kv_cache_config.num_blocks))
+
+    def kvdefrag_attach(self, handle: ServerHandle, num_blocks: int) -> None:
+        """Puts a serving rank's engine in front of ``execute_model``.
+
+        ``initialize_from_config`` calls it once the service listens; when the workers
+        translate, it sets up the translator and picks the runner whose rows follow moves.
+        """
+        vllm_config = getattr(self, "vllm_config", None)
+        if workers_translate(vllm_config):
+            self.kvdefrag_is_v2_runner = uses_v2_model_runner(vllm_config)
+            all_ids = np.arange(num_blocks, dtype=np.int64)
             self.kvdefrag_translator = BlockIdTranslator(lambda: handle.engine.resolve(all_ids))
         self.kvdefrag_handle = handle
 
     def execute_model(self, scheduler_output: Any) -> Any:
         """vLLM's forward pass, holding ``kv_lock`` so no block moves meanwhile.
 
-        When the workers translate (async scheduling), it first waits for the step
-        planned with this output to be applied (``wait_for_planned_step``); then the
-        persistent rows follow the blocks that moved since the last pass and the output
-        turns physical, both with the mapping the KV data is in while the lock is held.
+        When the workers translate (async scheduling, or the V2 runner), it first waits
+        for the step planned with this output to be applied (``wait_for_planned_step``);
+        then the persistent rows follow the blocks that moved since the last pass and the
+        output turns physical, both with the mapping the KV data is in while the lock is
+        held.
         """
         handle = self.kvdefrag_handle
         if handle is None:
@@ -301,7 +390,10 @@ class DefragWorkerMixin:
             if translator is not None:
                 mapping, remap = translator.advance()
                 if remap is not None:
-                    remap_v1_runner_rows(self.model_runner, remap)  # type: ignore[attr-defined]
+                    remap_rows = (
+                        remap_v2_runner_rows if self.kvdefrag_is_v2_runner else remap_v1_runner_rows
+                    )
+                    remap_rows(self.model_runner, remap)  # type: ignore[attr-defined]
                 translate_scheduler_output(scheduler_output, mapping)
             return super().execute_model(scheduler_output)  # type: ignore[misc]
 
@@ -335,6 +427,8 @@ class DefragWorkerMixin:
                 f"kvdefrag: {len(groups)} KV cache groups (a hybrid model); kvdefrag serves "
                 "models with one"
             )
+        if uses_v2_model_runner(getattr(worker, "vllm_config", None)):
+            check_v2_runner(worker.model_runner)
         block_size = int(worker.cache_config.block_size)
         num_blocks = int(kv_cache_config.num_blocks)
         kv_caches = bind_vllm_kv_caches(worker.model_runner.kv_caches, num_blocks, block_size)

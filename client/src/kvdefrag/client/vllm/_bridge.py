@@ -84,10 +84,11 @@ class SchedulerBridge:
             truth: Request id -> its logical block ids now, from the KV cache manager.
             is_cached: Whether a free logical id still carries a prefix-cache hash.
             rewrite: False when the workers translate ids themselves (async scheduling,
-                see ``topology.workers_translate``): ``output`` is then left logical,
-                the step is only sent (its replies are checked at the next ``apply`` or
-                ``settle``), and ``output`` carries each rank's ``(epoch, seq)`` of it
-                as ``STEP_STAMP``, which a worker waits for before it translates.
+                the V2 model runner; see ``topology.workers_translate``): ``output`` is
+                then left logical, the step is only sent (its replies are checked at the
+                next ``apply`` or ``settle``), and ``output`` carries each rank's
+                ``(epoch, seq)`` of it as ``STEP_STAMP``, which a worker waits for before
+                it translates.
         """
         started = time.perf_counter()
         preempted_ids = sorted(output.preempted_req_ids or ())

@@ -4,11 +4,12 @@ Turn it on with ``vllm serve ... --scheduler-cls
 kvdefrag.client.vllm.scheduler.DefragAsyncScheduler`` (async scheduling, vLLM's default)
 or ``--scheduler-cls kvdefrag.client.vllm.scheduler.DefragScheduler
 --no-async-scheduling`` (or ``LLM(..., scheduler_cls=...)``), with
-``VLLM_USE_V2_MODEL_RUNNER=0``, ``KVDEFRAG_VLLM_RUN_DIR`` set, and the workers running
-``kvdefrag.server.vllm_worker`` (see the README).
+``KVDEFRAG_VLLM_RUN_DIR`` set and the workers running ``kvdefrag.server.vllm_worker``
+(see the README).
 
-Under synchronous scheduling the output is rewritten here, to physical ids; under async
-scheduling the workers translate it when they run it (``topology.workers_translate``).
+Under synchronous scheduling with vLLM's V1 model runner the output is rewritten here, to
+physical ids; under async scheduling, or with the V2 model runner, the workers translate
+it when they run it (``topology.workers_translate``).
 
 Facts about vLLM 0.33 this relies on:
 
@@ -78,12 +79,6 @@ def check_supported(vllm_config: Any, kv_cache_config: Any) -> None:
             "and chunked-local attention free a running request's blocks without any "
             "SchedulerOutput field saying so. Serve it without kvdefrag."
         )
-    if vllm_config.use_v2_model_runner:
-        raise UnsupportedByKvdefrag(
-            "kvdefrag supports vLLM's V1 model runner only (the worker keeps the V1 "
-            "runner's persistent block tables physical; the V2 runner keeps them "
-            "elsewhere): set VLLM_USE_V2_MODEL_RUNNER=0."
-        )
     if vllm_config.kv_transfer_config is not None:
         raise UnsupportedByKvdefrag(
             "kvdefrag cannot serve a KV connector (it reads and writes blocks by the "
@@ -105,8 +100,9 @@ def check_supported(vllm_config: Any, kv_cache_config: Any) -> None:
 class DefragScheduler(Scheduler):  # type: ignore[misc]
     """vLLM's scheduler, plus one kvdefrag step per ``schedule()`` for every rank.
 
-    The output it returns names physical blocks; everything else (queues, the KV cache
-    manager, prefix caching, preemption) is vLLM's own, in logical ids.
+    The output it returns names physical blocks (logical ones when the workers
+    translate: async scheduling, the V2 model runner); everything else (queues, the KV
+    cache manager, prefix caching, preemption) is vLLM's own, in logical ids.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:

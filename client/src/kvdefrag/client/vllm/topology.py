@@ -63,7 +63,15 @@ def workers_translate(vllm_config: object) -> bool:
     output, holding ``kv_lock``, always uses the mapping the KV data is in. Both sides call
     this with the same config and environment (vLLM's worker processes inherit both), so
     they agree.
+
+    Under vLLM's V2 model runner the workers translate whatever the scheduling: the
+    scheduler's own remedy for a moved row (re-sending it whole, as a resumed request in
+    ``scheduled_cached_reqs``) is a V1 runner mechanism. The V2 runner only appends a
+    cached request's ``new_block_ids`` to its persistent block table (its scheduler sends
+    resumed requests as new ones), so a worker rewrites that table itself when blocks move.
     """
+    if uses_v2_model_runner(vllm_config):
+        return True
     scheduler_config = getattr(vllm_config, "scheduler_config", None)
     if bool(getattr(scheduler_config, "async_scheduling", False)):
         return True
@@ -169,3 +177,8 @@ def client_tls_from_env() -> ClientTls:
         except OSError as err:
             raise RuntimeError(f"kvdefrag: cannot read {variable}={path!r}: {err}") from err
     return tls
+
+
+def uses_v2_model_runner(vllm_config: object) -> bool:
+    """Whether vLLM runs its V2 model runner (``VllmConfig.use_v2_model_runner``)."""
+    return bool(getattr(vllm_config, "use_v2_model_runner", False))
