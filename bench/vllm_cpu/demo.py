@@ -1,6 +1,6 @@
 """``make demo-vllm``: a real vLLM CPU engine with kvdefrag off and on, as one table.
 
-Runs ``engine_run.py plain,defrag`` twice (prefix caching off, then on): the same 96
+Runs ``engine_run.py plain,defrag,translating`` twice (prefix caching off, then on): the same 96
 greedy requests through vLLM 0.32's CPU engine on a tiny Llama with drawn weights and a
 40-block pool (vLLM preempts), once with vLLM's own scheduler and worker and once with
 ``DefragScheduler`` and ``DefragWorker``. The table compares:
@@ -12,8 +12,12 @@ greedy requests through vLLM 0.32's CPU engine on a tiny Llama with drawn weight
   stats each step's reply carries;
 * blocks moved (compaction copies) and placements (fresh blocks re-pointed lower, no
   copy), from the rank service;
-* the scheduler-side overhead per ``schedule()`` (plan, the step's round trip, rewrite:
-  ``BridgeTotals.step_durations_s``);
+* the scheduler-side overhead per ``schedule()`` (``BridgeTotals.step_durations_s``): with
+  the scheduler rewriting the output (plan, the step's round trip, rewrite), and with the
+  workers translating it (``KVDEFRAG_VLLM_TRANSLATE=worker``, as under async scheduling:
+  plan and send, the reply checked at the next ``schedule()``), and then the worker's
+  wait for the step before its forward pass (under synchronous scheduling, as here, the
+  round trip moves there; under async scheduling it overlaps the forward pass before);
 * preemptions, prefix-cache hits, and whether every request generated the same tokens.
 
 vLLM's own output goes to ``out/demo-vllm/*.log``.
@@ -40,14 +44,16 @@ NUM_REQUESTS = 96
 def run_pair(prefix_caching: bool) -> dict[str, dict[str, Any]]:
     """Runs plain vLLM, then kvdefrag, with one setting; returns the results by mode."""
     name = f"apc-{'on' if prefix_caching else 'off'}"
-    argv = [sys.executable, os.fspath(ENGINE_RUN), "plain,defrag", os.fspath(OUT / "model"),
+    argv = [sys.executable, os.fspath(ENGINE_RUN), "plain,defrag,translating",
+            os.fspath(OUT / "model"),
             os.fspath(OUT / name), "--num-requests", str(NUM_REQUESTS)]  # fmt: skip
     if prefix_caching:
         argv.append("--prefix-caching")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     log = OUT / f"{name}.log"
     print(f"prefix caching {'on' if prefix_caching else 'off'}: plain vLLM, then kvdefrag "
-          f"(log: {log.relative_to(ROOT)}) ...", end="", flush=True)  # fmt: skip
+          f"(the scheduler rewriting, then the workers translating; log: "
+          f"{log.relative_to(ROOT)}) ...", end="", flush=True)  # fmt: skip
     started = time.monotonic()
     with open(log, "w") as file:
         done = subprocess.run(argv, stdout=subprocess.PIPE, stderr=file, text=True, env=env)
@@ -71,12 +77,35 @@ def _ratio(values: list[float], percentile: float | None = None) -> str:
     return f"{float(np.percentile(values, percentile)):.3f}"
 
 
+def _overhead(result: dict[str, Any] | None) -> str:
+    """Scheduler-side time per ``schedule()``: mean / p99, ms."""
+    if result is None:
+        return "-"
+    durations_ms = [duration * 1e3 for duration in result["scheduler"]["step_durations_s"]]
+    return f"{np.mean(durations_ms):.2f} / {np.percentile(durations_ms, 99):.2f}"
+
+
+def _waits(result: dict[str, Any] | None) -> str:
+    """Rank 0's wait for the step planned with each output it ran: mean / p99, ms."""
+    if result is None or not result.get("worker_waits_s"):
+        return "-"
+    waits_ms = [wait * 1e3 for wait in result["worker_waits_s"]]
+    return f"{np.mean(waits_ms):.2f} / {np.percentile(waits_ms, 99):.2f}"
+
+
+def _same(result: dict[str, Any] | None, plain: dict[str, Any]) -> str:
+    if result is None:
+        return "-"
+    num_same = sum(got == want for got, want in zip(result["tokens"], plain["tokens"], strict=True))
+    return (
+        f"{'yes' if num_same == len(plain['tokens']) else 'NO'} ({num_same}/{len(plain['tokens'])})"
+    )
+
+
 def columns(runs: dict[str, dict[str, Any]]) -> list[list[str]]:
     """The two columns (without, with kvdefrag) of one setting, one cell per row."""
     plain, defrag = runs["plain"], runs["defrag"]
-    durations_ms = [duration * 1e3 for duration in defrag["scheduler"]["step_durations_s"]]
-    num_same = sum(got == want for got, want in zip(defrag["tokens"], plain["tokens"], strict=True))
-    same = "yes" if num_same == len(plain["tokens"]) else "NO"
+    translating = runs.get("translating")
     cells = []
     for result in (plain, defrag):
         scheduler = result["scheduler"]
@@ -87,14 +116,13 @@ def columns(runs: dict[str, dict[str, Any]]) -> list[list[str]]:
                 _ratio(scheduler["fragmentation"], 99),
                 f"{scheduler['num_moves']:,}" if is_defrag else "-",
                 f"{scheduler['num_placements']:,}" if is_defrag else "-",
-                (
-                    f"{np.percentile(durations_ms, 50):.2f} / {np.percentile(durations_ms, 99):.2f}"
-                    if is_defrag
-                    else "-"
-                ),
+                _overhead(defrag) if is_defrag else "-",
+                _overhead(translating) if is_defrag else "-",
+                _waits(translating) if is_defrag else "-",
                 f"{scheduler['num_preempted']:,}",
                 f"{result['num_cached_tokens']:,}",
-                f"{same} ({num_same}/{len(plain['tokens'])})" if is_defrag else "-",
+                _same(defrag, plain) if is_defrag else "-",
+                _same(translating, plain) if is_defrag else "-",
             ]
         )
     return cells
@@ -105,10 +133,13 @@ ROWS = (
     "fragmentation, p99",
     "blocks moved",
     "placements (no copy)",
-    "scheduler overhead per step p50 / p99, ms",
+    "scheduler overhead per step mean / p99, ms",
+    "  workers translating (step in flight)",
+    "  their worker's wait for the step",
     "preemptions",
     "prefix-cache hit tokens",
     "outputs identical to plain vLLM",
+    "  workers translating",
 )
 
 

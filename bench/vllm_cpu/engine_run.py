@@ -195,12 +195,19 @@ def run(mode: str, args: argparse.Namespace) -> dict[str, Any]:
     outputs = llm.generate(prompts(args.num_requests), params, use_tqdm=False)
     llm.llm_engine.engine_core.shutdown()
     scheduler = read_report(run_dir)  # written when the last request finished
+    waits = os.path.join(run_dir, "worker0_waits.json")  # weighted_workers.WAITS_NAME
+    worker_waits_s: list[float] = []
+    if os.path.exists(waits):
+        with open(waits) as file:
+            worker_waits_s = json.load(file)
+        os.remove(waits)
     return {
         "mode": mode,
         "async_scheduling": bool(llm.llm_engine.vllm_config.scheduler_config.async_scheduling),
         "tokens": [list(output.outputs[0].token_ids) for output in outputs],
         "num_cached_tokens": sum(output.num_cached_tokens or 0 for output in outputs),
         "scheduler": scheduler,
+        "worker_waits_s": worker_waits_s,
     }
 
 

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import json
+import os
+import time
 from typing import Any
 
 import torch
 from vllm.model_executor.model_loader.dummy_loader import DummyModelLoader
 from vllm.v1.worker.cpu_worker import CPUWorker
 
-from kvdefrag.server.vllm_worker import DefragWorkerMixin
+from kvdefrag.client.vllm.topology import run_dir_from_env
+from kvdefrag.server.vllm_worker import DefragWorkerMixin, wait_for_planned_step
 
 # Standard deviations (times 1/sqrt(fan_in)) that make the attention path dominate the
 # residual stream: the next token depends on the whole context, hence on every KV block.
@@ -49,8 +53,29 @@ class WeightedCPUWorker(CPUWorker):  # type: ignore[misc]
             DummyModelLoader.load_weights = original
 
 
+WAITS_NAME = "worker{rank}_waits.json"
+"""Written into the run directory at shutdown: how long each pass waited for its step."""
+
+
 class WeightedDefragWorker(DefragWorkerMixin, WeightedCPUWorker):
-    """DefragWorker with drawn weights."""
+    """DefragWorker with drawn weights; when it translates, it times each wait for the step
+    planned with the output (the part of the round trip the scheduler no longer waits for)."""
+
+    def execute_model(self, scheduler_output: Any) -> Any:
+        handle = self.kvdefrag_handle
+        if handle is not None and self.kvdefrag_translator is not None:
+            started = time.perf_counter()
+            wait_for_planned_step(handle, self.rank, scheduler_output)
+            self.__dict__.setdefault("waits_s", []).append(time.perf_counter() - started)
+        return super().execute_model(scheduler_output)  # waits again: returns at once
+
+    def shutdown(self) -> None:
+        waits_s = self.__dict__.get("waits_s")
+        if waits_s:
+            path = os.path.join(run_dir_from_env(), WAITS_NAME.format(rank=self.rank))
+            with open(path, "w") as file:
+                json.dump(waits_s, file)
+        super().shutdown()
 
 
 class CorruptingCPUWorker(WeightedCPUWorker):
