@@ -615,9 +615,12 @@ def mover_step_rows(mover_rows: list[dict[str, Any]]) -> list[list[str]]:
     for row in mover_rows:
         goal = 0.6 if row["two_way"] or row["block_size"] == 16 else 0.8
         kind = "swaps" if row["two_way"] else "one-way"
+        what = f"Engine.step, 512 {kind}, {row['block_size']}-token"
+        if row["layout"] != mover_rows[0]["layout"]:
+            what = f"  {row['layout']}"
         rows.append(
             [
-                f"Engine.step, 512 {kind}, {row['block_size']}-token",
+                what,
                 f"{row['step_gbps']:.2f} GB/s",
                 f"copy_ {row['copy_gbps']:.2f} GB/s",
                 f"{row['ratio']:.2f}x",
