@@ -11,7 +11,7 @@ import torch
 from vllm.model_executor.model_loader.dummy_loader import DummyModelLoader
 from vllm.v1.worker.cpu_worker import CPUWorker
 
-from kvdefrag.client.vllm.topology import run_dir_from_env
+from kvdefrag.client.vllm.topology import STEP_STAMP, run_dir_from_env
 from kvdefrag.server.vllm_worker import DefragWorkerMixin, wait_for_planned_step
 
 # Standard deviations (times 1/sqrt(fan_in)) that make the attention path dominate the
@@ -54,7 +54,8 @@ class WeightedCPUWorker(CPUWorker):  # type: ignore[misc]
 
 
 WAITS_NAME = "worker{rank}_waits.json"
-"""Written into the run directory at shutdown: how long each pass waited for its step."""
+"""Written into the run directory after each pass whose output carried a step stamp: how
+long each pass waited for its step."""
 
 
 class WeightedDefragWorker(DefragWorkerMixin, WeightedCPUWorker):
@@ -66,16 +67,15 @@ class WeightedDefragWorker(DefragWorkerMixin, WeightedCPUWorker):
         if handle is not None and self.kvdefrag_translator is not None:
             started = time.perf_counter()
             wait_for_planned_step(handle, self.rank, scheduler_output)
-            self.__dict__.setdefault("waits_s", []).append(time.perf_counter() - started)
+            waits_s = self.__dict__.setdefault("waits_s", [])
+            waits_s.append(time.perf_counter() - started)
+            if getattr(scheduler_output, STEP_STAMP, None) is not None:
+                # NOTE: written as it goes: vLLM kills tensor-parallel workers before
+                # their shutdown runs. The stamp shows it crossed vLLM's executor.
+                path = os.path.join(run_dir_from_env(), WAITS_NAME.format(rank=self.rank))
+                with open(path, "w") as file:
+                    json.dump(waits_s, file)
         return super().execute_model(scheduler_output)  # waits again: returns at once
-
-    def shutdown(self) -> None:
-        waits_s = self.__dict__.get("waits_s")
-        if waits_s:
-            path = os.path.join(run_dir_from_env(), WAITS_NAME.format(rank=self.rank))
-            with open(path, "w") as file:
-                json.dump(waits_s, file)
-        super().shutdown()
 
 
 class CorruptingCPUWorker(WeightedCPUWorker):

@@ -169,13 +169,24 @@ def test_defrag_generates_what_plain_vllm_generates_while_blocks_move(
 
 
 def test_tensor_parallel_2_in_vllms_engine_and_worker_processes(root: str) -> None:
-    runs = run_engines(TP2, ("plain", "defrag"), root)
+    runs = run_engines(TP2, ("plain", "defrag", "translating"), root)
     _assert_same_as_plain(runs["defrag"], runs["plain"], TP2)
     published = os.path.join(root, TP2.name(), "defrag", RANKS_FILE)
     with open(published) as file:
         addresses = json.load(file)["addresses"]
     base = int(addresses[0].rsplit(":", 1)[1])
     assert addresses == [f"127.0.0.1:{base}", f"127.0.0.1:{base + 1}"]
+
+
+def test_workers_in_their_own_processes_wait_for_the_step_in_flight(root: str) -> None:
+    """The step stamp crosses vLLM's multiprocess executor: rank 0's worker process got it
+    with the outputs it translated, waited for those steps, and generated what plain vLLM
+    generates."""
+    runs = run_engines(TP2, ("plain", "defrag", "translating"), root)
+    translating = runs["translating"]
+    _assert_same_as_plain(translating, runs["plain"], TP2)
+    assert translating["scheduler"]["num_rows_resent"] == 0
+    assert len(translating["worker_waits_s"]) > 50
 
 
 @APC
