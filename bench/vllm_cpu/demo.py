@@ -77,20 +77,22 @@ def _ratio(values: list[float], percentile: float | None = None) -> str:
     return f"{float(np.percentile(values, percentile)):.3f}"
 
 
+def _percentiles(values_s: list[float]) -> str:
+    """p50/p99/mean of durations in seconds, as milliseconds."""
+    ms = [value * 1e3 for value in values_s]
+    return f"{np.percentile(ms, 50):.2f}/{np.percentile(ms, 99):.2f}/{np.mean(ms):.2f}"
+
+
 def _overhead(result: dict[str, Any] | None) -> str:
-    """Scheduler-side time per ``schedule()``: mean / p99, ms."""
-    if result is None:
-        return "-"
-    durations_ms = [duration * 1e3 for duration in result["scheduler"]["step_durations_s"]]
-    return f"{np.mean(durations_ms):.2f} / {np.percentile(durations_ms, 99):.2f}"
+    """Scheduler-side time per ``schedule()``."""
+    return "-" if result is None else _percentiles(result["scheduler"]["step_durations_s"])
 
 
 def _waits(result: dict[str, Any] | None) -> str:
-    """Rank 0's wait for the step planned with each output it ran: mean / p99, ms."""
+    """Rank 0's wait for the step planned with each output it ran."""
     if result is None or not result.get("worker_waits_s"):
         return "-"
-    waits_ms = [wait * 1e3 for wait in result["worker_waits_s"]]
-    return f"{np.mean(waits_ms):.2f} / {np.percentile(waits_ms, 99):.2f}"
+    return _percentiles(result["worker_waits_s"])
 
 
 def _same(result: dict[str, Any] | None, plain: dict[str, Any]) -> str:
@@ -133,7 +135,7 @@ ROWS = (
     "fragmentation, p99",
     "blocks moved",
     "placements (no copy)",
-    "scheduler overhead per step mean / p99, ms",
+    "scheduler overhead per step p50/p99/mean, ms",
     "  workers translating (step in flight)",
     "  their worker's wait for the step",
     "preemptions",
