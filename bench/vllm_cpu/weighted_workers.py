@@ -66,7 +66,7 @@ class WeightedDefragWorker(DefragWorkerMixin, WeightedCPUWorker):
         handle = self.kvdefrag_handle
         if handle is not None and self.kvdefrag_translator is not None:
             started = time.perf_counter()
-            wait_for_planned_step(handle, self.rank, scheduler_output)
+            wait_for_planned_step(handle, self.rank, scheduler_output, self.kvdefrag_step_wait_s)
             waits_s = self.__dict__.setdefault("waits_s", [])
             waits_s.append(time.perf_counter() - started)
             if getattr(scheduler_output, STEP_STAMP, None) is not None:

@@ -22,6 +22,7 @@ from kvdefrag.server.vllm_worker import (
     check_v2_runner,
     remap_v1_runner_rows,
     remap_v2_runner_rows,
+    step_wait_s,
     translate_scheduler_output,
 )
 
@@ -327,3 +328,18 @@ def test_vllm_gaudi_pairs_bind_as_they_are() -> None:
         bind_vllm_kv_caches([(key[:-1], value[:-1])], NUM_BLOCKS, BLOCK_SIZE)
     with pytest.raises(ValueError, match="expected \\(key, value\\)"):
         bind_vllm_kv_caches([(None, value)], NUM_BLOCKS, BLOCK_SIZE)
+
+
+def test_the_step_wait_comes_from_the_environment_and_a_bad_one_is_named(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("KVDEFRAG_VLLM_STEP_WAIT_S", raising=False)
+    assert step_wait_s() == 60.0
+    monkeypatch.setenv("KVDEFRAG_VLLM_STEP_WAIT_S", "2.5")
+    assert step_wait_s() == 2.5
+    for bad in ("soon", "0", "-1"):
+        monkeypatch.setenv("KVDEFRAG_VLLM_STEP_WAIT_S", bad)
+        with pytest.raises(
+            ValueError, match=f"KVDEFRAG_VLLM_STEP_WAIT_S must be a positive number, got '{bad}'"
+        ):
+            step_wait_s()

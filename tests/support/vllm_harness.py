@@ -211,7 +211,7 @@ class SignedWorker:
             return self._execute(output)
         handle, rank = self.service
         if self.translator is not None:
-            wait_for_planned_step(handle, rank, output)
+            wait_for_planned_step(handle, rank, output, timeout_s=60.0)
         with handle.engine.kv_lock:
             return self._execute(output)
 

@@ -283,7 +283,7 @@ def test_translating_workers_that_do_not_wait_for_their_step_corrupt(
 ) -> None:
     _slow_rank_services(monkeypatch)
     monkeypatch.setenv("KVDEFRAG_VLLM_TRANSLATE", "worker")
-    monkeypatch.setattr(vllm_harness, "wait_for_planned_step", lambda *args: None)
+    monkeypatch.setattr(vllm_harness, "wait_for_planned_step", lambda *args, **kwargs: None)
     # NOTE: without prefix caching every new block is fresh and placed (re-pointed with no
     # copy) when its step is applied: after a worker that did not wait wrote it.
     _, workers, _ = _run(TwoRankScheduler, model_dir, ranks, prefix_caching=False, translate=True)

@@ -56,6 +56,7 @@ __all__ = [
     "check_v2_runner",
     "remap_v1_runner_rows",
     "remap_v2_runner_rows",
+    "step_wait_s",
     "translate_scheduler_output",
     "wait_for_planned_step",
 ]
@@ -308,7 +309,7 @@ class BlockIdTranslator:
         return current, remap
 
 
-def wait_for_planned_step(handle: ServerHandle, rank: int, output: Any) -> None:
+def wait_for_planned_step(handle: ServerHandle, rank: int, output: Any, timeout_s: float) -> None:
     """Waits until this rank's service has applied the step planned with ``output``.
 
     When the workers translate, the scheduler sends each step without waiting for its
@@ -324,10 +325,15 @@ def wait_for_planned_step(handle: ServerHandle, rank: int, output: Any) -> None:
     if stamps is None:
         return
     epoch, seq = stamps[rank]
-    handle.wait_applied(epoch, seq, _step_wait_s())
+    handle.wait_applied(epoch, seq, timeout_s)
 
 
-def _step_wait_s() -> float:
+def step_wait_s() -> float:
+    """How long a worker waits for its step: ``KVDEFRAG_VLLM_STEP_WAIT_S``, 60 s if unset.
+
+    Raises:
+        ValueError: The variable is not a positive number.
+    """
     text = os.environ.get(STEP_WAIT_ENV, "").strip()
     try:
         wait_s = float(text) if text else _DEFAULT_STEP_WAIT_S
@@ -351,6 +357,7 @@ class DefragWorkerMixin:
     kvdefrag_handle: ServerHandle | None = None
     kvdefrag_translator: BlockIdTranslator | None = None
     kvdefrag_is_v2_runner: bool = False
+    kvdefrag_step_wait_s: float = 0.0
 
     def initialize_from_config(self, kv_cache_config: Any) -> None:
         """Lets vLLM allocate the KV caches, then binds them and starts the service."""
@@ -366,6 +373,7 @@ class DefragWorkerMixin:
         """
         vllm_config = getattr(self, "vllm_config", None)
         if workers_translate(vllm_config):
+            self.kvdefrag_step_wait_s = step_wait_s()
             self.kvdefrag_is_v2_runner = uses_v2_model_runner(vllm_config)
             all_ids = np.arange(num_blocks, dtype=np.int64)
             self.kvdefrag_translator = BlockIdTranslator(lambda: handle.engine.resolve(all_ids))
@@ -385,7 +393,12 @@ class DefragWorkerMixin:
             return super().execute_model(scheduler_output)  # type: ignore[misc]
         translator = self.kvdefrag_translator
         if translator is not None:
-            wait_for_planned_step(handle, self.rank, scheduler_output)  # type: ignore[attr-defined]
+            wait_for_planned_step(
+                handle,
+                self.rank,  # type: ignore[attr-defined]
+                scheduler_output,
+                self.kvdefrag_step_wait_s,
+            )
         with handle.engine.kv_lock:
             if translator is not None:
                 mapping, remap = translator.advance()
