@@ -9,7 +9,9 @@ table reports ``traffic / bound - 1`` for:
 * without defragmentation (vLLM's own ids);
 * the seed-equivalent algorithm (``seed_baseline.py``: every pair a swap with prefix
   caching, since it cannot know which free blocks hold cached data);
-* kvdefrag, with and without placement of fresh blocks.
+* kvdefrag, with and without placement of fresh blocks, and with compaction deferred
+  (thresholds above the default, so fresh blocks fill holes by placement first); each
+  with its mean packed ratio (max live id / live blocks) beside it.
 
 The stream is the synthetic workload (``kvdefrag.tools.workload``), whose block pool
 follows vLLM's allocator rules and reports evictions exactly as the vLLM integration does
@@ -56,6 +58,7 @@ class Traffic:
     blocks_read: int = 0
     num_one_way: int = 0
     num_two_way: int = 0
+    packed_ratio: float = 0.0  # mean of max live id / live blocks over the steps
 
     @property
     def transfers(self) -> int:
@@ -63,6 +66,7 @@ class Traffic:
 
 
 NUM_BLOCKS = 10_000
+DEFERRED_THRESHOLDS = (128, 512)
 
 
 def _stream(prefix_caching: bool, num_steps: int) -> list[WorkloadStep]:
@@ -76,10 +80,14 @@ def _kvdefrag(stream: list[WorkloadStep], config: EngineConfig, name: str) -> Tr
     executor = CountingExecutor(NUM_BLOCKS)
     engine = Engine([], config=config, executor=executor)
     traffic = Traffic(name)
+    ratios = []
     for step in stream:
         engine.step(**step.events.as_kwargs())
-        traffic.blocks_read += engine.stats().max_live
+        stats = engine.stats()
+        traffic.blocks_read += stats.max_live
+        ratios.append(stats.fragmentation_ratio)
     traffic.num_one_way, traffic.num_two_way = executor.num_one_way, executor.num_two_way
+    traffic.packed_ratio = sum(ratios) / len(ratios)
     return traffic
 
 
@@ -91,9 +99,12 @@ def _seed(stream: list[WorkloadStep], prefix_caching: bool) -> Traffic:
 
     seed = SeedEquivalentDefragmenter(swap)
     traffic = Traffic("seed-equivalent")
+    ratios = []
     for step in stream:
         seed.step(**step.events.as_kwargs())
         traffic.blocks_read += seed.max_used
+        ratios.append(seed.max_used / step.num_live_blocks if step.num_live_blocks else 1.0)
+    traffic.packed_ratio = sum(ratios) / len(ratios)
     if prefix_caching:
         traffic.num_two_way = pairs[0]
     else:
@@ -109,6 +120,10 @@ def run_traffic(quick: bool) -> list[dict[str, Any]]:
         bound = sum(step.num_live_blocks for step in stream)
         without = Traffic("without defragmentation")
         without.blocks_read = sum(step.max_live_block_id for step in stream)
+        without.packed_ratio = sum(
+            step.max_live_block_id / step.num_live_blocks if step.num_live_blocks else 1.0
+            for step in stream
+        ) / len(stream)
         base = EngineConfig(prefix_caching=prefix_caching)
         policies = [
             without,
@@ -120,6 +135,16 @@ def run_traffic(quick: bool) -> list[dict[str, Any]]:
                 "kvdefrag, placement off",
             ),
         ]
+        # Deferring compaction (a higher threshold) leaves holes for fresh blocks to fill
+        # by placement, which costs no copy: does it save moves without packing worse?
+        policies += [
+            _kvdefrag(
+                stream,
+                dataclasses.replace(base, threshold=threshold),
+                f"kvdefrag, deferred ({threshold})",
+            )
+            for threshold in DEFERRED_THRESHOLDS
+        ]
         for traffic in policies:
             rows.append(
                 {
@@ -128,6 +153,7 @@ def run_traffic(quick: bool) -> list[dict[str, Any]]:
                     "over_bound": traffic.transfers / bound - 1.0,
                     "one_way": traffic.num_one_way,
                     "two_way": traffic.num_two_way,
+                    "packed_ratio": traffic.packed_ratio,
                     "num_steps": len(stream),
                 }
             )
@@ -139,12 +165,14 @@ def format_traffic(rows: list[dict[str, Any]]) -> str:
     lines = [
         "KV traffic over the packed bound (reads up to the highest live id + 2 per one-way "
         "move + 4 per swap):",
-        f"  {'prefix caching':<15}{'policy':<28}{'over bound':>11}{'one-way':>9}{'swaps':>8}",
+        f"  {'prefix caching':<15}{'policy':<28}{'over bound':>11}{'one-way':>9}{'swaps':>8}"
+        f"{'max/live':>10}",
     ]
     for row in rows:
         lines.append(
             f"  {'on' if row['prefix_caching'] else 'off':<15}{row['policy']:<28}"
             f"{row['over_bound']:>10.2%}{row['one_way']:>9}{row['two_way']:>8}"
+            f"{row['packed_ratio']:>10.4f}"
         )
     return "\n".join(lines)
 
