@@ -17,6 +17,7 @@ SECTIONS = {
     9: "KV access contract and lock order",
     10: "Error table",
     11: "Packages",
+    12: "What a step costs",
 }
 
 
