@@ -230,15 +230,19 @@ class SignedWorker:
         self._update_rows(output)
         return self._forward(output)
 
-    def _update_rows(self, output: SchedulerOutput) -> None:
-        for request_id in output.finished_req_ids:
-            self.rows.pop(request_id, None)
+    def _zero_and_copy(self, output: SchedulerOutput) -> None:
+        """New blocks to zero, then copy-on-write copies (both runners, in this order)."""
         for block_id in output.new_block_ids_to_zero or ():
             self.kv[block_id * BLOCK_SIZE : (block_id + 1) * BLOCK_SIZE] = 0
         for src, dst in output.kv_cache_block_copies or ():
             self.kv[dst * BLOCK_SIZE : (dst + 1) * BLOCK_SIZE] = self.kv[
                 src * BLOCK_SIZE : (src + 1) * BLOCK_SIZE
             ].clone()
+
+    def _update_rows(self, output: SchedulerOutput) -> None:
+        for request_id in output.finished_req_ids:
+            self.rows.pop(request_id, None)
+        self._zero_and_copy(output)
         for new in output.scheduled_new_reqs:
             self.rows[new.req_id] = _Row(
                 block_ids=list(new.block_ids[0]),
@@ -291,8 +295,25 @@ class SignedWorker:
             if int(self.kv[_slot(block_ids, position), 0]) != expected:
                 self.num_corrupted += 1
 
+    def rank_service(self) -> ServerHandle | None:
+        """The service of this worker's rank, when it runs as ``DefragWorkerMixin`` does."""
+        return None if self.service is None else self.service[0]
+
     def check_cached_free(self, scheduler: Scheduler, resolve: Any) -> None:
-        """Every block vLLM keeps in its prefix cache still holds the tokens it hashed."""
+        """Every block vLLM keeps in its prefix cache still holds the tokens it hashed.
+
+        With its rank's service, it reads as a worker does: holding ``kv_lock``, through
+        the mapping the KV data is in (a step may be in flight: the scheduler's mirror,
+        ``resolve``, learns its moves only from its reply).
+        """
+        handle = self.rank_service()
+        if handle is None:
+            self._check_cached_free(scheduler, resolve)
+            return
+        with handle.engine.kv_lock:
+            self._check_cached_free(scheduler, handle.engine.resolve)
+
+    def _check_cached_free(self, scheduler: Scheduler, resolve: Any) -> None:
         pool = scheduler.kv_cache_manager.block_pool
         for block in pool.blocks[1:]:
             if block.ref_cnt or block.block_hash is None:
@@ -388,12 +409,7 @@ class V2SignedRunner(SignedWorker):
             new_ids = cached.new_block_ids[position]
             if new_ids is not None:
                 self._append(self.req_indices[request_id], list(new_ids[0]), overwrite=False)
-        for block_id in output.new_block_ids_to_zero or ():
-            self.kv[block_id * BLOCK_SIZE : (block_id + 1) * BLOCK_SIZE] = 0
-        for src, dst in output.kv_cache_block_copies or ():
-            self.kv[dst * BLOCK_SIZE : (dst + 1) * BLOCK_SIZE] = self.kv[
-                src * BLOCK_SIZE : (src + 1) * BLOCK_SIZE
-            ].clone()
+        self._zero_and_copy(output)
 
 
 class V2SignedWorker(DefragWorkerMixin, V2SignedRunner):
@@ -418,6 +434,9 @@ class V2SignedWorker(DefragWorkerMixin, V2SignedRunner):
         self.rank = rank
         if handle is not None:
             self.kvdefrag_attach(handle, num_blocks)
+
+    def rank_service(self) -> ServerHandle | None:
+        return self.kvdefrag_handle
 
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
         """Each rank runs its own copy of the output (vLLM's executor sends one to each)."""
