@@ -84,6 +84,19 @@ class V2VllmConfig(VllmConfig):
         return True
 
 
+def spy_preemptions(scheduler: Scheduler) -> list[str]:
+    """Returns a list that receives the id of every request ``scheduler`` preempts."""
+    preempted: list[str] = []
+    original = scheduler._preempt_request
+
+    def spy(request: Any, *args: Any, **kwargs: Any) -> None:
+        preempted.append(request.request_id)
+        original(request, *args, **kwargs)
+
+    scheduler._preempt_request = spy  # type: ignore[method-assign]
+    return preempted
+
+
 def make_scheduler(
     cls: type[Scheduler],
     model_dir: str,

@@ -31,6 +31,7 @@ from support.vllm_harness import (
     Workload,
     make_scheduler,
     run_loop,
+    spy_preemptions,
 )
 
 
@@ -120,14 +121,7 @@ def test_preemption_happens_in_the_small_pool(model_dir: str, ranks: list[Any]) 
     scheduler = make_scheduler(
         TwoRankScheduler, model_dir, num_blocks=NUM_BLOCKS, prefix_caching=False
     )
-    preempted: list[str] = []
-    original = scheduler._preempt_request
-
-    def spy(request: Any, *args: Any, **kwargs: Any) -> None:
-        preempted.append(request.request_id)
-        original(request, *args, **kwargs)
-
-    scheduler._preempt_request = spy  # type: ignore[method-assign]
+    preempted = spy_preemptions(scheduler)
     workers = [SignedWorker(kv) for _, kv in ranks]
     run_loop(
         scheduler,

@@ -30,6 +30,7 @@ from support.vllm_harness import (
     Workload,
     make_scheduler,
     run_loop,
+    spy_preemptions,
 )
 
 
@@ -55,14 +56,7 @@ def _run_v2(
         v2=True,
     )
     assert scheduler.use_v2_model_runner
-    preempted: list[str] = []
-    original = scheduler._preempt_request
-
-    def spy(request: Any, *args: Any, **kwargs: Any) -> None:
-        preempted.append(request.request_id)
-        original(request, *args, **kwargs)
-
-    scheduler._preempt_request = spy  # type: ignore[method-assign]
+    preempted = spy_preemptions(scheduler)
     is_defrag = isinstance(scheduler, DefragScheduler)
     num_ranks = len(scheduler.kvdefrag.ranks.clients) if is_defrag else 1
     workers = [
