@@ -1,4 +1,5 @@
-"""Tracker internals the engine relies on for speed: batch digests and the numpy view."""
+"""Tracker internals the engine relies on for speed: batch digests, the slot sets' chunked
+queries and the numpy view."""
 
 import random
 
@@ -8,7 +9,7 @@ from kvdefrag.common import pair_digest
 from kvdefrag.common.digest import pair_digest_array, pair_digests
 from kvdefrag.server._policy import plan_compaction
 from kvdefrag.server._snapshot import MappingSnapshots
-from kvdefrag.server._tracker import BlockTracker
+from kvdefrag.server._tracker import BlockTracker, _SlotSet
 from kvdefrag.server.config import EngineConfig
 
 
@@ -20,6 +21,31 @@ def test_batch_digest_equals_the_scalar_digest_on_both_paths() -> None:
         expected = [pair_digest(l_id, p_id) for l_id, p_id in zip(logical, physical, strict=True)]
         assert pair_digests(logical, physical) == expected
         assert pair_digest_array(logical, physical).tolist() == expected  # the tracker's
+
+
+def test_slot_set_queries_equal_a_plain_scan_across_chunks() -> None:
+    # Pools of one chunk, exactly a chunk, a chunk and a slot, and several; sets from empty
+    # to full; every query bound, including 0, 1 and beyond the pool.
+    rng = random.Random(11)
+    for num_blocks in (2, 3, 1024, 1025, 2048, 5000):
+        for density in (0.0, 0.02, 0.5, 0.98, 1.0):
+            members = {slot for slot in range(1, num_blocks) if rng.random() < density}
+            slots = _SlotSet(num_blocks)
+            slots.add(sorted(members))
+            if members:
+                slots.remove([rng.choice(sorted(members))])  # counts follow removals too
+                members = {slot for slot in range(1, num_blocks) if slots.mask[slot]}
+            non_members = [slot for slot in range(1, num_blocks) if slot not in members]
+            assert slots.max() == max(members, default=0)
+            for _ in range(20):
+                max_slots = rng.choice([0, 1, 7, 512, num_blocks + 2])
+                below = rng.choice([0, 1, 2, rng.randrange(num_blocks + 2), num_blocks + 1])
+                expected_in = sorted(slot for slot in members if slot < below)[:max_slots]
+                expected_out = [slot for slot in non_members if slot < below][:max_slots]
+                assert slots.lowest(max_slots, below, is_in=True).tolist() == expected_in
+                assert slots.lowest(max_slots, below, is_in=False).tolist() == expected_out
+                expected_high = sorted(members, reverse=True)[:max_slots]
+                assert slots.highest(max_slots).tolist() == expected_high
 
 
 def test_published_mapping_follows_fwd_after_a_compaction() -> None:

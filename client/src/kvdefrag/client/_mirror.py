@@ -14,11 +14,8 @@ the live mapping incrementally and compare it with the one in every reply::
 
 from __future__ import annotations
 
-import collections
-import functools
-import itertools
 import operator
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from kvdefrag.common import NULL_BLOCK_ID, InvalidArgument, StepEvents, pair_digest
 from kvdefrag.common.digest import pair_digests
@@ -153,29 +150,25 @@ class Mirror:
         refs = self.refs
         live_digests = self._live_digests
         digest = self.digest
+        # NOTE: plain loops, not map() of a bound __getitem__/__setitem__: in CPython 3.11
+        # the loops' specialised list opcodes are ~1.5-2x faster per id.
         if became_live:
-            mixed = pair_digests(became_live, list(map(fwd.__getitem__, became_live)))
-            _consume(map(live_digests.__setitem__, became_live, mixed))
-            digest ^= functools.reduce(operator.xor, mixed, 0)
-        # NOTE: map/filter/compress run these per-id loops in C; deltas can be thousands.
-        moved_ids = list(filter(refs.__getitem__, logical_ids))
-        if moved_ids:
-            moved_to = (
-                physical_ids
-                if len(moved_ids) == len(logical_ids)
-                else list(itertools.compress(physical_ids, map(refs.__getitem__, logical_ids)))
-            )
-            moved = pair_digests(moved_ids, moved_to)
-            if len(set(moved_ids)) == len(moved_ids):
-                digest ^= functools.reduce(
-                    operator.xor, map(live_digests.__getitem__, moved_ids), 0
-                ) ^ functools.reduce(operator.xor, moved, 0)
-                _consume(map(live_digests.__setitem__, moved_ids, moved))
-            else:  # an id listed twice ends as it would, one delta after the other
-                for logical_id, mixed_id in zip(moved_ids, moved, strict=True):
-                    digest ^= live_digests[logical_id] ^ mixed_id
-                    live_digests[logical_id] = mixed_id
-        _consume(map(fwd.__setitem__, logical_ids, physical_ids))
+            mixed = pair_digests(became_live, [fwd[logical_id] for logical_id in became_live])
+            for logical_id, mixed_id in zip(became_live, mixed, strict=True):
+                live_digests[logical_id] = mixed_id
+                digest ^= mixed_id
+        # An id listed twice ends as it would, one delta after the other.
+        moved = [index for index, logical_id in enumerate(logical_ids) if refs[logical_id]]
+        if moved:
+            moved_ids = [logical_ids[index] for index in moved]
+            moved_to = [physical_ids[index] for index in moved]
+            for logical_id, mixed_id in zip(
+                moved_ids, pair_digests(moved_ids, moved_to), strict=True
+            ):
+                digest ^= live_digests[logical_id] ^ mixed_id
+                live_digests[logical_id] = mixed_id
+        for logical_id, physical_id in zip(logical_ids, physical_ids, strict=True):
+            fwd[logical_id] = physical_id
         self.digest = digest
         return digest
 
@@ -221,8 +214,3 @@ class Mirror:
                     self._live_digests[logical_id] = mixed
                     self.digest ^= mixed
             refs[logical_id] += 1
-
-
-def _consume(iterator: Iterator[object]) -> None:
-    """Runs an iterator to its end (a C loop: ``map`` of a setter, for its effect)."""
-    collections.deque(iterator, maxlen=0)

@@ -293,7 +293,8 @@ class Engine:
             self._count_step(num_placed, num_unknown, [], MoveReport(0, 0, 0))
             raise
         self._count_step(num_placed, num_unknown, moves, report)
-        block_mapping = dict(zip(touched, map(tracker.fwd.__getitem__, touched), strict=True))
+        fwd = tracker.fwd
+        block_mapping = {logical_id: fwd[logical_id] for logical_id in touched}
         block_mapping.pop(NULL_BLOCK_ID, None)
         return StepResult(
             block_mapping=block_mapping,

@@ -65,7 +65,10 @@ def plan_compaction(tracker: BlockTracker, config: EngineConfig) -> list[Move]:
     changes until the caller commits them with ``BlockTracker.move_live_blocks``)."""
     src_ids, dst_ids = tracker.compaction_pairs(config.max_moves_per_step)
     # A free destination holds data only when it is cached (prefix caching).
-    cached, bwd = tracker.cached, tracker.bwd
-    is_two_way = [cached[bwd[dst]] for dst in dst_ids]
+    if tracker.prefix_caching:
+        cached, bwd = tracker.cached, tracker.bwd
+        is_two_way: Iterable[bool] = [cached[bwd[dst]] for dst in dst_ids]
+    else:
+        is_two_way = repeat(False, len(dst_ids))
     # NOTE: tuple.__new__ builds each Move in C (Move(...) runs a Python __new__ per move).
     return list(map(tuple.__new__, repeat(Move), zip(src_ids, dst_ids, is_two_way, strict=True)))

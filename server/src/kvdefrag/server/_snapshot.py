@@ -36,25 +36,29 @@ class MappingSnapshots:
         self._write_counts = [0, 0]
         self._current = 0
         # What the buffer readers are not sent to lacks: (ids, their values), in order.
-        self._unsynced: list[tuple[list[int], list[int]]] = []
+        self._unsynced: list[tuple[npt.NDArray[np.intp], npt.NDArray[np.int64]]] = []
 
     def publish(self, fwd: list[int], changed_ids: list[int]) -> None:
         """Makes readers see ``fwd`` (the writer's mapping), whose entries at
         ``changed_ids`` (and nowhere else) changed since the last publish."""
         if not changed_ids:
             return
-        values = list(map(fwd.__getitem__, changed_ids))
+        # NOTE: converted to arrays once: assigning lists made numpy convert them at this
+        # publish and again at the next (~3x the cost for 1,000 ids).
+        num_changed = len(changed_ids)
+        ids = np.fromiter(changed_ids, np.intp, num_changed)
+        values = np.fromiter([fwd[logical_id] for logical_id in changed_ids], np.int64, num_changed)
         target = 1 - self._current
         buffer = self._buffers[target]
         self._write_counts[target] += 1  # odd: readers of this buffer read again
         # NOTE: one assignment per publish, in order: an id changed twice ends with its
         # later value (numpy does not promise an order among repeated ids of one call).
-        for ids, earlier_values in self._unsynced:
-            buffer[ids] = earlier_values
-        buffer[changed_ids] = values
+        for earlier_ids, earlier_values in self._unsynced:
+            buffer[earlier_ids] = earlier_values
+        buffer[ids] = values
         self._write_counts[target] += 1
         self._current = target
-        self._unsynced = [(changed_ids, values)]  # what the buffer just left lacks
+        self._unsynced = [(ids, values)]  # what the buffer just left lacks
 
     def read(self, logical_ids: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
         """Physical ids of ``logical_ids`` (in range, checked by the caller) as of the

@@ -101,20 +101,25 @@ class _SlotSet:
     def lowest(self, max_slots: int, below: int, *, is_in: bool) -> npt.NDArray[np.intp]:
         """Up to ``max_slots`` slots below ``below``, lowest first: slots of the set, or
         (``is_in=False``) slots not in it, the null slot excepted."""
-        chunks = self.counts if is_in else self.counts < self._capacity
-        found: list[npt.NDArray[np.intp]] = []
-        num_found = 0
-        for chunk in chunks.nonzero()[0].tolist():
-            start = chunk << _CHUNK_SHIFT
-            if num_found >= max_slots or start >= below:
-                break
-            window = self.mask[start : min(start + _CHUNK_SLOTS, below)]
-            slots = (window if is_in else ~window).nonzero()[0] + start
-            if start == NULL_BLOCK_ID and not is_in:
-                slots = slots[slots != NULL_BLOCK_ID]
-            found.append(slots)
-            num_found += len(slots)
-        return np.concatenate(found)[:max_slots] if found else np.empty(0, dtype=np.intp)
+        if max_slots <= 0 or below <= 1:
+            return np.empty(0, dtype=np.intp)
+        # NOTE: the chunks to read are found from the counts in one pass, then read in one
+        # call: a chunk at a time cost ~4 µs each, and free slots may sit in every chunk.
+        num_chunks = ((below - 1) >> _CHUNK_SHIFT) + 1
+        counts = self.counts[:num_chunks]
+        per_chunk = counts if is_in else self._capacity[:num_chunks] - counts
+        filled = per_chunk.cumsum()  # the last chunk may count slots at or above `below`
+        first = int(np.count_nonzero(filled == 0))
+        if first == num_chunks:
+            return np.empty(0, dtype=np.intp)
+        last = min(int(np.searchsorted(filled, max_slots)), num_chunks - 1)
+        start = first << _CHUNK_SHIFT
+        window = self.mask[start : min((last + 1) << _CHUNK_SHIFT, below)]
+        slots = (window if is_in else ~window).nonzero()[0]
+        if start == NULL_BLOCK_ID and not is_in:
+            slots = slots[1:]  # the null slot is never in a set, so it is listed first
+        slots = slots[:max_slots]
+        return slots + start if start else slots
 
     def max(self) -> int:
         """The highest slot of the set, 0 when it is empty."""
@@ -311,8 +316,8 @@ class BlockTracker:
             Every logical id whose slot changed.
         """
         fwd, bwd, refs, cached = self.fwd, self.bwd, self.refs, self.cached
-        moved_ids = list(map(bwd.__getitem__, src_ids))
-        freed_ids = list(map(bwd.__getitem__, dst_ids))
+        moved_ids = [bwd[src] for src in src_ids]
+        freed_ids = [bwd[dst] for dst in dst_ids]
         assert all(map(refs.__getitem__, moved_ids)), "compaction moves live blocks only"
         assert not any(map(refs.__getitem__, freed_ids)), "compaction targets free slots only"
         for moved_id, freed_id, src, dst in zip(
@@ -323,10 +328,14 @@ class BlockTracker:
         self._live.remove(src_ids)
         self._live.add(dst_ids)
         # A free block that is not cached leaves an expendable slot (dst) for another (src).
-        uncached = [index for index, freed_id in enumerate(freed_ids) if not cached[freed_id]]
-        if uncached:
-            self._expendable.remove([dst_ids[index] for index in uncached])
-            self._expendable.add([src_ids[index] for index in uncached])
+        if not self.prefix_caching:  # no free block is cached
+            self._expendable.remove(dst_ids)
+            self._expendable.add(src_ids)
+        else:
+            uncached = [index for index, freed_id in enumerate(freed_ids) if not cached[freed_id]]
+            if uncached:
+                self._expendable.remove([dst_ids[index] for index in uncached])
+                self._expendable.add([src_ids[index] for index in uncached])
         self._update_live_digests(moved_ids, dst_ids)
         changed = moved_ids + freed_ids
         self._remapped += changed
@@ -387,7 +396,7 @@ class BlockTracker:
         """Bookkeeping of blocks whose last reference just went (refs already 0); a block
         that becomes free is cached under prefix caching."""
         fwd, cached, caching = self.fwd, self.cached, self.prefix_caching
-        physical_ids = list(map(fwd.__getitem__, logical_ids))  # never the null slot
+        physical_ids = [fwd[logical_id] for logical_id in logical_ids]  # never the null slot
         for logical_id in logical_ids:
             cached[logical_id] = caching
         self.digest ^= int(
@@ -431,7 +440,7 @@ class BlockTracker:
     def _make_live(self, logical_ids: list[int]) -> None:
         """Bookkeeping of blocks that just got their first reference (refs already 1)."""
         fwd = self.fwd
-        physical_ids = list(map(fwd.__getitem__, logical_ids))
+        physical_ids = [fwd[logical_id] for logical_id in logical_ids]
         live_digests = self._live_digests
         if len(logical_ids) < MIN_VECTOR_PAIRS:  # numpy's per-call cost would dominate
             digest = self.digest
