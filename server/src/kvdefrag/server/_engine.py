@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-import operator
 import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -39,14 +38,14 @@ from kvdefrag.common import (
 from kvdefrag.common.errors import quote
 from kvdefrag.server import _policy
 from kvdefrag.server._executor import KvCaches, MoveReport, SwapExecutor, make_executor
-from kvdefrag.server._policy import Move
+from kvdefrag.server._policy import MoveBatch
 from kvdefrag.server._snapshot import MappingSnapshots
 from kvdefrag.server._tracker import BlockTracker
 from kvdefrag.server._validate import validate_step
 from kvdefrag.server.config import EngineConfig
 
 _LOGGER = logging.getLogger(__name__)
-_IS_TWO_WAY = operator.attrgetter("is_two_way")
+_NO_MOVES = MoveBatch([], [])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +56,8 @@ class StepResult:
     Attributes:
         block_mapping: Physical id of every logical id newly referenced or moved this
             step (moved includes free blocks whose slot changed).
-        moves: Compaction moves executed, in physical space.
+        moves: Compaction moves executed, in physical space (columns, and a sequence
+            of ``Move``).
         num_placed: Fresh blocks re-pointed to a lower slot (no copy).
         num_unknown_finished: Finished ids the engine did not know (tolerated).
         num_padded: Pad pairs the executor added (static-shape backends).
@@ -68,7 +68,7 @@ class StepResult:
     """
 
     block_mapping: dict[int, int]
-    moves: tuple[Move, ...]
+    moves: MoveBatch
     num_placed: int
     num_unknown_finished: int
     num_padded: int
@@ -290,7 +290,7 @@ class Engine:
         except EngineUnhealthy:
             # NOTE: the events stand: the step is applied without its compaction, and
             # counted, so that num_steps (and the service's seq) say what the state is.
-            self._count_step(num_placed, num_unknown, [], MoveReport(0, 0, 0))
+            self._count_step(num_placed, num_unknown, _NO_MOVES, MoveReport(0, 0, 0))
             raise
         self._count_step(num_placed, num_unknown, moves, report)
         fwd = tracker.fwd
@@ -298,7 +298,7 @@ class Engine:
         block_mapping.pop(NULL_BLOCK_ID, None)
         return StepResult(
             block_mapping=block_mapping,
-            moves=tuple(moves),
+            moves=moves,
             num_placed=num_placed,
             num_unknown_finished=num_unknown,
             num_padded=report.num_padded,
@@ -309,13 +309,13 @@ class Engine:
         )
 
     def _count_step(
-        self, num_placed: int, num_unknown: int, moves: list[Move], report: MoveReport
+        self, num_placed: int, num_unknown: int, moves: MoveBatch, report: MoveReport
     ) -> None:
         totals = self._totals
         self._totals = Totals(
             num_steps=totals.num_steps + 1,
             num_moves=totals.num_moves + len(moves),
-            num_two_way_moves=totals.num_two_way_moves + sum(map(_IS_TWO_WAY, moves)),
+            num_two_way_moves=totals.num_two_way_moves + moves.num_two_way,
             num_placements=totals.num_placements + num_placed,
             num_defrag_runs=totals.num_defrag_runs + bool(moves),
             num_bytes_moved=totals.num_bytes_moved + report.num_bytes,
@@ -328,14 +328,14 @@ class Engine:
         touched += changed
         return num_placed
 
-    def _compact(self, touched: list[int]) -> tuple[list[Move], MoveReport, float]:
+    def _compact(self, touched: list[int]) -> tuple[MoveBatch, MoveReport, float]:
         tracker = self._tracker
         if not _policy.should_compact(tracker, self.config, is_forced=self._force_defrag):
-            return [], MoveReport(0, 0, 0), 0.0
+            return _NO_MOVES, MoveReport(0, 0, 0), 0.0
         self._force_defrag = False
         moves = _policy.plan_compaction(tracker, self.config)
         if not moves:
-            return [], MoveReport(0, 0, 0), 0.0
+            return _NO_MOVES, MoveReport(0, 0, 0), 0.0
         started = time.perf_counter()
         with self.kv_lock:
             try:
@@ -351,9 +351,7 @@ class Engine:
                 )
                 raise EngineUnhealthy(self._unhealthy_reason) from err
             swap_s = time.perf_counter() - started
-            touched += tracker.move_live_blocks(
-                [move.src_physical_id for move in moves], [move.dst_physical_id for move in moves]
-            )
+            touched += tracker.move_live_blocks(moves.src_ids, moves.dst_ids)
             # NOTE: published before kv_lock is released: a worker that takes kv_lock
             # next must resolve to where the data now is.
             self._published = self._publish_locked()

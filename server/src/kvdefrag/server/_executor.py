@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from kvdefrag.common import InvalidArgument
-from kvdefrag.server._policy import Move
+from kvdefrag.server._policy import Move, MoveBatch
 
 KvCaches = Sequence[tuple[torch.Tensor, torch.Tensor | None]]
 
@@ -295,8 +295,9 @@ class TorchSwapExecutor:
         self.bytes_per_block = sum(v.shape[1] * v.element_size() for v in self._views)
 
     def execute(self, moves: Sequence[Move]) -> MoveReport:
-        one_way = [move for move in moves if not move.is_two_way]
-        two_way = [move for move in moves if move.is_two_way]
+        batch = MoveBatch.of(moves)
+        one_way = batch.pairs(two_way=False)
+        two_way = batch.pairs(two_way=True)
         with self._on_stream():
             if one_way:
                 self._run(one_way, two_way=False)
@@ -319,23 +320,24 @@ class TorchSwapExecutor:
             return index
         return index.pin_memory().to(self._device, non_blocking=True)
 
-    def _copy_rows(self, moves: Sequence[Move]) -> None:
+    def _copy_rows(self, moves: list[tuple[int, int]]) -> None:
         """One-way moves on the large-row tensors: one ``copy_`` per block and tensor."""
         dst_rows: list[torch.Tensor] = []
         src_rows: list[torch.Tensor] = []
         for view in self._row_views:
-            dst_rows += [view[move.dst_physical_id] for move in moves]
-            src_rows += [view[move.src_physical_id] for move in moves]
+            dst_rows += [view[dst] for _, dst in moves]
+            src_rows += [view[src] for src, _ in moves]
         torch._foreach_copy_(dst_rows, src_rows)
 
-    def _run(self, moves: Sequence[Move], two_way: bool) -> None:
+    def _run(self, moves: list[tuple[int, int]], two_way: bool) -> None:
+        """Moves every (source, destination) pair of one kind."""
         if not two_way and self._row_views:
             self._copy_rows(moves)
         views = self._views if two_way else self._staged_views
         if not views:
             return
-        src = self._index([move.src_physical_id for move in moves])
-        dst = self._index([move.dst_physical_id for move in moves])
+        src = self._index([src for src, _ in moves])
+        dst = self._index([dst for _, dst in moves])
         swapped: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         half_swapped: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         try:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from kvdefrag.server._executor import KvCaches, MoveReport, bind_kv_caches, pad_to_bucket
-from kvdefrag.server._policy import Move
+from kvdefrag.server._policy import Move, MoveBatch
 from kvdefrag.server.config import DEFAULT_PAD_BUCKETS
 
 
@@ -84,18 +84,16 @@ class HpuSwapExecutor:
         self._htorch.core.mark_step()
 
     def execute(self, moves: Sequence[Move]) -> MoveReport:
+        batch = MoveBatch.of(moves)
         num_padded = 0
         largest = self._buckets[-1]
-        for start in range(0, len(moves), largest):
-            batch = moves[start : start + largest]
+        for start in range(0, len(batch), largest):
+            end = start + largest
             src, dst, padded = pad_to_bucket(
-                [move.src_physical_id for move in batch],
-                [move.dst_physical_id for move in batch],
-                self._buckets,
+                batch.src_ids[start:end], batch.dst_ids[start:end], self._buckets
             )
             num_padded += padded
             # NOTE: a swap is also a correct one-way move; one graph per bucket and mode.
-            self._run(src, dst, two_way=any(move.is_two_way for move in batch))
-        num_two_way = sum(move.is_two_way for move in moves)
-        num_bytes = self._bytes_per_block * (len(moves) + num_two_way)
-        return MoveReport(num_moves=len(moves), num_padded=num_padded, num_bytes=num_bytes)
+            self._run(src, dst, two_way=any(batch.is_two_way[start:end]))
+        num_bytes = self._bytes_per_block * (len(batch) + batch.num_two_way)
+        return MoveReport(num_moves=len(batch), num_padded=num_padded, num_bytes=num_bytes)

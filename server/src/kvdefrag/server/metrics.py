@@ -13,7 +13,6 @@ prometheus_client's global registry.
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Callable
 from typing import Protocol
 
@@ -177,7 +176,7 @@ class Metrics:
         self._placements.inc(result.num_placed)
         self._unknown_finished.inc(result.num_unknown_finished)
         if result.moves:
-            num_two_way = sum(map(operator.attrgetter("is_two_way"), result.moves))
+            num_two_way = result.moves.num_two_way
             self._runs_moved.inc()
             self._moved_one_way.inc(len(result.moves) - num_two_way)
             self._moved_two_way.inc(num_two_way)
