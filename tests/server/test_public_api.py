@@ -11,6 +11,7 @@ SERVER_NAMES = {
     "Engine",
     "EngineConfig",
     "Move",
+    "MoveBatch",
     "MoveReport",
     "PoolStats",
     "ServerHandle",
