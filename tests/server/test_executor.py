@@ -129,6 +129,16 @@ def test_an_empty_batch_moves_nothing() -> None:
     assert kv.mismatched(range(8), range(8)) == []
 
 
+@pytest.mark.parametrize(
+    "bad_move", [Move(16, 1, False), Move(9, -1, False), Move(-2, 3, True)], ids=str
+)
+def test_a_move_outside_the_pool_is_refused_before_any_write(bad_move: Move) -> None:
+    kv = SignedKv.create(16, block_size=BLOCK_SIZE)
+    with pytest.raises(InvalidArgument, match="outside the pool"):
+        make_executor(kv.kv_caches, BLOCK_SIZE).execute([Move(12, 2, False), bad_move])
+    assert kv.mismatched(range(16), range(16)) == []
+
+
 def test_non_contiguous_tensors_are_refused() -> None:
     strided = torch.zeros(2, 16 * BLOCK_SIZE, 4).transpose(0, 1)  # [slots, heads, head]
     with pytest.raises(InvalidArgument, match="contiguous"):
