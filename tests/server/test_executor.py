@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -53,21 +54,36 @@ def test_one_way_and_two_way_moves_on_signed_blocks(dtype: torch.dtype, mla: boo
     assert report == MoveReport(num_moves=4, num_padded=0, num_bytes=6 * kv.bytes_per_block)
 
 
-@pytest.mark.parametrize("fail_at_write", [1, 40, 95])
-def test_a_failure_in_one_thread_undoes_the_swaps_of_every_thread(fail_at_write: int) -> None:
-    """A batch large enough to be split across threads fails in one of them: every swap
-    either thread already made is undone, so each block is back at its own slot."""
+@pytest.mark.parametrize("fail_at_row", [1, 40, 95])
+@pytest.mark.parametrize(
+    "head_size", [32, 128], ids=["16KiB-rows-in-chunks", "64KiB-rows-one-by-one"]
+)
+def test_a_failure_in_one_thread_undoes_the_swaps_of_every_thread(
+    fail_at_row: int, head_size: int
+) -> None:
+    """A batch large enough to be split across threads fails in one of them, partway
+    through a write: every swap either thread already made is undone, and so is the
+    failed write, so each block is back at its own slot."""
     num_moves = 48
-    kv = SignedKv.create(4 * num_moves, block_size=16, num_layers=2, num_heads=8, head_size=128)
-    writes = [0]
+    kv = SignedKv.create(
+        4 * num_moves, block_size=16, num_layers=2, num_heads=8, head_size=head_size
+    )
+    rows_written, failed_rows = [0], []
+    lock = threading.Lock()
 
     class FailingExecutor(CpuSwapExecutor):
-        def write_row(self, rows: Any, index: int, data: Any) -> None:
+        def write_rows(self, rows: Any, indices: Any, data: Any) -> None:
             if rows is self._rows[3]:  # the last tensor: the others are done by then
-                writes[0] += 1
-                if writes[0] == fail_at_write:
+                with lock:
+                    first_row = rows_written[0] + 1
+                    rows_written[0] += np.size(indices)
+                if first_row <= fail_at_row <= rows_written[0]:
+                    failed_rows.append(fail_at_row)
+                    if np.ndim(indices):  # a chunk: write the rows before the failing one
+                        num_before = fail_at_row - first_row
+                        super().write_rows(rows, indices[:num_before], data[:num_before])
                     raise RuntimeError("injected: device lost")
-            super().write_row(rows, index, data)
+            super().write_rows(rows, indices, data)
 
     executor = FailingExecutor(kv.kv_caches, 16, num_threads=2)
     top = 4 * num_moves - 1
@@ -75,6 +91,7 @@ def test_a_failure_in_one_thread_undoes_the_swaps_of_every_thread(fail_at_write:
     assert num_moves * executor.bytes_per_block >= CpuSwapExecutor._THREADED_MIN_BYTES
     with pytest.raises(RuntimeError, match="injected"):
         executor.execute(moves)
+    assert failed_rows == [fail_at_row]
     every = list(range(4 * num_moves))
     assert kv.mismatched(every, every) == []
 
@@ -110,6 +127,16 @@ def test_an_empty_batch_moves_nothing() -> None:
     report = make_executor(kv.kv_caches, BLOCK_SIZE).execute([])
     assert report == MoveReport(0, 0, 0)
     assert kv.mismatched(range(8), range(8)) == []
+
+
+@pytest.mark.parametrize(
+    "bad_move", [Move(16, 1, False), Move(9, -1, False), Move(-2, 3, True)], ids=str
+)
+def test_a_move_outside_the_pool_is_refused_before_any_write(bad_move: Move) -> None:
+    kv = SignedKv.create(16, block_size=BLOCK_SIZE)
+    with pytest.raises(InvalidArgument, match="outside the pool"):
+        make_executor(kv.kv_caches, BLOCK_SIZE).execute([Move(12, 2, False), bad_move])
+    assert kv.mismatched(range(16), range(16)) == []
 
 
 def test_non_contiguous_tensors_are_refused() -> None:
@@ -306,17 +333,21 @@ def test_a_failure_inside_the_swap_executor_keeps_every_block(fail_at_call: int)
     kv = SignedKv(caches, BLOCK_SIZE)
 
     class FailingExecutor(CpuSwapExecutor):
-        """Fails the n-th write into the middle layer's key (tensor 2 of k0 v0 k1 v1 k2 v2)."""
+        """Fails the n-th write into the middle layer's key (tensor 2 of k0 v0 k1 v1 k2 v2),
+        after writing the first half of its rows."""
 
-        def write_row(self, rows: Any, index: int, data: Any) -> None:
+        def write_rows(self, rows: Any, indices: Any, data: Any) -> None:
             if rows is self._rows[2]:
                 calls[0] += 1
                 if calls[0] == fail_at_call:
                     failed_calls.append(calls[0])
+                    num_before = len(indices) // 2
+                    super().write_rows(rows, indices[:num_before], data[:num_before])
                     raise RuntimeError("injected: device lost")
-            super().write_row(rows, index, data)
+            super().write_rows(rows, indices, data)
 
-    # Writes into that tensor: 1 is the one-way move, 2 and 3 the first swap's two halves.
+    # Writes into that tensor: 1 is the one-way move, 2 and 3 the three swaps' two halves
+    # (destinations, then sources), each one chunk.
     failing = Engine(
         caches,
         BLOCK_SIZE,
