@@ -132,10 +132,9 @@ def engine_pass(steps: list[dict[str, Any]], num_blocks: int, num_setup: int) ->
         timed.durations_s.append(elapsed)
         timed.swap_s.append(result.swap_duration_s)
         timed.moves.append(len(result.moves))
-        request = client_convert.step_request(seq, 1, StepEvents.build(**kwargs))
-        timed.requests.append(client_convert.stream_step(request).SerializeToString())
-        reply = server_convert.step_response(result, seq, 1)
-        timed.replies.append(server_convert.stream_step_response(reply).SerializeToString())
+        request = client_convert.stream_step_request(seq, 1, StepEvents.build(**kwargs))
+        timed.requests.append(request.SerializeToString())
+        timed.replies.append(server_convert.step_response(result, seq, 1).SerializeToString())
     return timed
 
 

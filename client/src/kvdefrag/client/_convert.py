@@ -98,26 +98,43 @@ def stub(channel: grpc.Channel) -> Any:
 
 
 # --- requests -------------------------------------------------------------------------
-def _request_blocks(lists: dict[str, list[int]]) -> list[Message]:
-    return [pb.RequestBlocks(request_id=rid, block_ids=ids) for rid, ids in lists.items()]
-
-
-def step_request(seq: int, epoch: int, events: StepEvents) -> Message:
-    """Builds the StepRequest of one step (events already type-checked)."""
-    request = pb.StepRequest(
-        seq=seq,
-        epoch=epoch,
-        finished_request_ids=events.finished,
-        resumed=_request_blocks(events.resumed),
-        new_blocks=_request_blocks(events.new_blocks),
-        evicted_block_ids=events.evicted,
-    )
+def _fill_step_request(request: Message, seq: int, epoch: int, events: StepEvents) -> None:
+    """Fills an empty StepRequest with one step (events already type-checked)."""
+    request.seq = seq
+    request.epoch = epoch
+    request.finished_request_ids.extend(events.finished)
+    for field, lists in (
+        (request.resumed, events.resumed),
+        (request.new_blocks, events.new_blocks),
+    ):
+        add = field.add
+        for request_id, block_ids in lists.items():
+            add(request_id=request_id, block_ids=block_ids)
+    request.evicted_block_ids.extend(events.evicted)
     if events.fresh is not None:
         # NOTE: presence matters: an empty `fresh` says "none is fresh", absent says
         # "the server's default".
         request.fresh.SetInParent()
         request.fresh.block_ids.extend(events.fresh)
+
+
+def step_request(seq: int, epoch: int, events: StepEvents) -> Message:
+    """Builds the StepRequest of one step (events already type-checked)."""
+    request = pb.StepRequest()
+    _fill_step_request(request, seq, epoch, events)
     return request
+
+
+def stream_step_request(seq: int, epoch: int, events: StepEvents) -> Message:
+    """Builds the step stream's message of one step.
+
+    NOTE: filled in place: wrapping a built StepRequest copies it (light decode step:
+    19 µs built and wrapped, 10 µs in place).
+    """
+    message = pb.StepStreamRequest()
+    message.step.SetInParent()
+    _fill_step_request(message.step, seq, epoch, events)
+    return message
 
 
 def stream_open(epoch: int, prefix_caching: bool, client_name: str) -> Message:
@@ -125,11 +142,6 @@ def stream_open(epoch: int, prefix_caching: bool, client_name: str) -> Message:
     return pb.StepStreamRequest(
         open=pb.OpenSession(epoch=epoch, prefix_caching=prefix_caching, client_name=client_name)
     )
-
-
-def stream_step(request: Message) -> Message:
-    """Wraps a StepRequest for the step stream."""
-    return pb.StepStreamRequest(step=request)
 
 
 def message_size(message: Message) -> int:

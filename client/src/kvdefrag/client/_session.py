@@ -191,8 +191,7 @@ class StepSession:
             )
         if self._mirror is None:
             self.ensure_stream(deadline)  # seq and epoch come from the session
-        request = _convert.step_request(self._next_seq, self._epoch, events)
-        message = _convert.stream_step(request)
+        message = _convert.stream_step_request(self._next_seq, self._epoch, events)
         size_bytes = _convert.message_size(message)
         max_message_bytes = self._settings.max_message_bytes
         if size_bytes > max_message_bytes:

@@ -182,37 +182,50 @@ _GAUGE_NAMES = PoolStats.gauge_names()
 _TOTAL_NAMES = tuple(field.name for field in dataclasses.fields(Totals))
 
 
-def stats_message(stats: PoolStats) -> Message:
-    """Converts PoolStats to a Stats message (the gauges and totals by field name)."""
+def _fill_stats(message: Message, stats: PoolStats) -> None:
+    """Sets a Stats message's fields from PoolStats (the gauges and totals by name)."""
+    for name in _GAUGE_NAMES:
+        setattr(message, name, getattr(stats, name))
     totals = stats.totals
-    return pb.Stats(
-        **{name: getattr(stats, name) for name in _GAUGE_NAMES},
-        **{name: getattr(totals, name) for name in _TOTAL_NAMES},
-    )
+    for name in _TOTAL_NAMES:
+        setattr(message, name, getattr(totals, name))
+
+
+def stats_message(stats: PoolStats) -> Message:
+    """Converts PoolStats to a Stats message."""
+    message = pb.Stats()
+    _fill_stats(message, stats)
+    return message
 
 
 def step_response(result: StepResult, seq: int, epoch: int) -> Message:
-    """Builds the StepResponse of an applied step: its mapping deltas, digest and stats."""
+    """Builds the reply of an applied step: a StepStreamResponse whose ``step`` is the
+    StepResponse (mapping deltas, digest and stats); the unary Step returns that ``step``.
+
+    NOTE: filled in place: a StepResponse built from its fields, then wrapped, is copied
+    twice (its Stats, then itself): ~35% of the build for a decode step's reply.
+    """
+    message = pb.StepStreamResponse()
+    response = message.step
+    response.seq = seq
+    response.epoch = epoch
     mapping = result.block_mapping
-    return pb.StepResponse(
-        seq=seq,
-        epoch=epoch,
-        logical_block_ids=list(mapping),
-        physical_block_ids=list(mapping.values()),
-        digest=result.digest,
-        num_moves=len(result.moves),
-        num_placed=result.num_placed,
-        num_unknown_finished=result.num_unknown_finished,
-        stats=stats_message(result.stats),
-    )
+    response.logical_block_ids.extend(mapping)
+    response.physical_block_ids.extend(mapping.values())
+    response.digest = result.digest
+    response.num_moves = len(result.moves)
+    response.num_placed = result.num_placed
+    response.num_unknown_finished = result.num_unknown_finished
+    _fill_stats(response.stats, result.stats)
+    return message
 
 
 def replayed_response(cached: Message) -> Message:
-    """Returns a copy of a cached StepResponse marked as replayed."""
-    response = pb.StepResponse()
-    response.CopyFrom(cached)
-    response.replayed = True
-    return response
+    """Returns a copy of a cached reply (``step_response``) marked as replayed."""
+    message = pb.StepStreamResponse()
+    message.CopyFrom(cached)
+    message.step.replayed = True
+    return message
 
 
 def session_opened(
@@ -235,11 +248,6 @@ def session_opened(
             digest=digest,
         )
     )
-
-
-def stream_step_response(response: Message) -> Message:
-    """Wraps a StepResponse for the step stream."""
-    return pb.StepStreamResponse(step=response)
 
 
 def resolve_request(request: Message, max_ids: int) -> tuple[list[int], list[list[int]]]:

@@ -279,7 +279,7 @@ class DefragServicer:
     # not a valid message are answered INVALID_ARGUMENT like any other caller mistake.
     def Step(self, request: Message, context: grpc.ServicerContext) -> Message:
         """One step without a stream; refused while a stream session is open."""
-        return self._call("Step", context, lambda: self._step(_convert.parsed(request), None))
+        return self._call("Step", context, lambda: self._step(_convert.parsed(request), None).step)
 
     def Resolve(self, request: Message, context: grpc.ServicerContext) -> Message:
         """Maps logical ids and block tables to physical ids."""
@@ -319,7 +319,7 @@ class DefragServicer:
             )
         if kind != "step":
             raise InvalidArgument("StepStreamRequest.kind: neither 'open' nor 'step' is set")
-        return _convert.stream_step_response(self._step(body, session))
+        return self._step(body, session)
 
     def _open(self, request: Message, context: grpc.ServicerContext) -> tuple[_Session, Message]:
         kind, body = _convert.stream_request(request)
@@ -385,6 +385,8 @@ class DefragServicer:
                 _LOGGER.info("stream session of %r closed", session.client_name)
 
     def _step(self, request: Message, session: _Session | None) -> Message:
+        """Applies one step once; returns its reply as the stream sends it (a
+        StepStreamResponse; the unary Step returns its ``step``)."""
         seq, epoch = request.seq, request.epoch
         engine = self._engine
         with self._lock:
