@@ -45,7 +45,6 @@ from kvdefrag.server._validate import validate_step
 from kvdefrag.server.config import EngineConfig
 
 _LOGGER = logging.getLogger(__name__)
-_NO_MOVES = MoveBatch([], [])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -290,7 +289,7 @@ class Engine:
         except EngineUnhealthy:
             # NOTE: the events stand: the step is applied without its compaction, and
             # counted, so that num_steps (and the service's seq) say what the state is.
-            self._count_step(num_placed, num_unknown, _NO_MOVES, MoveReport(0, 0, 0))
+            self._count_step(num_placed, num_unknown, MoveBatch([], []), MoveReport(0, 0, 0))
             raise
         self._count_step(num_placed, num_unknown, moves, report)
         fwd = tracker.fwd
@@ -331,11 +330,11 @@ class Engine:
     def _compact(self, touched: list[int]) -> tuple[MoveBatch, MoveReport, float]:
         tracker = self._tracker
         if not _policy.should_compact(tracker, self.config, is_forced=self._force_defrag):
-            return _NO_MOVES, MoveReport(0, 0, 0), 0.0
+            return MoveBatch([], []), MoveReport(0, 0, 0), 0.0
         self._force_defrag = False
         moves = _policy.plan_compaction(tracker, self.config)
         if not moves:
-            return _NO_MOVES, MoveReport(0, 0, 0), 0.0
+            return MoveBatch([], []), MoveReport(0, 0, 0), 0.0
         started = time.perf_counter()
         with self.kv_lock:
             try:
