@@ -152,13 +152,15 @@ class Mirror:
         digest = self.digest
         # NOTE: plain loops, not map() of a bound __getitem__/__setitem__: in CPython 3.11
         # the loops' specialised list opcodes are ~1.5-2x faster per id.
-        if became_live:
-            mixed = pair_digests(became_live, [fwd[logical_id] for logical_id in became_live])
-            for logical_id, mixed_id in zip(became_live, mixed, strict=True):
-                live_digests[logical_id] = mixed_id
-                digest ^= mixed_id
-        # An id listed twice ends as it would, one delta after the other.
-        moved = [index for index, logical_id in enumerate(logical_ids) if refs[logical_id]]
+        # Blocks live before this step that moved are re-mixed, one delta after the other
+        # (an id listed twice ends as it would). Blocks that became live are mixed once,
+        # after the deltas: most of them were placed in this very step.
+        newly_live = set(became_live) if became_live else ()
+        moved = [
+            index
+            for index, logical_id in enumerate(logical_ids)
+            if refs[logical_id] and logical_id not in newly_live
+        ]
         if moved:
             moved_ids = [logical_ids[index] for index in moved]
             moved_to = [physical_ids[index] for index in moved]
@@ -169,6 +171,11 @@ class Mirror:
                 live_digests[logical_id] = mixed_id
         for logical_id, physical_id in zip(logical_ids, physical_ids, strict=True):
             fwd[logical_id] = physical_id
+        if became_live:
+            mixed = pair_digests(became_live, [fwd[logical_id] for logical_id in became_live])
+            for logical_id, mixed_id in zip(became_live, mixed, strict=True):
+                live_digests[logical_id] = mixed_id
+                digest ^= mixed_id
         self.digest = digest
         return digest
 
