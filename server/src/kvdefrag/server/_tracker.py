@@ -291,10 +291,11 @@ class BlockTracker:
         logical_ids = list(logical_ids)
         if not logical_ids:
             return 0, []
-        highest = max(fwd[logical_id] for logical_id in logical_ids)
+        highest = max([fwd[logical_id] for logical_id in logical_ids])
         candidates: list[int] = self._expendable.lowest(
             len(logical_ids), highest, is_in=True
         ).tolist()
+        candidates.append(self.num_blocks)  # past the last: above every slot, never taken
         next_candidate = 0
         vacated: list[int] = []  # a min-heap of the slots vacated so far (expendable too)
         placed_ids: list[int] = []
@@ -304,21 +305,17 @@ class BlockTracker:
         for logical_id in logical_ids:
             physical_id = fwd[logical_id]
             assert refs[logical_id], f"placement of logical block {logical_id}, which is not live"
-            is_vacated = bool(vacated) and (
-                next_candidate == len(candidates) or vacated[0] < candidates[next_candidate]
-            )
-            if is_vacated:
+            target = candidates[next_candidate]
+            if vacated and vacated[0] < target:  # a slot vacated earlier in this batch
                 target = vacated[0]
-            elif next_candidate < len(candidates):
-                target = candidates[next_candidate]
+                if target > physical_id:
+                    continue
+                heapq.heapreplace(vacated, physical_id)
             else:
-                continue
-            if target > physical_id:
-                continue
-            if is_vacated:
-                heapq.heappop(vacated)
-            else:
+                if target > physical_id:
+                    continue
                 next_candidate += 1
+                heapq.heappush(vacated, physical_id)
             displaced_id = bwd[target]  # expendable: no reference, no digest
             fwd[logical_id], fwd[displaced_id] = target, physical_id
             bwd[target], bwd[physical_id] = logical_id, displaced_id
@@ -326,7 +323,6 @@ class BlockTracker:
             placed_ids.append(logical_id)
             targets.append(target)
             vacated_slots.append(physical_id)
-            heapq.heappush(vacated, physical_id)
         # NOTE: vacated first: a slot vacated early in the batch may be a later target.
         self._live.remove(vacated_slots)
         self._live.add(targets)
