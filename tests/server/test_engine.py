@@ -150,6 +150,21 @@ def test_resumed_list_replaces_the_old_one() -> None:
     assert h.engine.stats().num_live == 5
 
 
+def test_a_fresh_block_may_be_one_its_only_holder_releases_in_the_same_step() -> None:
+    h = Harness()
+    h.step(new_blocks={"a": [1, 2], "b": [2, 3]})
+    before = h.engine.digest
+    # Block 2 is held by "a" and "b": finishing "a" alone leaves it holding b's data.
+    with pytest.raises(InvalidArgument, match="fresh: block id 2 still holds data"):
+        h.engine.step(finished=["a"], new_blocks={"c": [2, 4]}, fresh=[4, 2])
+    assert h.engine.digest == before
+    assert h.engine.list_requests() == {"a": [1, 2], "b": [2, 3]}  # nothing changed
+    # Finishing both releases every reference, so it may be reused as fresh.
+    h.step(finished=["a", "b"], new_blocks={"c": [2, 4]}, fresh=[4, 2])
+    assert h.engine.list_requests() == {"c": [2, 4]}
+    assert h.lost_blocks() == []
+
+
 def test_resumed_request_keeps_cached_content_of_its_old_blocks() -> None:
     h = Harness(prefix_caching=True)
     h.step(new_blocks={"r": [1, 2, 3]}, fresh=[1, 2, 3])

@@ -86,16 +86,24 @@ def _check_block_lists(field: str, lists: Mapping[str, Sequence[int]], num_block
 
 def _check_fresh(tracker: BlockTracker, events: StepEvents) -> None:
     """A fresh block must be allocated this step and referenced by nobody else."""
-    releases: Counter[int] = Counter()
-    for request_id in {*events.finished, *events.resumed}:
-        releases.update(tracker.requests.get(request_id, ()))
+    fresh = events.fresh or ()
     allocated = {i for ids in (*events.resumed.values(), *events.new_blocks.values()) for i in ids}
-    for logical_id in events.fresh or ():
+    for logical_id in fresh:
         if logical_id == NULL_BLOCK_ID or logical_id not in allocated:
             raise InvalidArgument(
                 f"fresh: block id {logical_id} is not among this step's new or resumed blocks"
             )
-        if tracker.refs[logical_id] > releases[logical_id]:
+    refs = tracker.refs
+    held = [logical_id for logical_id in fresh if refs[logical_id]]
+    if not held:  # the common case: every fresh block is free before the step
+        return
+    # NOTE: only then are the releases counted (a step that finishes long requests would
+    # otherwise count thousands of blocks to check a few).
+    releases: Counter[int] = Counter()
+    for request_id in {*events.finished, *events.resumed}:
+        releases.update(tracker.requests.get(request_id, ()))
+    for logical_id in held:
+        if refs[logical_id] > releases[logical_id]:
             raise InvalidArgument(
                 f"fresh: block id {logical_id} still holds data for a running request"
             )
