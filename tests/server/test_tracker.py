@@ -74,3 +74,33 @@ def test_published_mapping_follows_fwd_after_a_compaction() -> None:
     for logical_id, physical_id in live_pairs:
         digest ^= pair_digest(logical_id, physical_id)
     assert tracker.digest == digest
+
+
+def test_blocks_made_live_unmixed_enter_the_digest_once_where_placement_leaves_them() -> None:
+    # A step's order: releases, appends with the digests unmixed, placement, then one mix.
+    # Batches below and above the vector threshold, with and without prefix caching.
+    rng = random.Random(5)
+    for prefix_caching in (False, True):
+        for batch in (3, 40):
+            deferred = BlockTracker(2048, prefix_caching)
+            at_once = BlockTracker(2048, prefix_caching)
+            held = rng.sample(range(1, 2048), 300)
+            for tracker in (deferred, at_once):
+                tracker.append_requests({f"r{i}": [block] for i, block in enumerate(held)})
+                tracker.drop_requests([f"r{i}" for i in range(0, 300, 2)])
+                for block in held[0:300:2]:
+                    tracker.evict(block)
+            free = [block for block in range(1, 2048) if not deferred.refs[block]]
+            fresh = rng.sample(free[len(free) // 2 :], batch)  # high: placement moves them
+            lists = {"new": fresh}
+            newly_live = deferred.append_requests(lists, mix_digests=False)
+            num_placed, _ = deferred.place_fresh_blocks(fresh, mix_digests=False)
+            deferred.mix_live_digests(newly_live)
+            at_once.append_requests(lists)
+            assert at_once.place_fresh_blocks(fresh)[0] == num_placed > 0
+            assert deferred.fwd == at_once.fwd
+            live = [block for block in range(1, 2048) if deferred.refs[block]]
+            expected = 0
+            for logical_id in live:
+                expected ^= pair_digest(logical_id, deferred.fwd[logical_id])
+            assert deferred.digest == at_once.digest == expected

@@ -276,14 +276,17 @@ class Engine:
             tracker.evict(logical_id)
         touched: list[int] = []
         newly_live: list[int] = []
+        # NOTE: the blocks that become live are mixed into the digest once, after
+        # placement (validation made every fresh block one of them): most are placed.
         for lists in (events.resumed, events.new_blocks):
-            newly_live += tracker.append_requests(lists)
+            newly_live += tracker.append_requests(lists, mix_digests=False)
             for logical_ids in lists.values():
                 touched += logical_ids
         fresh = events.fresh
         if fresh is None:
             fresh = [] if tracker.prefix_caching else newly_live
         num_placed = self._place(fresh, touched) if self.config.enable_placement else 0
+        tracker.mix_live_digests(newly_live)
         try:
             moves, report, swap_s = self._compact(touched)
         except EngineUnhealthy:
@@ -323,7 +326,7 @@ class Engine:
 
     def _place(self, fresh: list[int], touched: list[int]) -> int:
         """Re-points each fresh block to the slot the policy picks (no copy)."""
-        num_placed, changed = _policy.place_fresh(self._tracker, fresh)
+        num_placed, changed = _policy.place_fresh(self._tracker, fresh, mix_digests=False)
         touched += changed
         return num_placed
 

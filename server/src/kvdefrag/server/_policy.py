@@ -51,13 +51,17 @@ def should_compact(tracker: BlockTracker, config: EngineConfig, *, is_forced: bo
     return is_forced or tracker.max_live - tracker.num_live > config.threshold
 
 
-def place_fresh(tracker: BlockTracker, fresh_ids: Iterable[int]) -> tuple[int, list[int]]:
+def place_fresh(
+    tracker: BlockTracker, fresh_ids: Iterable[int], *, mix_digests: bool = True
+) -> tuple[int, list[int]]:
     """Re-points each fresh block, in order, to the lowest expendable slot below it.
+
+    ``mix_digests``: as ``BlockTracker.place_fresh_blocks``.
 
     Returns:
         How many blocks were re-pointed, and every logical id whose slot changed.
     """
-    return tracker.place_fresh_blocks(dict.fromkeys(fresh_ids))
+    return tracker.place_fresh_blocks(dict.fromkeys(fresh_ids), mix_digests=mix_digests)
 
 
 class MoveBatch(Sequence[Move]):

@@ -275,10 +275,16 @@ class BlockTracker:
             self.cached[logical_id] = False
             self._expendable.add([self.fwd[logical_id]])
 
-    def place_fresh_blocks(self, logical_ids: Iterable[int]) -> tuple[int, list[int]]:
+    def place_fresh_blocks(
+        self, logical_ids: Iterable[int], *, mix_digests: bool = True
+    ) -> tuple[int, list[int]]:
         """Re-points each block of ``logical_ids`` (live, listed once), in order, to the
         lowest expendable slot if that is below its own; the expendable block takes the
         vacated slot (the mapping only, no copy).
+
+        ``mix_digests=False``: the blocks became live with their digests unmixed
+        (``append_requests(..., mix_digests=False)``); ``mix_live_digests`` mixes them in
+        where placement leaves them.
 
         Returns:
             How many blocks were re-pointed, and every logical id whose slot changed.
@@ -328,7 +334,8 @@ class BlockTracker:
         self._live.add(targets)
         self._expendable.add(vacated_slots)
         self._expendable.remove(targets)
-        self._update_live_digests(placed_ids, targets)
+        if mix_digests:
+            self._update_live_digests(placed_ids, targets)
         self._remapped += changed
         return len(placed_ids), changed
 
@@ -442,9 +449,17 @@ class BlockTracker:
         """
         return self.append_requests({request_id: logical_ids})
 
-    def append_requests(self, lists: Mapping[str, list[int]]) -> list[int]:
+    def append_requests(
+        self, lists: Mapping[str, list[int]], *, mix_digests: bool = True
+    ) -> list[int]:
         """``append_blocks`` for every request of ``lists``, in order; returns the blocks
-        that became live."""
+        that became live.
+
+        ``mix_digests=False`` leaves the blocks that became live out of ``digest`` until
+        the caller passes them to ``mix_live_digests``: a step mixes them in once, after
+        placement has re-pointed most of them, not at their first slot and again at their
+        new one. Until then, nothing may read ``digest`` or move those blocks.
+        """
         requests, refs = self.requests, self.refs
         became_live: list[int] = []
         for request_id, logical_ids in lists.items():
@@ -461,13 +476,37 @@ class BlockTracker:
                     if not count:
                         became_live.append(logical_id)
         if became_live:
-            self._make_live(became_live)
+            self._make_live(became_live, mix_digests)
         return became_live
 
-    def _make_live(self, logical_ids: list[int]) -> None:
+    def _make_live(self, logical_ids: list[int], mix_digests: bool = True) -> None:
         """Bookkeeping of blocks that just got their first reference (refs already 1)."""
         fwd = self.fwd
         physical_ids = [fwd[logical_id] for logical_id in logical_ids]
+        if mix_digests:
+            self._mix_digests(logical_ids, physical_ids)
+        self.num_live += len(logical_ids)
+        self._live.add(physical_ids)
+        # A slot that held a free block was expendable unless the block was cached.
+        cached = self.cached
+        self._expendable.remove(
+            [
+                physical_id
+                for logical_id, physical_id in zip(logical_ids, physical_ids, strict=True)
+                if not cached[logical_id]
+            ]
+        )
+
+    def mix_live_digests(self, logical_ids: list[int]) -> None:
+        """Mixes blocks that became live unmixed (``append_requests(..., mix_digests=False)``,
+        each listed once) into ``digest`` at their slots now."""
+        if logical_ids:
+            fwd = self.fwd
+            self._mix_digests(logical_ids, [fwd[logical_id] for logical_id in logical_ids])
+
+    def _mix_digests(self, logical_ids: list[int], physical_ids: list[int]) -> None:
+        """Live blocks ``logical_ids`` not in ``digest`` now sit at ``physical_ids``: mixes
+        them in."""
         live_digests = self._live_digests
         if len(logical_ids) < MIN_VECTOR_PAIRS:  # numpy's per-call cost would dominate
             digest = self.digest
@@ -480,14 +519,3 @@ class BlockTracker:
             mixed = pair_digest_array(logical_ids, physical_ids)
             live_digests[np.asarray(logical_ids, dtype=np.intp)] = mixed
             self.digest ^= int(np.bitwise_xor.reduce(mixed))
-        self.num_live += len(logical_ids)
-        self._live.add(physical_ids)
-        # A slot that held a free block was expendable unless the block was cached.
-        cached = self.cached
-        self._expendable.remove(
-            [
-                physical_id
-                for logical_id, physical_id in zip(logical_ids, physical_ids, strict=True)
-                if not cached[logical_id]
-            ]
-        )
