@@ -458,7 +458,8 @@ class BlockTracker:
         ``mix_digests=False`` leaves the blocks that became live out of ``digest`` until
         the caller passes them to ``mix_live_digests``: a step mixes them in once, after
         placement has re-pointed most of them, not at their first slot and again at their
-        new one. Until then, nothing may read ``digest`` or move those blocks.
+        new one. Until then, nothing may read ``digest``, and only
+        ``place_fresh_blocks(..., mix_digests=False)`` may move those blocks.
         """
         requests, refs = self.requests, self.refs
         became_live: list[int] = []
