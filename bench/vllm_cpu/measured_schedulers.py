@@ -24,8 +24,8 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutputs
 
-from kvdefrag.client.vllm.scheduler import DefragScheduler
-from kvdefrag.client.vllm.topology import run_dir_from_env
+from kvdefrag.vllm.common import run_dir_from_env
+from kvdefrag.vllm.scheduler import DefragScheduler
 
 REPORT_NAME = "scheduler.json"
 

@@ -11,8 +11,8 @@ import torch
 from vllm.model_executor.model_loader.dummy_loader import DummyModelLoader
 from vllm.v1.worker.cpu_worker import CPUWorker
 
-from kvdefrag.client.vllm.topology import STEP_STAMP, run_dir_from_env
-from kvdefrag.server.vllm_worker import DefragWorkerMixin, wait_for_planned_step
+from kvdefrag.vllm.common import read_step_stamp, run_dir_from_env
+from kvdefrag.vllm.worker import DefragWorkerMixin, wait_for_planned_step
 
 # Standard deviations (times 1/sqrt(fan_in)) that make the attention path dominate the
 # residual stream: the next token depends on the whole context, hence on every KV block.
@@ -69,7 +69,7 @@ class WeightedDefragWorker(DefragWorkerMixin, WeightedCPUWorker):
             wait_for_planned_step(handle, self.rank, scheduler_output, self.kvdefrag_step_wait_s)
             waits_s = self.__dict__.setdefault("waits_s", [])
             waits_s.append(time.perf_counter() - started)
-            if getattr(scheduler_output, STEP_STAMP, None) is not None:
+            if read_step_stamp(scheduler_output) is not None:
                 # NOTE: written as it goes: vLLM kills tensor-parallel workers before
                 # their shutdown runs. The stamp shows it crossed vLLM's executor.
                 path = os.path.join(run_dir_from_env(), WAITS_NAME.format(rank=self.rank))

@@ -11,7 +11,6 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import kvdefrag.client
-import kvdefrag.client.vllm
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -44,15 +43,6 @@ def test_client_exports_are_pinned() -> None:
         assert getattr(kvdefrag.client, name).__module__.startswith("kvdefrag."), name
 
 
-def test_vllm_exports_are_pinned() -> None:
-    assert kvdefrag.client.vllm.__all__ == [
-        "StepEvents",
-        "VllmDefragAdapter",
-        "copy_pairs",
-        "events_from_scheduler_output",
-    ]
-
-
 def test_error_classes_are_the_shared_ones() -> None:
     import kvdefrag.common
 
@@ -78,11 +68,9 @@ _BLOCK_AND_IMPORT = textwrap.dedent(
 
     sys.meta_path.insert(0, Refuse())
     import kvdefrag.client
-    import kvdefrag.client.vllm
     from kvdefrag.client import DefragClient, StepEvents
 
-    events = kvdefrag.client.vllm.events_from_scheduler_output
-    assert DefragClient and StepEvents and events
+    assert DefragClient and StepEvents
     import kvdefrag.common
     import kvdefrag.v1
 

@@ -32,10 +32,10 @@ from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
-from kvdefrag.client.vllm.scheduler import DefragAsyncScheduler, DefragScheduler
-from kvdefrag.client.vllm.topology import RUN_DIR_ENV, rank_address
 from kvdefrag.server import ServerHandle, serve_in_process
-from kvdefrag.server.vllm_worker import (
+from kvdefrag.vllm.common import RUN_DIR_ENV, rank_address
+from kvdefrag.vllm.scheduler import DefragAsyncScheduler, DefragScheduler
+from kvdefrag.vllm.worker import (
     BlockIdTranslator,
     DefragWorkerMixin,
     check_v2_runner,

@@ -18,6 +18,7 @@ SECTIONS = {
     10: "Error table",
     11: "Packages",
     12: "What a step costs",
+    13: "The vLLM integration",
 }
 
 
@@ -32,7 +33,7 @@ def test_numbered_sections_keep_their_numbers() -> None:
 
 def test_every_cited_section_exists() -> None:
     paths = [ROOT / "README.md"]
-    for folder in ("client", "server", "bench", "tests"):
+    for folder in ("client", "server", "integrations", "bench", "tests"):
         paths += (ROOT / folder).rglob("*.py")
     cited: set[tuple[str, int]] = set()
     for path in paths:

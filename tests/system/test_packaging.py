@@ -1,8 +1,9 @@
-"""The three distributions: what each ships, what it pulls in, which scripts it owns.
+"""The four distributions: what each ships, what it pulls in, which scripts it owns.
 
 A scheduler installs kvdefrag-client alone (grpcio and protobuf), a worker adds
-kvdefrag-server (torch), and kvdefrag-tools (the demo, record/replay, the workload
-simulator) adds matplotlib on top of both.
+kvdefrag-server (torch), kvdefrag-vllm (both sides inside vLLM) depends on both, and
+kvdefrag-tools (the demo, record/replay, the workload simulator) adds matplotlib on top of
+client and server.
 """
 
 from __future__ import annotations
@@ -19,7 +20,13 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-DISTRIBUTIONS = ("client", "server", "tools")
+# Wheel name -> source folder.
+DISTRIBUTIONS = {
+    "client": "client",
+    "server": "server",
+    "vllm": "integrations/vllm",
+    "tools": "tools",
+}
 HEAVY = {"torch", "numpy", "matplotlib"}
 
 
@@ -44,10 +51,10 @@ def pip(*args: str) -> subprocess.CompletedProcess[str]:
 
 def copy_sources(tmp_path: Path) -> Path:
     """The package folders, without the build leftovers a stale build could ship."""
-    for name in DISTRIBUTIONS:
+    for folder in DISTRIBUTIONS.values():
         shutil.copytree(
-            ROOT / name,
-            tmp_path / name,
+            ROOT / folder,
+            tmp_path / folder,
             ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"),
         )
     return tmp_path
@@ -62,6 +69,15 @@ def test_tools_declare_matplotlib_and_both_runtime_packages() -> None:
     }
     assert "matplotlib" not in requirement_names("kvdefrag-server")
     assert not HEAVY & requirement_names("kvdefrag-client")
+
+
+def test_the_vllm_integration_depends_on_client_and_server_but_not_on_vllm() -> None:
+    requirements = requirement_names("kvdefrag-vllm")
+
+    assert {"kvdefrag-client", "kvdefrag-server", "torch"} <= requirements
+    # NOTE: the engine's image brings its own vLLM build; pip must never replace it.
+    assert "vllm" not in requirements
+    assert not {"matplotlib", "kvdefrag-tools"} & requirements
 
 
 def test_the_kvdefrag_script_is_the_tools_and_the_server_keeps_its_own() -> None:
@@ -101,7 +117,7 @@ def test_the_client_alone_pulls_neither_torch_numpy_nor_matplotlib(tmp_path: Pat
     }
     assert {"kvdefrag-client", "grpcio", "protobuf"} <= resolved
     assert not HEAVY & resolved
-    assert not {"kvdefrag-server", "kvdefrag-tools"} & resolved
+    assert not {"kvdefrag-server", "kvdefrag-vllm", "kvdefrag-tools"} & resolved
 
 
 @pytest.mark.slow
@@ -116,7 +132,7 @@ def test_each_module_ships_in_one_wheel_and_the_tools_wheel_declares_matplotlib(
         "--no-deps",
         "--wheel-dir",
         str(wheels),
-        *(str(sources / name) for name in DISTRIBUTIONS),
+        *(str(sources / folder) for folder in DISTRIBUTIONS.values()),
     )
 
     assert done.returncode == 0, done.stderr
@@ -131,6 +147,19 @@ def test_each_module_ships_in_one_wheel_and_the_tools_wheel_declares_matplotlib(
     assert not [path for path in contents["client"] if "workload" in path or "block_pool" in path]
     assert not [path for path in contents["server"] if "demo" in path]
     assert "kvdefrag/server/cli.py" not in contents["server"]
+    assert {
+        "kvdefrag/vllm/common.py",
+        "kvdefrag/vllm/scheduler.py",
+        "kvdefrag/vllm/worker.py",
+    } <= set(contents["vllm"])
+    # Only the old switches' one-release aliases stay in the client and the server.
+    assert [path for path in contents["client"] if "vllm" in path] == [
+        "kvdefrag/client/vllm/__init__.py",
+        "kvdefrag/client/vllm/scheduler.py",
+    ]
+    assert [path for path in contents["server"] if "vllm" in path] == [
+        "kvdefrag/server/vllm_worker.py"
+    ]
     assert {
         "kvdefrag/tools/workload.py",
         "kvdefrag/tools/_block_pool.py",

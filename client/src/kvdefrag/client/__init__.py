@@ -6,7 +6,7 @@ Example:
     ...     reply = client.step(new_blocks={"req-a": [5, 9]})
     ...     physical_ids = client.resolve([5, 9])
 
-The vLLM glue lives in ``kvdefrag.client.vllm``.
+kvdefrag inside vLLM (both sides) is the ``kvdefrag-vllm`` distribution: ``kvdefrag.vllm``.
 """
 
 from kvdefrag.client._client import DefragClient

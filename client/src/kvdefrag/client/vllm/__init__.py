@@ -1,29 +1,8 @@
-"""kvdefrag in vLLM: the scheduler side.
+"""Old home of kvdefrag's scheduler side in vLLM, kept for one release as an alias.
 
-Two ways in:
-
-* ``kvdefrag.client.vllm.scheduler.DefragScheduler``, a subclass of vLLM 0.33's
-  ``Scheduler`` that an operator turns on with one switch
-  (``vllm serve --scheduler-cls kvdefrag.client.vllm.scheduler.DefragScheduler`` or
-  ``LLM(..., scheduler_cls=...)``). It reads the KV cache manager's truth after every
-  ``schedule()``, steps every rank's service and rewrites the output to physical ids.
-  Importing it imports vLLM; nothing else in this package does.
-* ``VllmDefragAdapter`` / ``events_from_scheduler_output``: the duck-typed adapter that
-  turns one ``SchedulerOutput`` into one step, for schedulers kvdefrag does not subclass.
-
-The worker side is ``kvdefrag.server.vllm_worker``.
+kvdefrag inside vLLM now lives in one package, ``kvdefrag.vllm`` (the ``kvdefrag-vllm``
+distribution, which depends on this one and on ``kvdefrag-server``). The old switch
+``--scheduler-cls kvdefrag.client.vllm.scheduler.DefragScheduler`` (and
+``DefragAsyncScheduler``) still works, with a ``DeprecationWarning``; use
+``kvdefrag.vllm.scheduler`` instead. Nothing else of the old package remains.
 """
-
-from kvdefrag.client.vllm._adapter import (
-    StepEvents,
-    VllmDefragAdapter,
-    copy_pairs,
-    events_from_scheduler_output,
-)
-
-__all__ = [
-    "StepEvents",
-    "VllmDefragAdapter",
-    "copy_pairs",
-    "events_from_scheduler_output",
-]

@@ -1,196 +1,34 @@
-"""kvdefrag behind one switch: a vLLM 0.33 ``Scheduler`` that defragments the KV cache.
+"""Deprecated alias of ``kvdefrag.vllm.scheduler`` (removed in the next release).
 
-Turn it on with ``vllm serve ... --scheduler-cls
-kvdefrag.client.vllm.scheduler.DefragAsyncScheduler`` (async scheduling, vLLM's default)
-or ``--scheduler-cls kvdefrag.client.vllm.scheduler.DefragScheduler
---no-async-scheduling`` (or ``LLM(..., scheduler_cls=...)``), with
-``KVDEFRAG_VLLM_RUN_DIR`` set and the workers running ``kvdefrag.server.vllm_worker``
-(see the README).
-
-Under synchronous scheduling with vLLM's V1 model runner the output is rewritten here, to
-physical ids; under async scheduling, or with the V2 model runner, the workers translate
-it when they run it (``topology.workers_translate``).
-
-Facts about vLLM 0.33 this relies on:
-
-* ``EngineCore.__init__`` (v1/engine/core.py) allocates the KV caches on every worker
-  (``_initialize_kv_caches``) before it builds the scheduler from
-  ``SchedulerConfig.get_scheduler_cls()``: the rank services exist when ``__init__``
-  connects.
-* ``Scheduler.schedule()`` returns the output the executor hands, unchanged, to every
-  TP/PP rank; this subclass (under synchronous scheduling) rewrites it to physical ids
-  before returning it.
-* ``kv_cache_manager.coordinator.single_type_managers[0].req_to_blocks`` holds every
-  request's blocks; ``kv_cache_manager.block_pool.blocks[i]`` has ``ref_cnt`` and
-  ``block_hash`` (kept on free blocks while they stay in the prefix cache).
-
-Importing this module imports vLLM; the rest of ``kvdefrag.client`` does not.
+It keeps ``--scheduler-cls kvdefrag.client.vllm.scheduler.DefragScheduler`` (and
+``DefragAsyncScheduler``) working for one release. It needs the ``kvdefrag-vllm``
+distribution, which this torch-free one does not depend on.
 """
 
-from __future__ import annotations
+import warnings
 
-from typing import Any
-
-from vllm.v1.core.sched.async_scheduler import AsyncScheduler
-from vllm.v1.core.sched.output import SchedulerOutput
-from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
-
-from kvdefrag.client._client import DefragClient
-from kvdefrag.client.vllm._bridge import SchedulerBridge
-from kvdefrag.client.vllm._ranks import RankGroup
-from kvdefrag.client.vllm.topology import (
-    client_tls_from_env,
-    published_rank_addresses,
-    run_dir_from_env,
-    workers_translate,
-)
+try:
+    from kvdefrag.vllm.scheduler import (
+        DefragAsyncScheduler,
+        DefragScheduler,
+        UnsupportedByKvdefrag,
+        check_supported,
+    )
+except ModuleNotFoundError as err:
+    if err.name is None or not err.name.startswith("kvdefrag.vllm"):
+        raise
+    raise ModuleNotFoundError(
+        "kvdefrag.client.vllm.scheduler is an alias of kvdefrag.vllm.scheduler, which the "
+        "kvdefrag-vllm distribution provides: pip install kvdefrag-vllm (./integrations/vllm "
+        "in the repository) and use --scheduler-cls kvdefrag.vllm.scheduler.DefragScheduler",
+        name=err.name,
+    ) from err
 
 __all__ = ["DefragAsyncScheduler", "DefragScheduler", "UnsupportedByKvdefrag", "check_supported"]
 
-# NOTE: exact types: RSWASpec, SinkFullAttentionSpec and HiddenStateCacheSpec subclass
-# these but free or pin blocks differently.
-_SUPPORTED_SPECS = (FullAttentionSpec, MLAAttentionSpec)
-
-
-class UnsupportedByKvdefrag(RuntimeError):
-    """The engine's configuration is one kvdefrag cannot serve; the message says why."""
-
-
-def check_supported(vllm_config: Any, kv_cache_config: Any) -> None:
-    """Refuses, at startup, the configurations kvdefrag cannot keep correct.
-
-    Raises:
-        UnsupportedByKvdefrag: Naming the feature and what to do instead.
-    """
-    groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1:
-        specs = ", ".join(type(group.kv_cache_spec).__name__ for group in groups)
-        raise UnsupportedByKvdefrag(
-            f"kvdefrag serves one KV-cache group; this model has {len(groups)} ({specs}): "
-            "hybrid models (sliding window plus full attention, Mamba, EAGLE draft "
-            "groups) are not supported. Serve it without --scheduler-cls "
-            "kvdefrag.client.vllm.scheduler.DefragScheduler."
-        )
-    spec = groups[0].kv_cache_spec
-    if type(spec) not in _SUPPORTED_SPECS:
-        raise UnsupportedByKvdefrag(
-            f"kvdefrag cannot serve KV-cache spec {type(spec).__name__}: sliding-window "
-            "and chunked-local attention free a running request's blocks without any "
-            "SchedulerOutput field saying so. Serve it without kvdefrag."
-        )
-    if vllm_config.kv_transfer_config is not None:
-        raise UnsupportedByKvdefrag(
-            "kvdefrag cannot serve a KV connector (it reads and writes blocks by the "
-            "scheduler's ids): drop --kv-transfer-config or kvdefrag."
-        )
-    parallel = vllm_config.parallel_config
-    if parallel.pipeline_parallel_size > 1:
-        raise UnsupportedByKvdefrag(
-            "kvdefrag does not support pipeline parallelism yet (its batch queue keeps "
-            "several steps in flight, and no test covers it): drop "
-            "--pipeline-parallel-size or kvdefrag."
-        )
-    if parallel.decode_context_parallel_size > 1 or parallel.prefill_context_parallel_size > 1:
-        raise UnsupportedByKvdefrag(
-            "kvdefrag does not support decode/prefill context parallelism; drop it or kvdefrag."
-        )
-
-
-class DefragScheduler(Scheduler):  # type: ignore[misc]
-    """vLLM's scheduler, plus one kvdefrag step per ``schedule()`` for every rank.
-
-    The output it returns names physical blocks (logical ones when the workers
-    translate: async scheduling, the V2 model runner); everything else (queues, the KV
-    cache manager, prefix caching, preemption) is vLLM's own, in logical ids.
-    """
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        check_supported(self.vllm_config, self.kv_cache_config)
-        is_async = bool(self.vllm_config.scheduler_config.async_scheduling)
-        if is_async != isinstance(self, AsyncScheduler):
-            wanted = "DefragAsyncScheduler" if is_async else "DefragScheduler"
-            raise UnsupportedByKvdefrag(
-                f"async scheduling is {'on' if is_async else 'off'}: use "
-                f"--scheduler-cls kvdefrag.client.vllm.scheduler.{wanted} (vLLM runs a "
-                "custom scheduler class as it is, so the class must match the mode)"
-            )
-        self._kvdefrag_rewrite = not workers_translate(self.vllm_config)
-        manager = self.kv_cache_manager
-        self._kvdefrag_blocks = manager.coordinator.single_type_managers[0].req_to_blocks
-        self._kvdefrag_pool = manager.block_pool.blocks
-        block_size = int(self.kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size)
-        prefix_caching = bool(self.cache_config.enable_prefix_caching)
-        tls = client_tls_from_env()
-        clients = [
-            DefragClient(
-                address, prefix_caching=prefix_caching, client_name=f"vllm-rank{rank}", **tls
-            )
-            for rank, address in enumerate(self.kvdefrag_addresses())
-        ]
-        for rank, client in enumerate(clients):
-            if client.block_size != block_size:
-                raise UnsupportedByKvdefrag(
-                    f"rank {rank}'s service has block_size {client.block_size}, the "
-                    f"scheduler {block_size}: one block size for every rank and group"
-                )
-        self.kvdefrag = SchedulerBridge(
-            RankGroup(clients), block_size=block_size, prefix_caching=prefix_caching
-        )
-
-    def kvdefrag_addresses(self) -> list[str]:
-        """Every rank's service address, as rank 0's worker published them (override to
-        place them elsewhere)."""
-        world_size = self.vllm_config.parallel_config.world_size
-        return published_rank_addresses(run_dir_from_env(), world_size)
-
-    def _kvdefrag_is_cached(self, block_id: int) -> bool:
-        block = self._kvdefrag_pool[block_id]
-        return block.ref_cnt == 0 and block.block_hash is not None
-
-    def schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
-        """vLLM's ``schedule()``, then the kvdefrag step; returns physical ids."""
-        output = super().schedule(*args, **kwargs)
-        truth = {
-            request_id: [block.block_id for block in blocks]
-            for request_id, blocks in self._kvdefrag_blocks.items()
-            if blocks
-        }
-        # Blocks vLLM holds back until the step that may still use them has run (see
-        # DefragAsyncScheduler) stay live: moved with their data, never reused.
-        for fence, blocks in self.deferred_frees:
-            if blocks:
-                truth[f"kvdefrag-deferred-free/{fence}/{blocks[0].block_id}"] = [
-                    block.block_id for block in blocks
-                ]
-        self.kvdefrag.apply(output, truth, self._kvdefrag_is_cached, rewrite=self._kvdefrag_rewrite)
-        return output
-
-    def shutdown(self) -> None:
-        """Waits for the step in flight, closes the rank clients, shuts vLLM's scheduler down."""
-        try:
-            self.kvdefrag.settle()
-        finally:
-            self.kvdefrag.ranks.close()
-            super().shutdown()
-
-
-class DefragAsyncScheduler(DefragScheduler, AsyncScheduler):  # type: ignore[misc]
-    """``DefragScheduler`` on vLLM's ``AsyncScheduler``: plans step ``N + 1`` while ``N`` runs.
-
-    It sends the output unchanged (logical ids); each worker translates it when it runs
-    it, holding ``kv_lock``, and keeps its persistent rows physical across moves
-    (``kvdefrag.server.vllm_worker``).
-
-    A request that finishes, is aborted or is preempted while its last step is still in
-    flight frees blocks that step reads and writes (and a preempted request's in-flight
-    token is delivered). Moving other data into them, or placing fresh blocks on them,
-    would change what that step computes, so this class turns on vLLM's own fence for
-    KV connectors (``defer_block_free``): freed blocks return to the pool only once the
-    steps that were in flight have run, and until then kvdefrag keeps them live.
-    """
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.defer_block_free = True
+warnings.warn(
+    "kvdefrag.client.vllm.scheduler moved to kvdefrag.vllm.scheduler; the old path is an "
+    "alias that goes away in the next release",
+    DeprecationWarning,
+    stacklevel=2,
+)

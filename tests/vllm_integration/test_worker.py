@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 import subprocess
 import sys
 import threading
+import warnings
 from types import SimpleNamespace
 from typing import Any
 
@@ -15,16 +17,17 @@ import torch
 
 from kvdefrag.client import DefragClient
 from kvdefrag.server import Move, make_executor
-from kvdefrag.server.vllm_worker import (
+from kvdefrag.vllm.worker import (
     BlockIdTranslator,
     DefragWorkerMixin,
     bind_vllm_kv_caches,
     check_v2_runner,
     remap_v1_runner_rows,
     remap_v2_runner_rows,
-    step_wait_s,
     translate_scheduler_output,
 )
+
+from support.public_api import assert_public_names
 
 NUM_BLOCKS = 8
 BLOCK_SIZE = 4
@@ -305,7 +308,7 @@ def test_the_mixin_translates_and_remaps_the_v2_runners_table(
 
 def test_importing_the_module_imports_no_vllm() -> None:
     code = (
-        "import sys, kvdefrag.server.vllm_worker as module\n"
+        "import sys, kvdefrag.vllm.worker as module\n"
         "assert not [name for name in sys.modules if name.split('.')[0] == 'vllm']\n"
         "assert not hasattr(module, 'NoSuchWorker')\n"
     )
@@ -330,16 +333,29 @@ def test_vllm_gaudi_pairs_bind_as_they_are() -> None:
         bind_vllm_kv_caches([(None, value)], NUM_BLOCKS, BLOCK_SIZE)
 
 
-def test_the_step_wait_comes_from_the_environment_and_a_bad_one_is_named(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.delenv("KVDEFRAG_VLLM_STEP_WAIT_S", raising=False)
-    assert step_wait_s() == 60.0
-    monkeypatch.setenv("KVDEFRAG_VLLM_STEP_WAIT_S", "2.5")
-    assert step_wait_s() == 2.5
-    for bad in ("soon", "0", "-1"):
-        monkeypatch.setenv("KVDEFRAG_VLLM_STEP_WAIT_S", bad)
-        with pytest.raises(
-            ValueError, match=f"KVDEFRAG_VLLM_STEP_WAIT_S must be a positive number, got '{bad}'"
-        ):
-            step_wait_s()
+def test_worker_exports_are_pinned() -> None:
+    assert_public_names(
+        "kvdefrag.vllm.worker",
+        {
+            "BlockIdTranslator",
+            "DefragWorkerMixin",
+            "bind_vllm_kv_caches",
+            "check_v2_runner",
+            "remap_v1_runner_rows",
+            "remap_v2_runner_rows",
+            "translate_scheduler_output",
+            "wait_for_planned_step",
+        },
+    )
+
+
+def test_the_old_worker_switch_is_an_alias_that_warns() -> None:
+    sys.modules.pop("kvdefrag.server.vllm_worker", None)
+    with pytest.warns(DeprecationWarning, match="moved to kvdefrag.vllm.worker"):
+        old = importlib.import_module("kvdefrag.server.vllm_worker")
+    assert old.DefragWorkerMixin is DefragWorkerMixin
+    assert old.bind_vllm_kv_caches is bind_vllm_kv_caches
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        with pytest.raises(AttributeError, match="NoSuchWorker"):
+            _ = old.NoSuchWorker

@@ -1,7 +1,8 @@
 """The scheduler side of one step: plan it from vLLM's truth, step every rank, rewrite.
 
 Duck-typed against vLLM 0.33's ``SchedulerOutput`` (``vllm/v1/core/sched/output.py``) so
-that it imports no vLLM; ``kvdefrag.client.vllm.scheduler`` feeds it the truth.
+that it imports no vLLM; ``kvdefrag.vllm.scheduler`` feeds it the truth. The output's
+fields are read and rewritten through ``kvdefrag.vllm.common``.
 
 What the workers receive afterwards is in physical ids::
 
@@ -27,10 +28,15 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from kvdefrag.client._types import StepReply
-from kvdefrag.client.vllm._ledger import BlockLedger, WorkerRows
-from kvdefrag.client.vllm._ranks import InFlightStep, RankGroup
-from kvdefrag.client.vllm.topology import STEP_STAMP
+from kvdefrag.client import StepReply
+from kvdefrag.vllm._ledger import BlockLedger, WorkerRows
+from kvdefrag.vllm._ranks import InFlightStep, RankGroup
+from kvdefrag.vllm.common import (
+    attach_step_stamp,
+    copy_destinations,
+    map_block_ids,
+    scheduled_num_computed_tokens,
+)
 
 
 def _single_group(block_ids: Sequence[Sequence[int]], what: str) -> list[int]:
@@ -84,31 +90,24 @@ class SchedulerBridge:
             truth: Request id -> its logical block ids now, from the KV cache manager.
             is_cached: Whether a free logical id still carries a prefix-cache hash.
             rewrite: False when the workers translate ids themselves (async scheduling,
-                the V2 model runner; see ``topology.workers_translate``): ``output`` is
+                the V2 model runner; see ``common.workers_translate``): ``output`` is
                 then left logical, the step is only sent (its replies are checked at the
-                next ``apply`` or ``settle``), and ``output`` carries each rank's
-                ``(epoch, seq)`` of it as ``STEP_STAMP``, which a worker waits for before
-                it translates.
+                next ``apply`` or ``settle``), and ``output`` carries its ``StepStamp``,
+                which a worker waits for before it translates.
         """
         started = time.perf_counter()
         preempted_ids = sorted(output.preempted_req_ids or ())
         self.totals.num_preempted += len(preempted_ids)
-        cached = output.scheduled_cached_reqs
-        num_computed = {
-            request.req_id: request.num_computed_tokens for request in output.scheduled_new_reqs
-        }
-        num_computed.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
-        copies = list(getattr(output, "kv_cache_block_copies", None) or ())
-        not_fresh = frozenset(int(copy[1]) for copy in copies)
-        plan = self.ledger.plan(truth, num_computed, is_cached, not_fresh)
+        num_computed = scheduled_num_computed_tokens(output)
+        plan = self.ledger.plan(truth, num_computed, is_cached, copy_destinations(output))
         if not rewrite:
             # Nothing in the output depends on the reply: the step flies while vLLM goes
-            # on, and the workers wait for it (STEP_STAMP) before they translate.
+            # on, and the workers wait for it (its stamp) before they translate.
             self.settle()
             if not plan.events.is_empty:
                 self._in_flight = self.ranks.submit(plan.events)
                 self.totals.num_steps += 1
-                setattr(output, STEP_STAMP, self._in_flight.stamps)
+                attach_step_stamp(output, self._in_flight.stamp)
         elif not plan.events.is_empty:
             reply = self.ranks.step(plan.events)
             self.totals.num_steps += 1
@@ -135,34 +134,21 @@ class SchedulerBridge:
             self.totals.last_reply = in_flight.result()
 
     def _rewrite(self, output: Any) -> None:
-        resolve = self.ranks.primary.resolve
-        for request in output.scheduled_new_reqs:
-            physical_ids = resolve(_single_group(request.block_ids, request.req_id))
-            request.block_ids = (physical_ids,)
-            self.rows.set_row(request.req_id, physical_ids)
         cached = output.scheduled_cached_reqs
+        # A running request whose worker row names a moved block is re-sent whole, as
+        # resumed: the V1 runner replaces the row of a resumed request.
         new_block_ids = list(cached.new_block_ids)
         for position, request_id in enumerate(cached.req_ids):
-            block_ids = new_block_ids[position]
-            if request_id in cached.resumed_req_ids:
-                physical_ids = resolve(_single_group(block_ids, request_id))
-                new_block_ids[position] = (physical_ids,)
-                self.rows.set_row(request_id, physical_ids)
-            elif request_id in self.rows.stale:
-                physical_ids = resolve(self.ledger.held.get(request_id, []))
-                new_block_ids[position] = (physical_ids,)
+            if request_id in self.rows.stale and request_id not in cached.resumed_req_ids:
+                new_block_ids[position] = (list(self.ledger.held.get(request_id, ())),)
                 cached.resumed_req_ids.add(request_id)
-                self.rows.set_row(request_id, physical_ids)
                 self.totals.num_rows_resent += 1
-            elif block_ids is not None:
-                physical_ids = resolve(_single_group(block_ids, request_id))
-                new_block_ids[position] = (physical_ids,)
-                self.rows.append(request_id, physical_ids)
         cached.new_block_ids = new_block_ids
-        if output.new_block_ids_to_zero:
-            output.new_block_ids_to_zero = resolve(output.new_block_ids_to_zero)
-        copies = getattr(output, "kv_cache_block_copies", None)
-        if copies:
-            output.kv_cache_block_copies = [
-                type(copy)(*resolve([int(copy[0]), int(copy[1])])) for copy in copies
-            ]
+        map_block_ids(output, self.ranks.primary.resolve)
+        for request in output.scheduled_new_reqs:
+            self.rows.set_row(request.req_id, _single_group(request.block_ids, request.req_id))
+        for request_id, groups in zip(cached.req_ids, cached.new_block_ids, strict=True):
+            if request_id in cached.resumed_req_ids:
+                self.rows.set_row(request_id, _single_group(groups, request_id))
+            elif groups is not None:
+                self.rows.append(request_id, _single_group(groups, request_id))

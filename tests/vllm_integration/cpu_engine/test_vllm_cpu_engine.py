@@ -28,8 +28,8 @@ from typing import Any
 
 import pytest
 
-from kvdefrag.client.vllm.topology import CLIENT_TLS_ENV, RANKS_FILE, TCP_HOST_ENV, TCP_PORT_ENV
-from kvdefrag.server.vllm_worker import DefragWorkerMixin
+from kvdefrag.vllm.common import CLIENT_TLS_ENV, RANKS_FILE, TCP_HOST_ENV, TCP_PORT_ENV
+from kvdefrag.vllm.worker import DefragWorkerMixin
 
 from support.tls import make_certificates
 
@@ -234,7 +234,7 @@ def test_demo_vllm_tabulates_the_same_runs(root: str) -> None:
 def test_defrag_worker_is_the_cpu_worker_with_the_mixin() -> None:
     from vllm.v1.worker.cpu_worker import CPUWorker
 
-    from kvdefrag.server import vllm_worker
+    from kvdefrag.vllm import worker as vllm_worker
 
     worker_cls = vllm_worker.DefragWorker
     assert issubclass(worker_cls, DefragWorkerMixin)

@@ -18,8 +18,8 @@ import pytest
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from kvdefrag.client.vllm.scheduler import DefragScheduler
-from kvdefrag.server import vllm_worker
+from kvdefrag.vllm import worker as vllm_worker
+from kvdefrag.vllm.scheduler import DefragScheduler
 
 from support.vllm_harness import (
     ASYNC_NUM_BLOCKS,

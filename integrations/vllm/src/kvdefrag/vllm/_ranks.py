@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-from kvdefrag.client._client import DefragClient
-from kvdefrag.client._types import StepReply
+from kvdefrag.client import DefragClient, StepReply
 from kvdefrag.common import DefragError, StepEvents, StepOutcomeUnknown
+from kvdefrag.vllm.common import StepStamp
 
 # How many times a rank's pending step is resent (each within the client's timeout_s)
 # before the scheduler gives up on that rank.
@@ -69,15 +69,15 @@ class RankGroup:
         """Sends one step to every rank concurrently without waiting for the replies.
 
         Returns:
-            The step in flight: each rank's ``(epoch, seq)`` of it, and ``result()``,
+            The step in flight: its ``StepStamp`` (each rank's ``(epoch, seq)``), and ``result()``,
             which waits for every reply and checks them as ``step`` does. Submit the next
             step only after ``result()`` returned.
         """
-        stamps = tuple((client.epoch, client.next_seq) for client in self.clients)
+        stamp = StepStamp(tuple((client.epoch, client.next_seq) for client in self.clients))
         futures = [
             self._pool.submit(step_through_timeouts, client, events) for client in self.clients
         ]
-        return InFlightStep(stamps, lambda: self._checked([f.result() for f in futures]))
+        return InFlightStep(stamp, lambda: self._checked([f.result() for f in futures]))
 
     def _checked(self, replies: list[StepReply]) -> StepReply:
         for rank, (reply, epoch) in enumerate(zip(replies, self.epochs, strict=True)):
@@ -103,8 +103,8 @@ class RankGroup:
 class InFlightStep:
     """A step sent to every rank whose replies have not been checked yet."""
 
-    def __init__(self, stamps: tuple[tuple[int, int], ...], wait: Callable[[], StepReply]) -> None:
-        self.stamps = stamps  # by rank: (epoch, seq) of this step on that rank's service
+    def __init__(self, stamp: StepStamp, wait: Callable[[], StepReply]) -> None:
+        self.stamp = stamp
         self._wait = wait
 
     def result(self) -> StepReply:

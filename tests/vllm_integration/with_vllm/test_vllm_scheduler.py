@@ -8,6 +8,8 @@ every block vLLM keeps in its prefix cache) must find its own signature.
 
 from __future__ import annotations
 
+import importlib
+import sys
 import time
 from typing import Any
 
@@ -16,12 +18,13 @@ import pytest
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from kvdefrag.client.vllm import _bridge, _ledger
-from kvdefrag.client.vllm.scheduler import DefragScheduler, UnsupportedByKvdefrag
 from kvdefrag.server import Engine, ServerHandle
-from kvdefrag.server.vllm_worker import BlockIdTranslator
+from kvdefrag.vllm import _bridge, _ledger
+from kvdefrag.vllm.scheduler import DefragScheduler, UnsupportedByKvdefrag
+from kvdefrag.vllm.worker import BlockIdTranslator
 
 from support import vllm_harness
+from support.public_api import assert_public_names
 from support.vllm_harness import (
     ASYNC_NUM_BLOCKS,
     NUM_BLOCKS,
@@ -289,9 +292,7 @@ def test_async_outputs_rewritten_when_planned_corrupt(
 ) -> None:
     """Why the workers translate: the scheduler's rewrite is stale once N + 1 moved blocks."""
     monkeypatch.setenv("KVDEFRAG_VLLM_TRANSLATE", "")
-    monkeypatch.setattr(
-        "kvdefrag.client.vllm.scheduler.workers_translate", lambda vllm_config: False
-    )
+    monkeypatch.setattr("kvdefrag.vllm.scheduler.workers_translate", lambda vllm_config: False)
     _, workers, _ = _run(
         TwoRankAsyncScheduler, model_dir, async_ranks, prefix_caching=False, translate=False
     )
@@ -320,7 +321,7 @@ def test_models_kvdefrag_cannot_serve_are_refused_at_startup_by_feature(
         SlidingWindowSpec,
     )
 
-    from kvdefrag.client.vllm.scheduler import check_supported
+    from kvdefrag.vllm.scheduler import check_supported
 
     shape = {"block_size": 16, "num_kv_heads": 1, "head_size": 8, "dtype": torch.float32}
     full = FullAttentionSpec(**shape)
@@ -372,3 +373,18 @@ def test_new_blocks_to_zero_are_zeroed_at_their_physical_slots(
     for worker in workers:
         assert worker.num_checked > 10_000
         assert worker.num_corrupted == 0
+
+
+def test_scheduler_exports_are_pinned() -> None:
+    assert_public_names(
+        "kvdefrag.vllm.scheduler",
+        {"DefragAsyncScheduler", "DefragScheduler", "UnsupportedByKvdefrag", "check_supported"},
+    )
+
+
+def test_the_old_scheduler_switch_is_an_alias_that_warns() -> None:
+    sys.modules.pop("kvdefrag.client.vllm.scheduler", None)
+    with pytest.warns(DeprecationWarning, match="moved to kvdefrag.vllm.scheduler"):
+        old = importlib.import_module("kvdefrag.client.vllm.scheduler")
+    assert old.DefragScheduler is DefragScheduler
+    assert old.DefragAsyncScheduler.__mro__[1] is DefragScheduler

@@ -15,6 +15,7 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 
 from kvdefrag.common import NULL_BLOCK_ID, StepEvents
+from kvdefrag.vllm.common import first_fresh_block_index
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,16 +30,6 @@ class StepPlan:
 
     events: StepEvents
     full_rows: frozenset[str]
-
-
-def _first_fresh_index(num_computed_tokens: int, block_size: int) -> int:
-    """The first block index that holds no computed token.
-
-    NOTE: a block holding some computed tokens is not fresh: after a full prefix-cache hit
-    vLLM recomputes only the last token, so ``num_computed_tokens`` stops one short of a
-    block boundary and the last hit block must keep its data (hence ceil, not floor).
-    """
-    return -(-num_computed_tokens // block_size)
 
 
 class BlockLedger:
@@ -98,7 +89,7 @@ class BlockLedger:
             computed = num_computed_tokens.get(request_id)
             if computed is None:
                 continue
-            first_fresh = max(start, _first_fresh_index(computed, self.block_size))
+            first_fresh = max(start, first_fresh_block_index(computed, self.block_size))
             fresh += [
                 block_id
                 for block_id in block_ids[first_fresh:]

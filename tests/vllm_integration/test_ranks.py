@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 
 from kvdefrag.client import DefragClient, StepEvents
-from kvdefrag.client.vllm._ranks import RankGroup
 from kvdefrag.common import EpochMismatch, ServiceUnavailable
 from kvdefrag.server import Move, make_executor
+from kvdefrag.vllm._ranks import RankGroup
 
 from support.kv import SignedKv
 from support.server import Serve
@@ -57,9 +57,9 @@ def test_a_submitted_step_is_waited_for_on_each_rank_by_its_stamp(serve: Serve) 
     group = RankGroup([DefragClient(handle.address) for handle in handles])
     try:
         in_flight = group.submit(StepEvents.build(new_blocks={"a": [40, 41]}, fresh=[]))
-        assert [seq for _, seq in in_flight.stamps] == [1, 1]
-        assert [epoch for epoch, _ in in_flight.stamps] == group.epochs
-        for handle, (epoch, seq) in zip(handles, in_flight.stamps, strict=True):
+        assert [seq for _, seq in in_flight.stamp.by_rank] == [1, 1]
+        assert [epoch for epoch, _ in in_flight.stamp.by_rank] == group.epochs
+        for handle, (epoch, seq) in zip(handles, in_flight.stamp.by_rank, strict=True):
             handle.wait_applied(epoch, seq, timeout_s=10.0)
             assert handle.engine.list_requests() == {"a": [40, 41]}  # applied, moves done
         assert in_flight.result().seq == 1

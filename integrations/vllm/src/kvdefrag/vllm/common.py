@@ -1,0 +1,358 @@
+"""What kvdefrag's two sides in vLLM share: where the ranks are, and what an output means.
+
+The scheduler side (``kvdefrag.vllm.scheduler``) and the worker side
+(``kvdefrag.vllm.worker``) run in different processes and agree through this module
+alone:
+
+* **The run directory and rank discovery.** Every worker (rank ``N`` of ``world_size``)
+  serves on ``unix:<run dir>/rank<N>.sock``, or, with ``KVDEFRAG_VLLM_TCP_PORT`` set (ranks
+  on several hosts), on ``HOST:PORT+local rank`` with TLS from the ``KVDEFRAG_TLS_*``
+  variables. Once every rank serves, the workers gather their addresses over vLLM's own
+  world process group and rank 0 writes them to ``<run dir>/ranks.json``; the scheduler,
+  built on rank 0's host after the KV caches exist, reads that file. The run directory
+  comes from ``KVDEFRAG_VLLM_RUN_DIR`` (set it once for ``vllm serve``; every process of
+  the engine inherits it), made private (mode 0700) by the first worker.
+* **Who translates** logical block ids to physical ones (``workers_translate``).
+* **The step stamp**: the step planned with an output, which a worker waits for before it
+  translates that output (``attach_step_stamp`` / ``read_step_stamp``).
+* **Which ``SchedulerOutput`` fields carry block ids** (``map_block_ids``), and which
+  blocks of a scheduled request are fresh (``first_fresh_block_index``).
+
+Duck-typed against vLLM 0.33's ``SchedulerOutput`` (``vllm/v1/core/sched/output.py``):
+this module imports neither vLLM nor torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Callable, Sequence
+from typing import Any, TypedDict
+
+__all__ = [
+    "CLIENT_TLS_ENV",
+    "RANKS_FILE",
+    "RUN_DIR_ENV",
+    "STEP_WAIT_ENV",
+    "TCP_HOST_ENV",
+    "TCP_PORT_ENV",
+    "TRANSLATE_ENV",
+    "ClientTls",
+    "StepStamp",
+    "attach_step_stamp",
+    "client_tls_from_env",
+    "copy_destinations",
+    "first_fresh_block_index",
+    "map_block_ids",
+    "publish_rank_addresses",
+    "published_rank_addresses",
+    "rank_address",
+    "read_step_stamp",
+    "run_dir_from_env",
+    "scheduled_num_computed_tokens",
+    "step_wait_s",
+    "tcp_address",
+    "uses_v2_model_runner",
+    "workers_translate",
+]
+
+RUN_DIR_ENV = "KVDEFRAG_VLLM_RUN_DIR"
+"""The environment variable naming the run directory of one vLLM engine."""
+
+
+def run_dir_from_env() -> str:
+    """Returns the run directory named by ``KVDEFRAG_VLLM_RUN_DIR``.
+
+    Raises:
+        RuntimeError: The variable is unset or not an absolute path.
+    """
+    run_dir = os.environ.get(RUN_DIR_ENV, "")
+    if not os.path.isabs(run_dir):
+        raise RuntimeError(
+            f"kvdefrag: set {RUN_DIR_ENV} to an absolute directory private to this vLLM "
+            f"engine (e.g. $XDG_RUNTIME_DIR/kvdefrag/<engine>), got {run_dir!r}"
+        )
+    return run_dir
+
+
+def rank_address(run_dir: str, rank: int) -> str:
+    """The gRPC address of rank ``rank``'s service."""
+    return f"unix:{os.path.join(run_dir, f'rank{rank}.sock')}"
+
+
+STEP_WAIT_ENV = "KVDEFRAG_VLLM_STEP_WAIT_S"
+"""How long a worker waits for its step to be applied (seconds; default 60)."""
+
+TRANSLATE_ENV = "KVDEFRAG_VLLM_TRANSLATE"
+"""``worker`` makes the workers translate block ids even under synchronous scheduling."""
+
+
+def workers_translate(vllm_config: object) -> bool:
+    """Whether the workers, not the scheduler, turn logical block ids into physical ones.
+
+    Under async scheduling the scheduler plans step ``N + 1`` (and the service may move
+    blocks) before the worker has run step ``N``; an output rewritten at planning time can
+    then name blocks at their old places. A worker that translates when it runs the
+    output, holding ``kv_lock``, always uses the mapping the KV data is in. Both sides call
+    this with the same config and environment (vLLM's worker processes inherit both), so
+    they agree.
+
+    Under vLLM's V2 model runner the workers translate whatever the scheduling: the
+    scheduler's own remedy for a moved row (re-sending it whole, as a resumed request in
+    ``scheduled_cached_reqs``) is a V1 runner mechanism. The V2 runner only appends a
+    cached request's ``new_block_ids`` to its persistent block table (its scheduler sends
+    resumed requests as new ones), so a worker rewrites that table itself when blocks move.
+    """
+    if uses_v2_model_runner(vllm_config):
+        return True
+    scheduler_config = getattr(vllm_config, "scheduler_config", None)
+    if bool(getattr(scheduler_config, "async_scheduling", False)):
+        return True
+    return os.environ.get(TRANSLATE_ENV, "") == "worker"
+
+
+RANKS_FILE = "ranks.json"
+"""Written by rank 0's worker into the run directory: every rank's address, rank 0 first."""
+
+TCP_PORT_ENV = "KVDEFRAG_VLLM_TCP_PORT"
+"""Set: rank ``N`` serves on TCP port ``value + local rank`` instead of a unix socket."""
+
+TCP_HOST_ENV = "KVDEFRAG_VLLM_TCP_HOST"
+"""The interface TCP ranks listen on and announce (default: the IP vLLM uses for the host)."""
+
+CLIENT_TLS_ENV = {
+    "root_certificates": "KVDEFRAG_VLLM_TLS_CA_FILE",
+    "certificate_chain": "KVDEFRAG_VLLM_TLS_CERT_FILE",
+    "private_key": "KVDEFRAG_VLLM_TLS_KEY_FILE",
+}
+"""``DefragClient`` TLS argument -> the variable naming its PEM file (scheduler side)."""
+
+
+def tcp_address(local_rank: int, default_host: Callable[[], str]) -> str | None:
+    """``HOST:PORT`` for this rank when ``KVDEFRAG_VLLM_TCP_PORT`` is set, else None.
+
+    ``default_host()`` is asked only when the port is set and the host is not.
+
+    Raises:
+        RuntimeError: The port is not a number in 1..65535 for every local rank.
+    """
+    text = os.environ.get(TCP_PORT_ENV, "").strip()
+    if not text:
+        return None
+    try:
+        port = int(text) + local_rank
+    except ValueError:
+        port = -1
+    if not 0 < port < 65536:
+        raise RuntimeError(f"kvdefrag: {TCP_PORT_ENV} must be a TCP port, got {text!r}")
+    host = os.environ.get(TCP_HOST_ENV, "").strip() or default_host()
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def publish_rank_addresses(run_dir: str, addresses: list[str]) -> None:
+    """Writes ``ranks.json`` atomically: the scheduler never reads half a file."""
+    os.makedirs(run_dir, mode=0o700, exist_ok=True)
+    path = os.path.join(run_dir, RANKS_FILE)
+    partial = f"{path}.{os.getpid()}"
+    with open(partial, "w") as file:
+        json.dump({"addresses": addresses}, file)
+    os.replace(partial, path)
+
+
+def published_rank_addresses(run_dir: str, world_size: int) -> list[str]:
+    """Every rank's address as the workers published it, rank 0 first.
+
+    Raises:
+        RuntimeError: No ``ranks.json`` (the workers are not kvdefrag's), or one for
+            another number of ranks.
+    """
+    path = os.path.join(run_dir, RANKS_FILE)
+    try:
+        with open(path) as file:
+            addresses = json.load(file)["addresses"]
+    except FileNotFoundError:
+        raise RuntimeError(
+            f"kvdefrag: {path} does not exist: rank 0's worker writes it when the KV caches "
+            "are bound; run the workers with --worker-cls "
+            f"kvdefrag.vllm.worker.DefragWorker and the same {RUN_DIR_ENV}"
+        ) from None
+    if len(addresses) != world_size or not all(isinstance(a, str) for a in addresses):
+        raise RuntimeError(
+            f"kvdefrag: {path} lists {len(addresses)} rank addresses, the engine has "
+            f"{world_size} ranks: is {RUN_DIR_ENV} shared with another engine?"
+        )
+    return list(addresses)
+
+
+class ClientTls(TypedDict, total=False):
+    """``DefragClient``'s TLS keyword arguments."""
+
+    root_certificates: bytes
+    certificate_chain: bytes
+    private_key: bytes
+
+
+def client_tls_from_env() -> ClientTls:
+    """The scheduler's TLS arguments for ``DefragClient``, read from the files named by
+    ``KVDEFRAG_VLLM_TLS_{CA,CERT,KEY}_FILE`` (none set: no TLS).
+
+    Raises:
+        RuntimeError: A named file cannot be read.
+    """
+    tls = ClientTls()
+    for argument, variable in CLIENT_TLS_ENV.items():
+        path = os.environ.get(variable, "").strip()
+        if not path:
+            continue
+        try:
+            with open(path, "rb") as file:
+                tls[argument] = file.read()  # type: ignore[literal-required]
+        except OSError as err:
+            raise RuntimeError(f"kvdefrag: cannot read {variable}={path!r}: {err}") from err
+    return tls
+
+
+def uses_v2_model_runner(vllm_config: object) -> bool:
+    """Whether vLLM runs its V2 model runner (``VllmConfig.use_v2_model_runner``)."""
+    return bool(getattr(vllm_config, "use_v2_model_runner", False))
+
+
+_DEFAULT_STEP_WAIT_S = 60.0
+
+
+def step_wait_s() -> float:
+    """How long a worker waits for its step: ``KVDEFRAG_VLLM_STEP_WAIT_S``, 60 s if unset.
+
+    Raises:
+        ValueError: The variable is not a positive number.
+    """
+    text = os.environ.get(STEP_WAIT_ENV, "").strip()
+    try:
+        wait_s = float(text) if text else _DEFAULT_STEP_WAIT_S
+    except ValueError:
+        wait_s = -1.0
+    if not wait_s > 0:
+        raise ValueError(f"kvdefrag: {STEP_WAIT_ENV} must be a positive number, got {text!r}")
+    return wait_s
+
+
+# ---------------------------------------------------------------------------------------
+# The step stamp: which step an output was planned with.
+
+_STAMP_ATTRIBUTE = "kvdefrag_step"
+
+
+@dataclasses.dataclass(frozen=True)
+class StepStamp:
+    """The step the scheduler planned with one ``SchedulerOutput``, as each rank numbers it.
+
+    When the workers translate, the scheduler sends each step without waiting for its
+    reply; a worker must not translate the output before its service has applied that
+    step, or it would name blocks at the places the step is about to give to others.
+
+    Attributes:
+        by_rank: ``(epoch, seq)`` of the step on each rank's service, rank 0 first.
+    """
+
+    by_rank: tuple[tuple[int, int], ...]
+
+    def for_rank(self, rank: int) -> tuple[int, int]:
+        """``(epoch, seq)`` of the step on rank ``rank``'s service.
+
+        Raises:
+            ValueError: The stamp has no entry for ``rank`` (the scheduler and the
+                workers disagree on the number of ranks).
+        """
+        if not 0 <= rank < len(self.by_rank):
+            raise ValueError(
+                f"kvdefrag: the step stamp covers {len(self.by_rank)} ranks, this worker is "
+                f"rank {rank}: is {RUN_DIR_ENV} shared with another engine?"
+            )
+        return self.by_rank[rank]
+
+
+def attach_step_stamp(output: Any, stamp: StepStamp) -> None:
+    """Marks ``output`` with the step planned with it (it travels to the workers with it:
+    vLLM hands the same object to in-process workers and pickles it for the others)."""
+    setattr(output, _STAMP_ATTRIBUTE, stamp)
+
+
+def read_step_stamp(output: Any) -> StepStamp | None:
+    """The step planned with ``output``; None when the scheduler sent none with it (a step
+    without events, or a scheduler that rewrites outputs itself)."""
+    stamp = getattr(output, _STAMP_ATTRIBUTE, None)
+    assert stamp is None or isinstance(stamp, StepStamp), (
+        f"{_STAMP_ATTRIBUTE} holds a {type(stamp).__name__}, not a StepStamp"
+    )
+    return stamp
+
+
+# ---------------------------------------------------------------------------------------
+# What a SchedulerOutput says about blocks.
+
+
+def map_block_ids(output: Any, to_physical: Callable[[Sequence[int]], list[int]]) -> None:
+    """Rewrites, in place, every block id ``output`` names, through ``to_physical``.
+
+    The one list of the ``SchedulerOutput`` fields that name blocks, for both sides (the
+    scheduler when it rewrites, a worker when it translates); what vLLM 0.33's V1 and V2
+    runners read::
+
+        scheduled_new_reqs[i].block_ids           one list per KV-cache group
+        scheduled_cached_reqs.new_block_ids[i]    None, or one list per group (appended
+                                                  ids; a whole row for resumed requests)
+        new_block_ids_to_zero                     None or a list
+        kv_cache_block_copies                     (src, dst) pairs (absent before 0.33)
+
+    Args:
+        output: The ``SchedulerOutput``.
+        to_physical: Maps a list of logical ids to their physical ids, in order.
+    """
+    for request in output.scheduled_new_reqs:
+        request.block_ids = tuple(to_physical(group) for group in request.block_ids)
+    cached = output.scheduled_cached_reqs
+    cached.new_block_ids = [
+        None if groups is None else tuple(to_physical(group) for group in groups)
+        for groups in cached.new_block_ids
+    ]
+    if output.new_block_ids_to_zero:
+        output.new_block_ids_to_zero = to_physical(output.new_block_ids_to_zero)
+    copies = getattr(output, "kv_cache_block_copies", None)
+    if copies:
+        pairs = [to_physical([int(copy[0]), int(copy[1])]) for copy in copies]
+        output.kv_cache_block_copies = [
+            (src, dst) if type(copy) is tuple else type(copy)(src, dst)
+            for copy, (src, dst) in zip(copies, pairs, strict=True)
+        ]
+
+
+def scheduled_num_computed_tokens(output: Any) -> dict[str, int]:
+    """Request id -> tokens computed before this step, for every request ``output``
+    schedules (new and cached)."""
+    num_computed = {
+        request.req_id: int(request.num_computed_tokens) for request in output.scheduled_new_reqs
+    }
+    cached = output.scheduled_cached_reqs
+    num_computed.update(zip(cached.req_ids, map(int, cached.num_computed_tokens), strict=True))
+    return num_computed
+
+
+def copy_destinations(output: Any) -> frozenset[int]:
+    """Logical ids ``output`` copies into (copy-on-write targets): they must keep the data
+    the copy writes, so they are never fresh."""
+    copies = getattr(output, "kv_cache_block_copies", None) or ()
+    return frozenset(int(copy[1]) for copy in copies)
+
+
+def first_fresh_block_index(num_computed_tokens: int, block_size: int) -> int:
+    """The index of a scheduled request's first block that holds no computed token.
+
+    Blocks from there on hold no data yet (fresh): the engine may place them anywhere
+    without a copy.
+
+    NOTE: a block holding some computed tokens is not fresh: after a full prefix-cache hit
+    vLLM recomputes only the last token, so ``num_computed_tokens`` stops one short of a
+    block boundary and the last hit block must keep its data (hence ceil, not floor).
+    """
+    return -(-num_computed_tokens // block_size)

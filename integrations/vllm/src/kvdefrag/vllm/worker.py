@@ -1,0 +1,290 @@
+"""The worker side of kvdefrag in vLLM: each rank serves its own KV caches.
+
+Select it with ``--worker-cls kvdefrag.vllm.worker.DefragWorker`` (or
+``LLM(worker_cls=...)``), next to ``--scheduler-cls
+kvdefrag.vllm.scheduler.DefragScheduler``. ``DefragWorker`` is vLLM's worker for the current
+platform (``CPUWorker`` on CPU, the GPU ``Worker`` otherwise) with ``DefragWorkerMixin`` in
+front; put the mixin in front of any other ``Worker`` subclass yourself.
+
+Once vLLM has allocated the KV caches (``initialize_from_config``), the worker binds them
+(``bind_vllm_kv_caches``) and starts ``serve_in_process`` on
+``unix:$KVDEFRAG_VLLM_RUN_DIR/rank<N>.sock``, ``N`` the worker's global rank (or on TCP,
+see ``kvdefrag.vllm.common``). The ranks then gather their addresses over vLLM's world
+group and rank 0 publishes them in the run directory, where ``DefragScheduler`` reads
+them. It holds the service's ``kv_lock`` during every ``execute_model`` (the engine moves
+KV data only while holding it) and stops the service in ``shutdown``. When the workers
+translate block ids (``common.workers_translate``: async scheduling, or vLLM's V2 model
+runner), it waits for the step planned with each output (its ``StepStamp``), translates
+the output (``common.map_block_ids``) and keeps the runner's persistent block tables
+physical: vLLM's V1 runner (``remap_v1_runner_rows``) or its V2 runner
+(``remap_v2_runner_rows``).
+
+Importing this module does not import vLLM; looking up a worker class (``DefragWorker``,
+``DefragCPUWorker``, ``DefragGPUWorker``) does.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import socket
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from kvdefrag.server import ServerHandle, serve_in_process
+from kvdefrag.vllm._kv_binding import bind_vllm_kv_caches
+from kvdefrag.vllm._runner_rows import (
+    BlockIdTranslator,
+    check_v2_runner,
+    remap_v1_runner_rows,
+    remap_v2_runner_rows,
+)
+from kvdefrag.vllm.common import (
+    TCP_PORT_ENV,
+    map_block_ids,
+    publish_rank_addresses,
+    rank_address,
+    read_step_stamp,
+    run_dir_from_env,
+    step_wait_s,
+    tcp_address,
+    uses_v2_model_runner,
+    workers_translate,
+)
+
+__all__ = [
+    "BlockIdTranslator",
+    "DefragWorkerMixin",
+    "bind_vllm_kv_caches",
+    "check_v2_runner",
+    "remap_v1_runner_rows",
+    "remap_v2_runner_rows",
+    "translate_scheduler_output",
+    "wait_for_planned_step",
+]
+
+logger = logging.getLogger(__name__)
+
+_STOP_GRACE_S = 1.0
+
+
+def translate_scheduler_output(output: Any, mapping: npt.NDArray[np.int64]) -> None:
+    """Rewrites, in place, every block id a ``SchedulerOutput`` names from logical to
+    physical, with ``mapping[logical_id] = physical_id`` (``common.map_block_ids`` lists
+    the fields: under the V2 runner resumed requests come as new ones, whole rows)."""
+
+    def to_physical(logical_ids: Sequence[int]) -> list[int]:
+        if not logical_ids:
+            return []
+        physical_ids: list[int] = mapping[np.asarray(logical_ids, dtype=np.int64)].tolist()
+        return physical_ids
+
+    map_block_ids(output, to_physical)
+
+
+def wait_for_planned_step(handle: ServerHandle, rank: int, output: Any, timeout_s: float) -> None:
+    """Waits until this rank's service has applied the step planned with ``output``.
+
+    When the workers translate, the scheduler sends each step without waiting for its
+    reply and stamps the output with it (``common.attach_step_stamp``); an output
+    translated before its step is applied would name the blocks' old places. Call it
+    before taking ``kv_lock`` (the step may need the lock to move KV data).
+
+    Raises:
+        EpochMismatch, EngineUnhealthy, ServiceUnavailable: As
+            ``ServerHandle.wait_applied`` (the step will not be applied here).
+    """
+    stamp = read_step_stamp(output)
+    if stamp is None:
+        return
+    epoch, seq = stamp.for_rank(rank)
+    handle.wait_applied(epoch, seq, timeout_s)
+
+
+class DefragWorkerMixin:
+    """Serves one rank's KV caches to ``DefragScheduler``; put it before a vLLM Worker.
+
+    Invariants: ``kvdefrag_handle`` is None until ``initialize_from_config`` has bound the
+    caches and the service listens; while it is set, every ``execute_model`` runs holding
+    ``kvdefrag_handle.engine.kv_lock``, so no block moves during a forward pass.
+    ``kvdefrag_translator`` is set exactly when the workers translate, and
+    ``kvdefrag_is_v2_runner`` says which runner's rows follow the moves then.
+    """
+
+    kvdefrag_handle: ServerHandle | None = None
+    kvdefrag_translator: BlockIdTranslator | None = None
+    kvdefrag_is_v2_runner: bool = False
+    kvdefrag_step_wait_s: float = 0.0
+
+    def initialize_from_config(self, kv_cache_config: Any) -> None:
+        """Lets vLLM allocate the KV caches, then binds them and starts the service."""
+        super().initialize_from_config(kv_cache_config)  # type: ignore[misc]
+        handle = self._start_kvdefrag(kv_cache_config)
+        self.kvdefrag_attach(handle, int(kv_cache_config.num_blocks))
+
+    def kvdefrag_attach(self, handle: ServerHandle, num_blocks: int) -> None:
+        """Puts a serving rank's engine in front of ``execute_model``.
+
+        ``initialize_from_config`` calls it once the service listens; when the workers
+        translate, it sets up the translator and picks the runner whose rows follow moves.
+        """
+        vllm_config = getattr(self, "vllm_config", None)
+        if workers_translate(vllm_config):
+            self.kvdefrag_step_wait_s = step_wait_s()
+            self.kvdefrag_is_v2_runner = uses_v2_model_runner(vllm_config)
+            all_ids = np.arange(num_blocks, dtype=np.int64)
+            self.kvdefrag_translator = BlockIdTranslator(lambda: handle.engine.resolve(all_ids))
+        self.kvdefrag_handle = handle
+
+    def execute_model(self, scheduler_output: Any) -> Any:
+        """vLLM's forward pass, holding ``kv_lock`` so no block moves meanwhile.
+
+        When the workers translate (async scheduling, or the V2 runner), it first waits
+        for the step planned with this output to be applied (``wait_for_planned_step``);
+        then the persistent rows follow the blocks that moved since the last pass and the
+        output turns physical, both with the mapping the KV data is in while the lock is
+        held.
+        """
+        handle = self.kvdefrag_handle
+        if handle is None:
+            return super().execute_model(scheduler_output)  # type: ignore[misc]
+        translator = self.kvdefrag_translator
+        if translator is not None:
+            wait_for_planned_step(
+                handle,
+                self.rank,  # type: ignore[attr-defined]
+                scheduler_output,
+                self.kvdefrag_step_wait_s,
+            )
+        with handle.engine.kv_lock:
+            if translator is not None:
+                mapping, remap = translator.advance()
+                if remap is not None:
+                    remap_rows = (
+                        remap_v2_runner_rows if self.kvdefrag_is_v2_runner else remap_v1_runner_rows
+                    )
+                    remap_rows(self.model_runner, remap)  # type: ignore[attr-defined]
+                translate_scheduler_output(scheduler_output, mapping)
+            return super().execute_model(scheduler_output)  # type: ignore[misc]
+
+    def shutdown(self) -> None:
+        """Stops the service, then shuts the worker down."""
+        handle, self.kvdefrag_handle = self.kvdefrag_handle, None
+        try:
+            if handle is not None:
+                handle.stop(grace_s=_STOP_GRACE_S)
+        finally:
+            parent_shutdown = getattr(super(), "shutdown", None)
+            if parent_shutdown is not None:
+                parent_shutdown()
+
+    def kvdefrag_address(self) -> str:
+        """Where this rank serves: ``unix:$KVDEFRAG_VLLM_RUN_DIR/rank<N>.sock``, or
+        ``HOST:PORT+local rank`` when ``KVDEFRAG_VLLM_TCP_PORT`` is set (ranks on several
+        hosts; TLS from the ``KVDEFRAG_TLS_*`` variables).
+        """
+        run_dir = run_dir_from_env()
+        os.makedirs(run_dir, mode=0o700, exist_ok=True)
+        worker: Any = self
+        tcp = tcp_address(int(worker.local_rank), _host_ip)
+        return tcp if tcp is not None else rank_address(run_dir, int(worker.rank))
+
+    def _start_kvdefrag(self, kv_cache_config: Any) -> ServerHandle:
+        worker: Any = self
+        groups = kv_cache_config.kv_cache_groups
+        if len(groups) != 1:
+            raise ValueError(
+                f"kvdefrag: {len(groups)} KV cache groups (a hybrid model); kvdefrag serves "
+                "models with one"
+            )
+        if uses_v2_model_runner(getattr(worker, "vllm_config", None)):
+            check_v2_runner(worker.model_runner)
+        block_size = int(worker.cache_config.block_size)
+        num_blocks = int(kv_cache_config.num_blocks)
+        kv_caches = bind_vllm_kv_caches(worker.model_runner.kv_caches, num_blocks, block_size)
+        address = self.kvdefrag_address()
+        device = kv_caches[0][0].device
+        stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+        handle = serve_in_process(kv_caches, block_size, address=address, stream=stream)
+        try:
+            addresses = _gather_addresses(address, int(worker.parallel_config.world_size))
+            if worker.rank == 0:
+                publish_rank_addresses(run_dir_from_env(), addresses)
+        except BaseException:
+            handle.stop(grace_s=0)
+            raise
+        logger.info(
+            "kvdefrag: rank %d serves %d blocks of %d tokens (%d layers) on %s",
+            worker.rank,
+            num_blocks,
+            block_size,
+            len(kv_caches),
+            address,
+        )
+        return handle
+
+
+def _host_ip() -> str:
+    """The IP vLLM itself uses for this host (``VLLM_HOST_IP`` or its guess)."""
+    from vllm.utils.network_utils import get_ip
+
+    return str(get_ip())
+
+
+def _gather_addresses(address: str, world_size: int) -> list[str]:
+    """Every rank's address, rank 0 first, gathered over vLLM's world process group.
+
+    Every rank calls this once its service listens (a collective).
+
+    Raises:
+        RuntimeError: The ranks span hosts but some serve on a unix socket.
+    """
+    if world_size == 1:
+        return [address]
+    from vllm.distributed.parallel_state import get_world_group
+
+    group = get_world_group()
+    mine = (socket.gethostname(), address)
+    gathered: list[Any] = [None] * group.world_size
+    torch.distributed.all_gather_object(gathered, mine, group=group.cpu_group)
+    hosts = sorted({host for host, _ in gathered})
+    if len(hosts) > 1 and any(addr.startswith("unix:") for _, addr in gathered):
+        raise RuntimeError(
+            f"kvdefrag: the ranks span hosts {hosts} but serve on unix sockets: set "
+            f"{TCP_PORT_ENV} (and the KVDEFRAG_TLS_* files) on every host"
+        )
+    return [str(addr) for _, addr in gathered]
+
+
+@functools.cache
+def _worker_class(name: str) -> type:
+    """Builds ``name`` (``DefragCPUWorker``/``DefragGPUWorker``) on first use: imports vLLM."""
+    if name == "DefragCPUWorker":
+        from vllm.v1.worker.cpu_worker import CPUWorker
+
+        base: type = CPUWorker
+    else:
+        from vllm.v1.worker.gpu_worker import Worker
+
+        base = Worker
+    return type(
+        name,
+        (DefragWorkerMixin, base),
+        {"__module__": __name__, "__qualname__": name, "__doc__": DefragWorkerMixin.__doc__},
+    )
+
+
+def __getattr__(name: str) -> type:
+    """``DefragWorker`` (for the current platform), ``DefragCPUWorker``, ``DefragGPUWorker``."""
+    if name == "DefragWorker":
+        from vllm.platforms import current_platform
+
+        return _worker_class("DefragCPUWorker" if current_platform.is_cpu() else "DefragGPUWorker")
+    if name in ("DefragCPUWorker", "DefragGPUWorker"):
+        return _worker_class(name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,270 @@
+"""What the two sides share: who translates block ids, where the scheduler finds each rank
+(TCP addresses, the published list) and its client TLS, the step stamp, the block-id
+fields of an output and the fresh-block rule."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pickle
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from types import SimpleNamespace
+from typing import NamedTuple
+
+import pytest
+
+from kvdefrag.vllm.common import (
+    CLIENT_TLS_ENV,
+    RANKS_FILE,
+    TCP_HOST_ENV,
+    TCP_PORT_ENV,
+    TRANSLATE_ENV,
+    StepStamp,
+    attach_step_stamp,
+    client_tls_from_env,
+    copy_destinations,
+    first_fresh_block_index,
+    map_block_ids,
+    publish_rank_addresses,
+    published_rank_addresses,
+    read_step_stamp,
+    scheduled_num_computed_tokens,
+    step_wait_s,
+    tcp_address,
+    workers_translate,
+)
+
+from support.public_api import assert_public_names
+from support.vllm_output import NewRequestData, cached, output
+
+
+def test_no_tcp_port_means_a_unix_socket(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(TCP_PORT_ENV, raising=False)
+    assert tcp_address(3, lambda: "10.0.0.7") is None
+
+
+def test_each_local_rank_takes_the_next_port(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(TCP_PORT_ENV, "50100")
+    monkeypatch.delenv(TCP_HOST_ENV, raising=False)
+    assert tcp_address(0, lambda: "10.0.0.7") == "10.0.0.7:50100"
+    assert tcp_address(3, lambda: "10.0.0.7") == "10.0.0.7:50103"
+    monkeypatch.setenv(TCP_HOST_ENV, "fd00::5")
+    assert tcp_address(1, lambda: "10.0.0.7") == "[fd00::5]:50101"
+
+
+@pytest.mark.parametrize("port", ["http", "0", "65535"])
+def test_a_bad_port_is_named(monkeypatch: pytest.MonkeyPatch, port: str) -> None:
+    monkeypatch.setenv(TCP_PORT_ENV, port)
+    with pytest.raises(
+        RuntimeError, match=re.escape(f"{TCP_PORT_ENV} must be a TCP port, got {port!r}")
+    ):
+        tcp_address(1 if port == "65535" else 0, lambda: "10.0.0.7")
+
+
+def test_published_addresses_round_trip_in_rank_order(tmp_path: Path) -> None:
+    run_dir = os.fspath(tmp_path / "run")
+    publish_rank_addresses(run_dir, ["10.0.0.7:50100", "10.0.0.8:50100"])
+    assert published_rank_addresses(run_dir, 2) == ["10.0.0.7:50100", "10.0.0.8:50100"]
+    assert os.stat(run_dir).st_mode & 0o777 == 0o700
+    assert os.listdir(run_dir) == [RANKS_FILE]  # no partial file left behind
+
+
+def test_missing_addresses_say_which_worker_class_publishes_them(tmp_path: Path) -> None:
+    with pytest.raises(RuntimeError, match=re.escape("kvdefrag.vllm.worker.DefragWorker")):
+        published_rank_addresses(os.fspath(tmp_path), 1)
+
+
+def test_addresses_for_another_world_size_are_refused(tmp_path: Path) -> None:
+    (tmp_path / RANKS_FILE).write_text(json.dumps({"addresses": ["unix:/a.sock"]}))
+    with pytest.raises(RuntimeError, match="lists 1 rank addresses, the engine has 2 ranks"):
+        published_rank_addresses(os.fspath(tmp_path), 2)
+
+
+def test_client_tls_reads_the_named_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for variable in CLIENT_TLS_ENV.values():
+        monkeypatch.delenv(variable, raising=False)
+    assert client_tls_from_env() == {}
+    (tmp_path / "ca.pem").write_bytes(b"CA")
+    (tmp_path / "client.pem").write_bytes(b"CERT")
+    monkeypatch.setenv(CLIENT_TLS_ENV["root_certificates"], os.fspath(tmp_path / "ca.pem"))
+    monkeypatch.setenv(CLIENT_TLS_ENV["certificate_chain"], os.fspath(tmp_path / "client.pem"))
+    assert client_tls_from_env() == {"root_certificates": b"CA", "certificate_chain": b"CERT"}
+    missing = os.fspath(tmp_path / "client.key")
+    monkeypatch.setenv(CLIENT_TLS_ENV["private_key"], missing)
+    with pytest.raises(RuntimeError, match=f"cannot read KVDEFRAG_VLLM_TLS_KEY_FILE='{missing}'"):
+        client_tls_from_env()
+
+
+def _config(*, async_scheduling: bool, use_v2_model_runner: bool) -> SimpleNamespace:
+    return SimpleNamespace(
+        scheduler_config=SimpleNamespace(async_scheduling=async_scheduling),
+        use_v2_model_runner=use_v2_model_runner,
+    )
+
+
+@pytest.mark.parametrize(
+    ("async_scheduling", "use_v2_model_runner", "expected"),
+    [(False, False, False), (True, False, True), (False, True, True), (True, True, True)],
+)
+def test_the_workers_translate_under_async_scheduling_or_the_v2_runner(
+    monkeypatch: pytest.MonkeyPatch,
+    async_scheduling: bool,
+    use_v2_model_runner: bool,
+    expected: bool,
+) -> None:
+    monkeypatch.delenv(TRANSLATE_ENV, raising=False)
+    config = _config(async_scheduling=async_scheduling, use_v2_model_runner=use_v2_model_runner)
+    assert workers_translate(config) is expected
+
+
+def test_the_environment_makes_the_workers_translate_under_sync_v1(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv(TRANSLATE_ENV, "worker")
+    assert workers_translate(_config(async_scheduling=False, use_v2_model_runner=False))
+    assert workers_translate(None) is True
+    monkeypatch.setenv(TRANSLATE_ENV, "")
+    assert workers_translate(None) is False
+
+
+def test_the_step_wait_defaults_to_a_minute_and_refuses_a_bad_value(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("KVDEFRAG_VLLM_STEP_WAIT_S", raising=False)
+    assert step_wait_s() == 60.0
+    monkeypatch.setenv("KVDEFRAG_VLLM_STEP_WAIT_S", "2.5")
+    assert step_wait_s() == 2.5
+    for bad in ("0", "-1", "soon", "nan"):
+        monkeypatch.setenv("KVDEFRAG_VLLM_STEP_WAIT_S", bad)
+        with pytest.raises(
+            ValueError, match=f"KVDEFRAG_VLLM_STEP_WAIT_S must be a positive number, got '{bad}'"
+        ):
+            step_wait_s()
+
+
+# --- the step stamp ----------------------------------------------------------------------
+def test_an_output_without_a_stamp_reads_none() -> None:
+    assert read_step_stamp(output()) is None
+
+
+def test_a_stamp_travels_with_its_output_through_pickle() -> None:
+    """vLLM's multiprocess executor pickles the output for the worker processes."""
+    out = output(new=[NewRequestData("a", ([3],), 0)])
+    attach_step_stamp(out, StepStamp(((7, 12), (9, 12))))
+
+    received = pickle.loads(pickle.dumps(out))
+
+    stamp = read_step_stamp(received)
+    assert stamp == StepStamp(((7, 12), (9, 12)))
+    assert (stamp.for_rank(0), stamp.for_rank(1)) == ((7, 12), (9, 12))
+
+
+def test_a_stamp_is_frozen_and_names_a_rank_it_does_not_cover() -> None:
+    stamp = StepStamp(((7, 12),))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        stamp.by_rank = ()  # type: ignore[misc]
+    with pytest.raises(ValueError, match="the step stamp covers 1 ranks, this worker is rank 1"):
+        stamp.for_rank(1)
+
+
+def test_anything_but_a_stamp_in_its_place_is_a_broken_invariant() -> None:
+    out = output()
+    out.kvdefrag_step = ((1, 2),)  # type: ignore[attr-defined]  # the untyped form of old
+    with pytest.raises(AssertionError, match="holds a tuple, not a StepStamp"):
+        read_step_stamp(out)
+
+
+# --- what an output says about blocks --------------------------------------------------
+def test_every_block_id_field_is_mapped_and_nothing_else() -> None:
+    out = output(
+        new=[NewRequestData("a", ([3, 4], [5]), 0)],
+        running=cached(("b", ([6],), 8), ("c", None, 4), ("d", ([7, 8],), 0), resumed={"d"}),
+        finished={"z"},
+        preempted_req_ids={"p"},
+        new_block_ids_to_zero=[3, 6],
+        kv_cache_block_copies=[(4, 6)],
+    )
+    seen: list[list[int]] = []
+
+    def to_physical(logical_ids: Sequence[int]) -> list[int]:
+        seen.append(list(logical_ids))
+        return [100 + logical_id for logical_id in logical_ids]
+
+    map_block_ids(out, to_physical)
+
+    assert out.scheduled_new_reqs[0].block_ids == ([103, 104], [105])
+    assert out.scheduled_cached_reqs.new_block_ids == [([106],), None, ([107, 108],)]
+    assert out.new_block_ids_to_zero == [103, 106]
+    assert out.kv_cache_block_copies == [(104, 106)]
+    # the rest is left alone
+    assert out.scheduled_cached_reqs.resumed_req_ids == {"d"}
+    assert (out.finished_req_ids, out.preempted_req_ids) == ({"z"}, {"p"})
+    assert sorted(id for ids in seen for id in ids) == [3, 3, 4, 4, 5, 6, 6, 6, 7, 8]
+
+
+def test_copy_pairs_keep_their_type() -> None:
+    class BlockCopy(NamedTuple):
+        src: int
+        dst: int
+
+    out = output(kv_cache_block_copies=[BlockCopy(1, 2)])  # type: ignore[list-item]
+    map_block_ids(out, lambda ids: [i * 10 for i in ids])
+    assert out.kv_cache_block_copies == [BlockCopy(10, 20)]
+    assert type(out.kv_cache_block_copies[0]) is BlockCopy
+
+
+def test_the_readers_take_computed_tokens_and_copy_targets_from_the_output() -> None:
+    out = output(
+        new=[NewRequestData("a", ([3],), 5)],
+        running=cached(("b", ([6],), 8), ("c", None, 4)),
+        kv_cache_block_copies=[(4, 6), (2, 9)],
+    )
+    assert scheduled_num_computed_tokens(out) == {"a": 5, "b": 8, "c": 4}
+    assert copy_destinations(out) == frozenset({6, 9})
+    assert copy_destinations(output()) == frozenset()
+
+
+@pytest.mark.parametrize(
+    ("num_computed_tokens", "expected"),
+    # block size 4: a block holding any computed token keeps its data (ceil, not floor)
+    [(0, 0), (1, 1), (3, 1), (4, 1), (5, 2), (7, 2), (8, 2), (9, 3)],
+)
+def test_the_first_fresh_block_is_the_first_without_a_computed_token(
+    num_computed_tokens: int, expected: int
+) -> None:
+    assert first_fresh_block_index(num_computed_tokens, 4) == expected
+
+
+def test_common_exports_are_pinned() -> None:
+    assert_public_names(
+        "kvdefrag.vllm.common",
+        {
+            "CLIENT_TLS_ENV",
+            "RANKS_FILE",
+            "RUN_DIR_ENV",
+            "STEP_WAIT_ENV",
+            "TCP_HOST_ENV",
+            "TCP_PORT_ENV",
+            "TRANSLATE_ENV",
+            "ClientTls",
+            "StepStamp",
+            "attach_step_stamp",
+            "client_tls_from_env",
+            "copy_destinations",
+            "first_fresh_block_index",
+            "map_block_ids",
+            "publish_rank_addresses",
+            "published_rank_addresses",
+            "rank_address",
+            "read_step_stamp",
+            "run_dir_from_env",
+            "scheduled_num_computed_tokens",
+            "step_wait_s",
+            "tcp_address",
+            "uses_v2_model_runner",
+            "workers_translate",
+        },
+    )
