@@ -1,6 +1,6 @@
 """``make demo-vllm``: a real vLLM CPU engine with kvdefrag off and on, as one table.
 
-Runs ``engine_run.py plain,defrag,translating`` twice (prefix caching off, then on): the same 96
+Runs ``engine_run.py plain,defrag`` twice (prefix caching off, then on): the same 96
 greedy requests through vLLM 0.32's CPU engine on a tiny Llama with drawn weights and a
 40-block pool (vLLM preempts), once with vLLM's own scheduler and worker and once with
 ``DefragScheduler`` and ``DefragWorker``. The table compares:
@@ -12,12 +12,11 @@ greedy requests through vLLM 0.32's CPU engine on a tiny Llama with drawn weight
   stats each step's reply carries;
 * blocks moved (compaction copies) and placements (fresh blocks re-pointed lower, no
   copy), from the rank service;
-* the scheduler-side overhead per ``schedule()`` (``BridgeTotals.step_durations_s``): with
-  the scheduler rewriting the output (plan, the step's round trip, rewrite), and with the
-  workers translating it (``KVDEFRAG_VLLM_TRANSLATE=worker``, as under async scheduling:
-  plan and send, the reply checked at the next ``schedule()``), and then the worker's
-  wait for the step before its forward pass (under synchronous scheduling, as here, the
-  round trip moves there; under async scheduling it overlaps the forward pass before);
+* the scheduler-side overhead per ``schedule()`` (``BridgeTotals.step_durations_s``: read
+  what changed, plan, send; the reply is checked at the next ``schedule()``), and the
+  worker's wait for the step before its forward pass (under synchronous scheduling, as
+  here, the round trip lands there; under async scheduling it overlaps the forward pass
+  before);
 * preemptions, prefix-cache hits, and whether every request generated the same tokens.
 
 vLLM's own output goes to ``out/demo-vllm/*.log``.
@@ -44,7 +43,7 @@ NUM_REQUESTS = 96
 def run_pair(prefix_caching: bool) -> dict[str, dict[str, Any]]:
     """Runs plain vLLM, then kvdefrag, with one setting; returns the results by mode."""
     name = f"apc-{'on' if prefix_caching else 'off'}"
-    argv = [sys.executable, os.fspath(ENGINE_RUN), "plain,defrag,translating",
+    argv = [sys.executable, os.fspath(ENGINE_RUN), "plain,defrag",
             os.fspath(OUT / "model"),
             os.fspath(OUT / name), "--num-requests", str(NUM_REQUESTS)]  # fmt: skip
     if prefix_caching:
@@ -52,7 +51,7 @@ def run_pair(prefix_caching: bool) -> dict[str, dict[str, Any]]:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     log = OUT / f"{name}.log"
     print(f"prefix caching {'on' if prefix_caching else 'off'}: plain vLLM, then kvdefrag "
-          f"(the scheduler rewriting, then the workers translating; log: "
+          f"(log: "
           f"{log.relative_to(ROOT)}) ...", end="", flush=True)  # fmt: skip
     started = time.monotonic()
     with open(log, "w") as file:
@@ -107,7 +106,6 @@ def _same(result: dict[str, Any] | None, plain: dict[str, Any]) -> str:
 def columns(runs: dict[str, dict[str, Any]]) -> list[list[str]]:
     """The two columns (without, with kvdefrag) of one setting, one cell per row."""
     plain, defrag = runs["plain"], runs["defrag"]
-    translating = runs.get("translating")
     cells = []
     for result in (plain, defrag):
         scheduler = result["scheduler"]
@@ -119,12 +117,10 @@ def columns(runs: dict[str, dict[str, Any]]) -> list[list[str]]:
                 f"{scheduler['num_moves']:,}" if is_defrag else "-",
                 f"{scheduler['num_placements']:,}" if is_defrag else "-",
                 _overhead(defrag) if is_defrag else "-",
-                _overhead(translating) if is_defrag else "-",
-                _waits(translating) if is_defrag else "-",
+                _waits(defrag) if is_defrag else "-",
                 f"{scheduler['num_preempted']:,}",
                 f"{result['num_cached_tokens']:,}",
                 _same(defrag, plain) if is_defrag else "-",
-                _same(translating, plain) if is_defrag else "-",
             ]
         )
     return cells
@@ -136,12 +132,10 @@ ROWS = (
     "blocks moved",
     "placements (no copy)",
     "scheduler overhead per step p50/p99/mean, ms",
-    "  workers translating (step in flight)",
-    "  their worker's wait for the step",
+    "  the worker's wait for the step",
     "preemptions",
     "prefix-cache hit tokens",
     "outputs identical to plain vLLM",
-    "  workers translating",
 )
 
 

@@ -8,15 +8,11 @@ the end and shut down before the next; each mode's run directory is ``RUN_DIR/MO
 A mode says who schedules and what is sabotaged:
 
 * ``plain``: vLLM's Scheduler (measuring only) and CPUWorker;
-* ``defrag``: DefragScheduler and DefragWorker;
+* ``defrag``: DefragScheduler and DefragWorker (the workers wait for each output's step
+  and translate it; their runner rows follow the blocks that moved);
 * ``corrupt``: plain, the KV cache overwritten once;
-* ``stale_rows``: defrag, but the scheduler never re-sends the row of a request whose
-  blocks moved (the worker reads moved blocks at their old places);
-* ``translating``: defrag with the workers translating block ids themselves
-  (``KVDEFRAG_VLLM_TRANSLATE=worker``, what async scheduling uses; vLLM 0.32's CPU
-  platform cannot run async scheduling itself);
-* ``unfollowed_rows``: translating, but the worker's runner rows never follow the
-  blocks that moved.
+* ``unfollowed_rows``: defrag, but the worker's runner rows never follow the blocks that
+  moved (it reads moved blocks at their old places).
 
 The options are vLLM's settings, the same for every mode: ``--prefix-caching``,
 ``--tp N`` (tensor parallel over N worker processes, one core each),
@@ -47,24 +43,19 @@ import random
 import sys
 from typing import Any
 
-MODES = ("plain", "defrag", "corrupt", "stale_rows", "translating", "unfollowed_rows")
+MODES = ("plain", "defrag", "corrupt", "unfollowed_rows")
 SCHEDULERS = {
     "plain": "MeasuredScheduler",
     "corrupt": "MeasuredScheduler",
     "defrag": "MeasuredDefragScheduler",
-    "stale_rows": "StaleRowsScheduler",
-    "translating": "MeasuredDefragScheduler",
     "unfollowed_rows": "MeasuredDefragScheduler",
 }
 WORKERS = {
     "plain": "WeightedCPUWorker",
     "corrupt": "CorruptingCPUWorker",
     "defrag": "WeightedDefragWorker",
-    "stale_rows": "WeightedDefragWorker",
-    "translating": "WeightedDefragWorker",
     "unfollowed_rows": "UnfollowingDefragWorker",
 }
-TRANSLATING_MODES = ("translating", "unfollowed_rows")
 NUM_BLOCKS = 40
 BLOCK_SIZE = 32
 VOCAB_SIZE = 512
@@ -164,8 +155,9 @@ def run(mode: str, args: argparse.Namespace) -> dict[str, Any]:
 
     run_dir = os.path.join(args.run_dir, mode)
     os.environ["KVDEFRAG_VLLM_RUN_DIR"] = os.path.abspath(run_dir)
-    # Read by DefragScheduler and DefragWorker when they start (worker processes inherit it).
-    os.environ["KVDEFRAG_VLLM_TRANSLATE"] = "worker" if mode in TRANSLATING_MODES else ""
+    # The scheduler side compares its ledger with vLLM's after every step (the engine
+    # core's process reads it when the scheduler starts).
+    os.environ.setdefault("KVDEFRAG_VLLM_AUDIT_EVERY", "1")
     if os.path.exists(report_path(run_dir)):
         os.remove(report_path(run_dir))  # an earlier run's, in a reused directory
     llm = LLM(

@@ -87,7 +87,7 @@ class MeasuredDefragScheduler(DefragScheduler):
                     "num_preempted": totals.num_preempted,
                     "fragmentation": self.fragmentation,
                     "num_steps": totals.num_steps,
-                    "num_rows_resent": totals.num_rows_resent,
+                    "num_audits": totals.num_audits,
                     "step_durations_s": totals.step_durations_s,
                     "num_moves": ranks[0].num_moves,
                     "num_placements": ranks[0].num_placements,
@@ -98,14 +98,3 @@ class MeasuredDefragScheduler(DefragScheduler):
                 }
             )
         return outputs
-
-
-class StaleRowsScheduler(MeasuredDefragScheduler):
-    """Sabotage: never re-sends the row of a request whose blocks moved.
-
-    The workers then read moved blocks at their old places: outputs must differ.
-    """
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.kvdefrag.rows.mark_moved = lambda *args, **kwargs: None  # type: ignore[method-assign]

@@ -64,7 +64,7 @@ class WeightedDefragWorker(DefragWorkerMixin, WeightedCPUWorker):
 
     def execute_model(self, scheduler_output: Any) -> Any:
         handle = self.kvdefrag_handle
-        if handle is not None and self.kvdefrag_translator is not None:
+        if handle is not None:
             started = time.perf_counter()
             wait_for_planned_step(handle, self.rank, scheduler_output, self.kvdefrag_step_wait_s)
             waits_s = self.__dict__.setdefault("waits_s", [])
@@ -92,7 +92,7 @@ class CorruptingCPUWorker(WeightedCPUWorker):
 
 
 class UnfollowingDefragWorker(WeightedDefragWorker):
-    """Translates its outputs (``KVDEFRAG_VLLM_TRANSLATE=worker``) but never moves its rows.
+    """Translates its outputs but never moves its rows (a sabotage).
 
     After a move, the runner's persistent rows still name the old slots: the forward pass
     reads moved blocks where they were.
@@ -101,6 +101,6 @@ class UnfollowingDefragWorker(WeightedDefragWorker):
     def initialize_from_config(self, kv_cache_config: Any) -> None:
         super().initialize_from_config(kv_cache_config)
         translator = self.kvdefrag_translator
-        assert translator is not None, "set KVDEFRAG_VLLM_TRANSLATE=worker"
+        assert translator is not None
         advance = translator.advance
         translator.advance = lambda: (advance()[0], None)  # type: ignore[method-assign]

@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
 import torch
 from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
 from vllm.sampling_params import SamplingParams
@@ -95,6 +96,12 @@ def spy_preemptions(scheduler: Scheduler) -> list[str]:
 
     scheduler._preempt_request = spy  # type: ignore[method-assign]
     return preempted
+
+
+def translator_for(handle: ServerHandle, num_blocks: int) -> BlockIdTranslator:
+    """The translator ``DefragWorkerMixin`` gives a worker of ``handle``'s rank."""
+    all_ids = np.arange(num_blocks)
+    return BlockIdTranslator(lambda: handle.engine.resolve(all_ids))
 
 
 def make_scheduler(
@@ -214,24 +221,23 @@ class SignedWorker:
         return self.rows[request_id].block_ids
 
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
-        """Applies one (rewritten) output, runs the "forward pass", returns sampled tokens.
+        """Applies one output, runs the "forward pass", returns sampled tokens.
 
         With its rank's service, it runs as ``DefragWorkerMixin.execute_model`` does:
-        holding ``kv_lock``, after waiting (with a translator) for the step planned with
-        the output, which the scheduler sent without waiting for the reply.
+        holding ``kv_lock``, after waiting for the step planned with the output, which the
+        scheduler sent without waiting for the reply.
         """
         if self.service is None:
             return self._execute(output)
         handle, rank = self.service
-        if self.translator is not None:
-            wait_for_planned_step(handle, rank, output, timeout_s=60.0)
+        wait_for_planned_step(handle, rank, output, timeout_s=60.0)
         with handle.engine.kv_lock:
             return self._execute(output)
 
     def _execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
-        """With a translator (the workers translate, as ``DefragWorkerMixin`` does under
-        async scheduling) the rows first follow the blocks that moved, then a copy of the
-        output (the ranks share it here) turns physical.
+        """With a translator (as ``DefragWorkerMixin`` runs) the rows first follow the
+        blocks that moved, then a copy of the output (the ranks share it here) turns
+        physical; without one the output is taken as it comes (a sabotage, or plain vLLM).
         """
         if self.translator is not None:
             mapping, remap = self.translator.advance()

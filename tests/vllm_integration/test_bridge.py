@@ -1,24 +1,33 @@
-"""The scheduler side without vLLM: outputs rewritten or stamped, checked by a model worker.
+"""The scheduler side without vLLM: changes read from outputs, stamped, checked by a worker.
 
 The stand-in outputs have vLLM 0.33's fields (``support.vllm_output``); the test plays
-vLLM's KV cache manager (the truth after each ``schedule()``) and a V1 model runner
-(``RowWorker``: persistent rows it only replaces for new and resumed requests, KV data
-written through them), against real services on real KV tensors.
+vLLM's scheduler (outputs, the KV cache manager's truth for the audit, deferred frees)
+and a V1 model runner that translates as ``DefragWorker`` does (``RowWorker``: persistent
+physical rows it only replaces for new and resumed requests and remaps when blocks move,
+KV data written through them), against real services on real KV tensors.
 """
 
 from __future__ import annotations
 
+import copy
 import itertools
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
+import numpy as np
 import pytest
 import torch
 
 from kvdefrag.client import DefragClient
-from kvdefrag.vllm._bridge import SchedulerBridge
+from kvdefrag.server import ServerHandle
+from kvdefrag.vllm._bridge import ParkedBlocks, SchedulerBridge, changes_from_output
 from kvdefrag.vllm._ranks import RankGroup
-from kvdefrag.vllm.common import first_fresh_block_index, read_step_stamp
+from kvdefrag.vllm.common import StepStamp, first_fresh_block_index, read_step_stamp
+from kvdefrag.vllm.worker import (
+    BlockIdTranslator,
+    translate_scheduler_output,
+    wait_for_planned_step,
+)
 
 from support.kv import SignedKv
 from support.server import Serve
@@ -29,7 +38,8 @@ NUM_BLOCKS = 24
 
 
 class RowWorker:
-    """Plays vLLM's V1 runner: persistent physical rows, KV written through them.
+    """Plays vLLM's V1 runner under ``DefragWorkerMixin``: persistent physical rows that
+    follow moves, each output translated after its step, KV written through the rows.
 
     A new or resumed request's row is replaced; a running request's row is only appended
     to. Every block a step computes into gets a new distinct value in all its rows;
@@ -41,9 +51,28 @@ class RowWorker:
         self.rows: dict[str, list[int]] = {}
         self.expected: dict[int, float] = {}
         self._values: Iterator[int] = itertools.count(1)
+        self.service: tuple[ServerHandle, BlockIdTranslator] | None = None
+
+    def attach(self, handle: ServerHandle) -> None:
+        all_ids = np.arange(NUM_BLOCKS)
+        self.service = (handle, BlockIdTranslator(lambda: handle.engine.resolve(all_ids)))
 
     def data(self, physical_id: int) -> torch.Tensor:
         return self.kv[physical_id * BLOCK_SIZE : (physical_id + 1) * BLOCK_SIZE]
+
+    def execute(self, out: SchedulerOutput, truth: Mapping[str, Sequence[int]]) -> None:
+        """As ``DefragWorkerMixin.execute_model``: wait, then under ``kv_lock`` rows follow
+        the moves, the output turns physical and the "forward pass" runs."""
+        assert self.service is not None
+        handle, translator = self.service
+        wait_for_planned_step(handle, 0, out, timeout_s=10)
+        with handle.engine.kv_lock:
+            mapping, remap = translator.advance()
+            if remap is not None:
+                self.rows = {rid: remap[row].tolist() for rid, row in self.rows.items()}
+            physical = copy.deepcopy(out)
+            translate_scheduler_output(physical, mapping)
+            self.run(physical, truth)
 
     def run(self, out: SchedulerOutput, truth: Mapping[str, Sequence[int]]) -> None:
         """Runs one (physical) output; ``truth`` names the logical ids it computes into."""
@@ -161,55 +190,80 @@ def serve_ranks(serve: Serve, worker: RowWorker, num_ranks: int, **options: Any)
     kvs = [SignedKv([(worker.kv, None)], BLOCK_SIZE)] + [
         SignedKv.create(NUM_BLOCKS, block_size=BLOCK_SIZE) for _ in range(num_ranks - 1)
     ]
-    return [serve(kv=kv, num_blocks=NUM_BLOCKS, **options) for kv in kvs]
+    handles = [serve(kv=kv, num_blocks=NUM_BLOCKS, **options) for kv in kvs]
+    worker.attach(handles[0])
+    return handles
+
+
+def bridge_for(handles: list[Any], *, prefix_caching: bool = False) -> SchedulerBridge:
+    clients = [DefragClient(h.address, prefix_caching=prefix_caching) for h in handles]
+    return SchedulerBridge(
+        RankGroup(clients),
+        num_blocks=NUM_BLOCKS,
+        block_size=BLOCK_SIZE,
+        prefix_caching=prefix_caching,
+    )
 
 
 @pytest.mark.parametrize("num_ranks", [1, 2])
 @pytest.mark.parametrize("prefix_caching", [False, True])
-def test_rewritten_outputs_keep_every_row_reading_its_own_data(
+def test_translating_workers_keep_every_row_reading_its_own_data(
     serve: Serve, prefix_caching: bool, num_ranks: int
 ) -> None:
     worker = RowWorker()
     handles = serve_ranks(serve, worker, num_ranks, threshold=0, prefix_caching=prefix_caching)
-    clients = [DefragClient(h.address, prefix_caching=prefix_caching) for h in handles]
-    bridge = SchedulerBridge(
-        RankGroup(clients), block_size=BLOCK_SIZE, prefix_caching=prefix_caching
-    )
+    bridge = bridge_for(handles, prefix_caching=prefix_caching)
+    clients = bridge.ranks.clients
     ever_live: set[int] = set()
     try:
         for number, (out, truth) in enumerate(steps(prefix_caching)):
+            is_cache_reset = number == 5  # reset_prefix_cache ran before this schedule()
+            if is_cache_reset:
+                ever_live = set()  # only blocks computed from now on carry a hash
             ever_live |= {i for ids in truth.values() for i in ids}
-            hashed = ever_live - {22} if number >= 5 else ever_live  # 22 loses its hash
-            bridge.apply(out, truth, lambda i, hashed=hashed: prefix_caching and i in hashed)
-            worker.run(out, truth)
-            for src, dst in steps(prefix_caching)[number][0].kv_cache_block_copies:
+            hashed = set(ever_live)
+
+            def is_cached(block_id: int, hashed: set[int] = hashed) -> bool:
+                return prefix_caching and block_id in hashed
+
+            changes = changes_from_output(out, None, is_cache_reset=is_cache_reset)
+            bridge.apply(out, changes, is_cached)
+            bridge.ledger.audit(truth, [], is_cached)
+            worker.execute(out, truth)
+            for src, dst in out.kv_cache_block_copies:
                 worker.expected[dst] = worker.expected[src]
             scheduled = {new.req_id for new in out.scheduled_new_reqs}
             scheduled |= set(out.scheduled_cached_reqs.req_ids)
             assert worker.wrong_blocks(truth, scheduled) == [], f"after step {number}"
-            resolve = clients[0].resolve
-            assert {rid: worker.rows[rid] for rid in scheduled} == {
-                rid: resolve(truth[rid]) for rid in scheduled
+            # the rows of every running request follow the moves, scheduled or not
+            assert worker.rows == {
+                rid: handles[0].engine.resolve(ids).tolist() for rid, ids in truth.items()
             }, f"after step {number}"
+        bridge.settle()
         assert bridge.totals.num_steps == 7
-        assert bridge.totals.num_rows_resent > 0  # moved rows were re-sent, and read right
+        moves = handles[0].engine.stats().totals.num_moves
+        assert moves > 0  # blocks did move under the rows
         assert {c.digest for c in clients} == {clients[0].digest}
         for client in clients:
             assert client.audit().is_consistent
     finally:
+        bridge.settle()
         bridge.ranks.close()
 
 
-def test_when_the_workers_translate_the_output_stays_logical_and_carries_its_step(
-    serve: Serve,
-) -> None:
+def test_every_output_carries_the_last_step_planned_and_stays_logical(serve: Serve) -> None:
     worker = RowWorker()
     handles = serve_ranks(serve, worker, 2, threshold=0)
-    clients = [DefragClient(h.address) for h in handles]
-    bridge = SchedulerBridge(RankGroup(clients), block_size=BLOCK_SIZE, prefix_caching=False)
+    bridge = bridge_for(handles)
+    clients = bridge.ranks.clients
     try:
-        (out, truth), *_ = steps(prefix_caching=False)
-        bridge.apply(out, truth, lambda block_id: False, rewrite=False)
+        first = output()
+        bridge.apply(first, changes_from_output(first, None), lambda i: False)
+        # nothing sent yet: the stamp names the step before each session's first
+        assert read_step_stamp(first) == StepStamp(tuple((c.epoch, 0) for c in clients))
+
+        (out, _), *_ = steps(prefix_caching=False)
+        bridge.apply(out, changes_from_output(out, None), lambda i: False)
 
         assert out.scheduled_new_reqs[0].block_ids == ([20, 21, 22],)
         stamp = read_step_stamp(out)
@@ -217,15 +271,75 @@ def test_when_the_workers_translate_the_output_stays_logical_and_carries_its_ste
         assert stamp.by_rank == tuple((client.epoch, 1) for client in clients)
         for rank, handle in enumerate(handles):
             handle.wait_applied(*stamp.for_rank(rank), timeout_s=10)
-        bridge.settle()
-        assert bridge.totals.last_reply is not None
-        assert bridge.totals.last_reply.seq == 1
 
         empty = output()
-        bridge.apply(
-            empty, {"a": [20, 21, 22], "b": [15], "e": [10]}, lambda i: False, rewrite=False
-        )
-        assert read_step_stamp(empty) is None  # nothing changed: no step sent
+        bridge.apply(empty, changes_from_output(empty, None), lambda i: False)
+        assert read_step_stamp(empty) == stamp  # no events, no step: the last one's stamp
+        assert bridge.totals.num_steps == 1
+        assert bridge.totals.last_reply is not None
+        assert bridge.totals.last_reply.seq == 1
     finally:
         bridge.settle()
         bridge.ranks.close()
+
+
+# --- reading the changes --------------------------------------------------------------
+def test_changes_come_from_the_output_fields_that_changed() -> None:
+    out = output(
+        new=[NewRequestData("a", ([3, 4],), 4)],
+        running=cached(
+            ("b", ([6],), 8), ("c", None, 4), ("d", ([],), 0), ("e", ([7, 8],), 0), resumed={"e"}
+        ),
+        finished={"z"},
+        preempted_req_ids={"p"},
+        kv_cache_block_copies=[(4, 6)],
+    )
+
+    changes = changes_from_output(out, None, is_cache_reset=True)
+
+    assert sorted(changes.released) == ["p", "z"]
+    assert changes.full_rows == {"a": [3, 4], "e": [7, 8]}
+    assert changes.appended == {"b": [6]}
+    assert changes.num_computed_tokens == {"a": 4, "b": 8, "c": 4, "d": 0, "e": 0}
+    assert changes.not_fresh == frozenset({6})
+    assert changes.is_cache_reset
+
+
+class Block(NamedTuple):
+    block_id: int
+
+
+def test_parked_blocks_record_what_vllm_holds_back_and_returns() -> None:
+    parked = ParkedBlocks()
+    first = (1, [Block(3), Block(4)])
+    parked.append(first)
+    parked.append((2, [Block(5)]))
+
+    lists, returned = parked.take()
+    assert list(lists.values()) == [[3, 4], [5]]
+    assert returned == []
+    first_name = next(iter(lists))
+
+    assert parked[0] is first  # still vLLM's deque
+    assert parked.popleft() is first
+    parked.append((3, [Block(6)]))
+    parked.append((3, [Block(7)]))
+    parked.popleft()  # (2, [5]): parked in an earlier step
+    assert parked.block_lists() == [[6], [7]]
+
+    lists, returned = parked.take()
+    assert list(lists.values()) == [[6], [7]]
+    assert len(returned) == 2 and returned[0] == first_name
+    assert parked.take() == ({}, [])
+
+
+def test_a_list_parked_and_returned_between_two_steps_is_in_neither() -> None:
+    parked = ParkedBlocks([(0, [Block(9)])])
+    parked.take()
+    parked.append((1, [Block(3)]))
+    parked.popleft()  # the older one
+    parked.popleft()  # the new one, within the same step
+
+    lists, returned = parked.take()
+    assert lists == {}
+    assert len(returned) == 1

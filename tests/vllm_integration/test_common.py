@@ -11,19 +11,19 @@ import pickle
 import re
 from collections.abc import Sequence
 from pathlib import Path
-from types import SimpleNamespace
 from typing import NamedTuple
 
 import pytest
 
 from kvdefrag.vllm.common import (
+    AUDIT_EVERY_ENV,
     CLIENT_TLS_ENV,
     RANKS_FILE,
     TCP_HOST_ENV,
     TCP_PORT_ENV,
-    TRANSLATE_ENV,
     StepStamp,
     attach_step_stamp,
+    audit_every,
     client_tls_from_env,
     copy_destinations,
     first_fresh_block_index,
@@ -34,7 +34,6 @@ from kvdefrag.vllm.common import (
     scheduled_num_computed_tokens,
     step_wait_s,
     tcp_address,
-    workers_translate,
 )
 
 from support.public_api import assert_public_names
@@ -98,36 +97,17 @@ def test_client_tls_reads_the_named_files(tmp_path: Path, monkeypatch: pytest.Mo
         client_tls_from_env()
 
 
-def _config(*, async_scheduling: bool, use_v2_model_runner: bool) -> SimpleNamespace:
-    return SimpleNamespace(
-        scheduler_config=SimpleNamespace(async_scheduling=async_scheduling),
-        use_v2_model_runner=use_v2_model_runner,
-    )
-
-
-@pytest.mark.parametrize(
-    ("async_scheduling", "use_v2_model_runner", "expected"),
-    [(False, False, False), (True, False, True), (False, True, True), (True, True, True)],
-)
-def test_the_workers_translate_under_async_scheduling_or_the_v2_runner(
-    monkeypatch: pytest.MonkeyPatch,
-    async_scheduling: bool,
-    use_v2_model_runner: bool,
-    expected: bool,
-) -> None:
-    monkeypatch.delenv(TRANSLATE_ENV, raising=False)
-    config = _config(async_scheduling=async_scheduling, use_v2_model_runner=use_v2_model_runner)
-    assert workers_translate(config) is expected
-
-
-def test_the_environment_makes_the_workers_translate_under_sync_v1(
+def test_the_audit_is_off_unless_asked_and_a_bad_period_is_named(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setenv(TRANSLATE_ENV, "worker")
-    assert workers_translate(_config(async_scheduling=False, use_v2_model_runner=False))
-    assert workers_translate(None) is True
-    monkeypatch.setenv(TRANSLATE_ENV, "")
-    assert workers_translate(None) is False
+    monkeypatch.delenv(AUDIT_EVERY_ENV, raising=False)
+    assert audit_every() == 0
+    monkeypatch.setenv(AUDIT_EVERY_ENV, "25")
+    assert audit_every() == 25
+    for bad in ("-1", "often", "2.5"):
+        monkeypatch.setenv(AUDIT_EVERY_ENV, bad)
+        with pytest.raises(ValueError, match=f"must be a whole number >= 0, got '{bad}'"):
+            audit_every()
 
 
 def test_the_step_wait_defaults_to_a_minute_and_refuses_a_bad_value(
@@ -242,16 +222,17 @@ def test_common_exports_are_pinned() -> None:
     assert_public_names(
         "kvdefrag.vllm.common",
         {
+            "AUDIT_EVERY_ENV",
             "CLIENT_TLS_ENV",
             "RANKS_FILE",
             "RUN_DIR_ENV",
             "STEP_WAIT_ENV",
             "TCP_HOST_ENV",
             "TCP_PORT_ENV",
-            "TRANSLATE_ENV",
             "ClientTls",
             "StepStamp",
             "attach_step_stamp",
+            "audit_every",
             "client_tls_from_env",
             "copy_destinations",
             "first_fresh_block_index",
@@ -265,6 +246,5 @@ def test_common_exports_are_pinned() -> None:
             "step_wait_s",
             "tcp_address",
             "uses_v2_model_runner",
-            "workers_translate",
         },
     )

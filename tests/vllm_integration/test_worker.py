@@ -83,8 +83,12 @@ def test_a_layout_that_is_not_a_view_is_refused_by_name() -> None:
 
 
 class _FakeRunner:
+    """A V1 runner with no request in its persistent batch."""
+
     def __init__(self) -> None:
         self.kv_caches: list[torch.Tensor] = []
+        self.requests: dict[str, Any] = {}
+        self.input_batch = SimpleNamespace(block_table=SimpleNamespace(block_tables=[]))
 
 
 class _FakeVllmWorker:
@@ -143,8 +147,12 @@ def test_the_mixin_serves_the_rank_holds_kv_lock_and_stops_on_shutdown(
         return scheduler_output
 
     monkeypatch.setattr(_FakeVllmWorker, "execute_model", lambda self, out: execute(out))
-    assert worker.execute_model("output") == "output"
+    output = _output()
+    assert worker.execute_model(output) is output
     assert held == [True]
+    # translated: the client's step placed req-0's fresh 5, 6 at the bottom (1, 2), and
+    # free 1, 2 took their slots
+    assert output.scheduled_new_reqs[0].block_ids == ([5, 6],)
     assert not handle.engine.kv_lock.locked()
 
     worker.shutdown()

@@ -11,6 +11,8 @@ import pytest
 
 # vLLM's V1 model runner unless a test's config selects V2 (support.vllm_harness.V2VllmConfig).
 os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+# The scheduler side compares its ledger with vLLM's KV cache manager after every step.
+os.environ.setdefault("KVDEFRAG_VLLM_AUDIT_EVERY", "1")
 
 
 def _has_vllm() -> bool:

@@ -1,25 +1,28 @@
 """kvdefrag inside vLLM 0.33's real Scheduler and AsyncScheduler, proven by signatures.
 
 Real rank services on unix sockets, tiny int64 KV caches; the simulated worker keeps its
-rows the way vLLM's V1 runner does (from the rewritten outputs, or, under async scheduling,
-translating them itself as DefragWorker does), and every read of a computed token (and of
-every block vLLM keeps in its prefix cache) must find its own signature.
+rows the way vLLM's V1 runner does and translates each output as DefragWorker does (it
+waits for the step stamped on it, its rows follow the moves), and every read of a computed
+token (and of every block vLLM keeps in its prefix cache) must find its own signature.
+The scheduler side audits its ledger against vLLM's KV cache manager after every step
+(``KVDEFRAG_VLLM_AUDIT_EVERY=1``, set in conftest.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import sys
 import time
 from typing import Any
 
-import numpy as np
 import pytest
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from kvdefrag.server import Engine, ServerHandle
 from kvdefrag.vllm import _bridge, _ledger
+from kvdefrag.vllm import scheduler as vllm_scheduler
 from kvdefrag.vllm.scheduler import DefragScheduler, UnsupportedByKvdefrag
 from kvdefrag.vllm.worker import BlockIdTranslator
 
@@ -34,7 +37,9 @@ from support.vllm_harness import (
     Workload,
     make_scheduler,
     run_loop,
+    serve_two_ranks,
     spy_preemptions,
+    translator_for,
 )
 
 
@@ -52,8 +57,9 @@ def _run(
 ) -> tuple[Scheduler, list[SignedWorker], int]:
     """Runs ``cls`` over a workload; async classes run two steps in flight.
 
-    ``translate`` (default: whether the class is async) gives each worker the
-    translator ``DefragWorkerMixin`` uses when the workers translate.
+    ``translate`` (default: whether the class is kvdefrag's) gives each worker the
+    translator ``DefragWorkerMixin`` uses; False runs a worker that takes the logical ids
+    as they come (a sabotage).
     """
     is_async = issubclass(cls, AsyncScheduler)
     num_blocks = ASYNC_NUM_BLOCKS if is_async else NUM_BLOCKS
@@ -74,14 +80,11 @@ def _run(
     is_defrag = isinstance(scheduler, DefragScheduler)
     num_ranks = len(scheduler.kvdefrag.ranks.clients) if is_defrag else 1
     if translate is None:
-        translate = is_async and is_defrag
-    all_ids = np.arange(num_blocks)
+        translate = is_defrag
     workers = [
         SignedWorker(
             kv,
-            BlockIdTranslator(lambda handle=handle: handle.engine.resolve(all_ids))
-            if translate
-            else None,
+            translator_for(handle, num_blocks) if translate else None,
             service=(handle, rank) if is_defrag else None,
         )
         for rank, (handle, kv) in enumerate(ranks[:num_ranks])
@@ -114,7 +117,7 @@ def test_every_read_finds_its_signature_with_two_ranks(
     stats = [handle.engine.stats() for handle, _ in ranks]
     assert stats[0].totals.num_moves > 0, "the workload never made kvdefrag move a block"
     assert stats[0] == stats[1]
-    assert totals.num_rows_resent > 0
+    assert totals.num_audits == scheduler._kvdefrag_num_schedules > 100
     for worker in workers:
         assert worker.num_checked > 10_000
         assert worker.num_corrupted == 0
@@ -125,13 +128,17 @@ def test_preemption_happens_in_the_small_pool(model_dir: str, ranks: list[Any]) 
         TwoRankScheduler, model_dir, num_blocks=NUM_BLOCKS, prefix_caching=False
     )
     preempted = spy_preemptions(scheduler)
-    workers = [SignedWorker(kv) for _, kv in ranks]
+    workers = [
+        SignedWorker(kv, translator_for(handle, NUM_BLOCKS), service=(handle, rank))
+        for rank, (handle, kv) in enumerate(ranks)
+    ]
     run_loop(
         scheduler,
         workers,
         Workload(seed=3, num_requests=80),
         resolve=scheduler.kvdefrag.ranks.primary.resolve,
     )
+    scheduler.kvdefrag.settle()
     scheduler.kvdefrag.ranks.close()
     assert len(preempted) >= 3
     assert scheduler.kvdefrag.totals.num_preempted == len(preempted)
@@ -161,19 +168,8 @@ def test_without_kvdefrag_the_harness_sees_no_corruption(model_dir: str, ranks: 
     assert workers[0].num_corrupted == 0
 
 
-def test_rows_not_resent_after_a_move_corrupt(
-    model_dir: str, ranks: list[Any], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(_ledger.WorkerRows, "mark_moved", lambda *args, **kwargs: None)
-    _, workers, _ = _run(TwoRankScheduler, model_dir, ranks, prefix_caching=False)
-    assert workers[0].num_corrupted > 0
-
-
-def test_a_worker_given_logical_ids_corrupts(
-    model_dir: str, ranks: list[Any], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(_bridge.SchedulerBridge, "_rewrite", lambda self, output: None)
-    _, workers, _ = _run(TwoRankScheduler, model_dir, ranks, prefix_caching=True)
+def test_a_worker_given_logical_ids_corrupts(model_dir: str, ranks: list[Any]) -> None:
+    _, workers, _ = _run(TwoRankScheduler, model_dir, ranks, prefix_caching=True, translate=False)
     assert workers[0].num_corrupted > 0
 
 
@@ -218,14 +214,14 @@ def test_async_scheduling_with_translating_workers_reads_every_signature(
     stats = [handle.engine.stats() for handle, _ in async_ranks]
     assert stats[0].totals.num_moves > 0, "the workload never made kvdefrag move a block"
     assert stats[0] == stats[1]
-    assert scheduler.kvdefrag.totals.num_rows_resent == 0  # the workers follow the moves
     for worker in workers:
         assert worker.num_checked > 10_000
         assert worker.num_corrupted == 0
 
 
-def test_async_workers_that_do_not_follow_moves_corrupt(
-    model_dir: str, async_ranks: list[Any], monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("is_async", [False, True])
+def test_workers_that_do_not_follow_moves_corrupt(
+    model_dir: str, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, is_async: bool
 ) -> None:
     original = BlockIdTranslator.advance
 
@@ -234,7 +230,9 @@ def test_async_workers_that_do_not_follow_moves_corrupt(
         return mapping, None
 
     monkeypatch.setattr(BlockIdTranslator, "advance", advance_without_remap)
-    _, workers, _ = _run(TwoRankAsyncScheduler, model_dir, async_ranks, prefix_caching=False)
+    cls = TwoRankAsyncScheduler if is_async else TwoRankScheduler
+    pool = request.getfixturevalue("async_ranks" if is_async else "ranks")
+    _, workers, _ = _run(cls, model_dir, pool, prefix_caching=False)
     assert workers[0].num_corrupted > 0
 
 
@@ -252,10 +250,9 @@ def _slow_rank_services(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_translating_workers_wait_for_the_step_sent_without_waiting(
     model_dir: str, ranks: list[Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Workers that translate run each output while its step is still in flight (here
-    always: a synchronous loop, slow services), and wait for it."""
+    """The workers run each output while its step is still in flight (here always: a
+    synchronous loop, slow services), and wait for it."""
     _slow_rank_services(monkeypatch)
-    monkeypatch.setenv("KVDEFRAG_VLLM_TRANSLATE", "worker")
     wait_applied = ServerHandle.wait_applied
     waits_for_a_step_in_flight = []
 
@@ -265,9 +262,7 @@ def test_translating_workers_wait_for_the_step_sent_without_waiting(
         wait_applied(self, epoch, seq, timeout_s)
 
     monkeypatch.setattr(ServerHandle, "wait_applied", counted)
-    scheduler, workers, _ = _run(
-        TwoRankScheduler, model_dir, ranks, prefix_caching=True, translate=True
-    )
+    scheduler, workers, _ = _run(TwoRankScheduler, model_dir, ranks, prefix_caching=True)
     assert len(waits_for_a_step_in_flight) > 100
     assert scheduler.kvdefrag.totals.num_preempted > 0
     for worker in workers:
@@ -279,24 +274,112 @@ def test_translating_workers_that_do_not_wait_for_their_step_corrupt(
     model_dir: str, ranks: list[Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     _slow_rank_services(monkeypatch)
-    monkeypatch.setenv("KVDEFRAG_VLLM_TRANSLATE", "worker")
     monkeypatch.setattr(vllm_harness, "wait_for_planned_step", lambda *args, **kwargs: None)
     # NOTE: without prefix caching every new block is fresh and placed (re-pointed with no
     # copy) when its step is applied: after a worker that did not wait wrote it.
-    _, workers, _ = _run(TwoRankScheduler, model_dir, ranks, prefix_caching=False, translate=True)
+    _, workers, _ = _run(TwoRankScheduler, model_dir, ranks, prefix_caching=False)
     assert workers[0].num_corrupted > 0
 
 
-def test_async_outputs_rewritten_when_planned_corrupt(
-    model_dir: str, async_ranks: list[Any], monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("cls", ["sync", "async"])
+def test_the_audit_stops_a_ledger_that_misread_a_change(
+    model_dir: str, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, cls: str
 ) -> None:
-    """Why the workers translate: the scheduler's rewrite is stale once N + 1 moved blocks."""
-    monkeypatch.setenv("KVDEFRAG_VLLM_TRANSLATE", "")
-    monkeypatch.setattr("kvdefrag.vllm.scheduler.workers_translate", lambda vllm_config: False)
-    _, workers, _ = _run(
-        TwoRankAsyncScheduler, model_dir, async_ranks, prefix_caching=False, translate=False
-    )
-    assert workers[0].num_corrupted > 0
+    """The per-step changes are read from the output and the hooks alone; the audit is
+    what proves them: forget one kind of change and it names the difference."""
+    if cls == "async":
+        # deferred frees: blocks vLLM holds back after an aborted or finished request
+        monkeypatch.setattr(_bridge.ParkedBlocks, "take", lambda self: ({}, []))
+        scheduler_cls, expected = TwoRankAsyncScheduler, "deferred frees"
+    else:
+        # preemptions: released without a finish
+        original = _bridge.changes_from_output
+
+        def without_preemptions(output: Any, *args: Any, **kwargs: Any) -> Any:
+            output.preempted_req_ids = set()
+            return original(output, *args, **kwargs)
+
+        monkeypatch.setattr(_bridge, "changes_from_output", without_preemptions)
+        monkeypatch.setattr(vllm_scheduler, "changes_from_output", without_preemptions)
+        scheduler_cls, expected = TwoRankScheduler, "request"
+    pool = request.getfixturevalue("async_ranks" if cls == "async" else "ranks")
+    with pytest.raises(_ledger.LedgerDiverged, match=expected):
+        _run(scheduler_cls, model_dir, pool, prefix_caching=False, abort_every=7)
+
+
+class CountingBlocks:
+    """The block pool's list, counting reads."""
+
+    def __init__(self, blocks: Any) -> None:
+        self.blocks = blocks
+        self.num_reads = 0
+
+    def __getitem__(self, block_id: int) -> Any:
+        self.num_reads += 1
+        return self.blocks[block_id]
+
+
+class RefusedMapping(dict[str, Any]):
+    """The KV cache manager's request lists, which a step must not read (audit only)."""
+
+    def items(self) -> Any:
+        raise AssertionError("a step read every request's block list")
+
+
+def test_the_scheduler_side_reads_what_changed_not_the_pool(
+    model_dir: str, run_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same workload on two pools 8x apart: per step, the scheduler side reads a pool
+    entry only for a block the step freed, never every request's list."""
+    monkeypatch.setenv("KVDEFRAG_VLLM_AUDIT_EVERY", "0")
+    reads: dict[int, list[int]] = {}
+    for num_blocks in (ASYNC_NUM_BLOCKS, 8 * ASYNC_NUM_BLOCKS):
+        with contextlib.contextmanager(serve_two_ranks)(run_dir, num_blocks) as pool_ranks:
+            scheduler = make_scheduler(
+                TwoRankScheduler, model_dir, num_blocks=num_blocks, prefix_caching=True
+            )
+            counting = CountingBlocks(scheduler._kvdefrag_pool)
+            scheduler._kvdefrag_pool = counting
+            scheduler._kvdefrag_blocks = RefusedMapping()
+            bridge = scheduler.kvdefrag
+            apply = bridge.apply
+            per_step: list[int] = []
+
+            def counted(
+                output: Any,
+                changes: Any,
+                is_cached: Any,
+                bridge: Any = bridge,
+                apply: Any = apply,
+                counting: Any = counting,
+                per_step: list[int] = per_step,
+            ) -> None:
+                held = bridge.ledger.held
+                let_go = {*changes.released, *changes.unparked, *changes.full_rows}
+                num_freed = sum(len(held.get(request_id, ())) for request_id in let_go)
+                before = counting.num_reads
+                apply(output, changes, is_cached)
+                per_step.append(counting.num_reads - before)
+                assert per_step[-1] <= num_freed
+
+            bridge.apply = counted
+            workers = [
+                SignedWorker(kv, translator_for(handle, num_blocks), service=(handle, rank))
+                for rank, (handle, kv) in enumerate(pool_ranks)
+            ]
+            run_loop(
+                scheduler,
+                workers,
+                Workload(seed=4, num_requests=40),
+                resolve=bridge.ranks.primary.resolve,
+            )
+            bridge.settle()
+            bridge.ranks.close()
+            reads[num_blocks] = per_step
+            assert all(worker.num_corrupted == 0 for worker in workers)
+    small, large = reads.values()
+    assert sum(small) > 0 and sum(large) > 0  # freed blocks were looked up
+    assert max(large) <= max(small) * 2  # bounded by the workload, not by the pool
 
 
 def _groups(*specs: Any) -> Any:

@@ -130,12 +130,11 @@ def test_v2_runner_workers_read_every_signature(
         reset_prefix_cache_every=53 if prefix_caching and is_async else 0,
     )
     assert not scheduler.has_requests(), f"unfinished after {steps} steps"
-    assert not scheduler._kvdefrag_rewrite  # the workers translate, also when synchronous
     stats = [handle.engine.stats() for handle, _ in ranks]
     assert stats[0].totals.num_moves > 0, "the workload never made kvdefrag move a block"
     assert stats[0] == stats[1]
     assert num_remaps[0] > 0, "no table ever followed a move"
-    assert scheduler.kvdefrag.totals.num_rows_resent == 0
+    assert scheduler.kvdefrag.totals.num_audits == scheduler._kvdefrag_num_schedules > 100
     if not is_async:
         assert len(preempted) >= 3  # resumed requests came back as new ones, with their rows
         assert scheduler.kvdefrag.totals.num_preempted == len(preempted)

@@ -1,125 +1,191 @@
-"""The scheduler side of one step: plan it from vLLM's truth, step every rank, rewrite.
+"""The scheduler side of one step: read what changed, plan it, send it, stamp the output.
 
-Duck-typed against vLLM 0.33's ``SchedulerOutput`` (``vllm/v1/core/sched/output.py``) so
-that it imports no vLLM; ``kvdefrag.vllm.scheduler`` feeds it the truth. The output's
-fields are read and rewritten through ``kvdefrag.vllm.common``.
+Duck-typed against vLLM 0.33's ``SchedulerOutput`` (``vllm/v1/core/sched/output.py``) and
+its scheduler's ``deferred_frees`` deque, so that it imports no vLLM;
+``kvdefrag.vllm.scheduler`` wires it in. Per step it reads only what changed::
 
-What the workers receive afterwards is in physical ids::
+    output.finished_req_ids, .preempted_req_ids     released (finished, aborted, preempted)
+    output.scheduled_new_reqs[i].block_ids          whole lists (new; V2 runner: resumed)
+    output.scheduled_cached_reqs.new_block_ids[i]   appended ids; whole lists for the
+                                                    requests in resumed_req_ids
+    ...num_computed_tokens, kv_cache_block_copies   which new blocks are fresh
+    scheduler.deferred_frees (ParkedBlocks)         lists held back, and returned
+    pool.blocks[i].ref_cnt / .block_hash            only for blocks this step freed
 
-    scheduled_new_reqs[i].block_ids          whole row, resolved
-    scheduled_cached_reqs.new_block_ids[i]   appended ids resolved; a whole row, and the
-                                             request put in resumed_req_ids, when vLLM
-                                             resumed it or when a block its worker row
-                                             names moved (the V1 runner replaces the
-                                             row of a resumed request and only appends
-                                             to the others: gpu_model_runner.py
-                                             _update_states, vLLM 0.33)
-    new_block_ids_to_zero                    resolved
-    kv_cache_block_copies                    (src, dst) resolved
-
-A request whose row went stale while it was not scheduled is re-sent when it next is: its
-stale row is not read before then.
+The output goes to the workers as vLLM built it (logical ids), stamped with the step
+planned with it: each worker waits for that step, then translates.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections import deque
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from kvdefrag.client import StepReply
-from kvdefrag.vllm._ledger import BlockLedger, WorkerRows
+from kvdefrag.vllm._ledger import DEFERRED_PREFIX, BlockLedger, StepChanges
 from kvdefrag.vllm._ranks import InFlightStep, RankGroup
 from kvdefrag.vllm.common import (
+    StepStamp,
     attach_step_stamp,
     copy_destinations,
-    map_block_ids,
     scheduled_num_computed_tokens,
 )
 
 
-def _single_group(block_ids: Sequence[Sequence[int]], what: str) -> list[int]:
+def _single_group(block_ids: Any, what: str) -> list[int]:
     assert len(block_ids) == 1, f"{what}: {len(block_ids)} KV-cache groups, kvdefrag serves one"
     return [int(block_id) for block_id in block_ids[0]]
 
 
+class ParkedBlocks(deque[Any]):
+    """vLLM's ``deferred_frees`` deque, recording the block lists parked and returned.
+
+    vLLM appends ``(fence, blocks)`` when it holds a request's blocks back until the steps
+    in flight have run, and pops them from the left once they have; both go through
+    here, so the ledger learns of them without scanning the deque.
+    """
+
+    def __init__(self, entries: Iterable[Any] = ()) -> None:
+        super().__init__()
+        self._ids = itertools.count()
+        self._names: dict[int, tuple[str, Any]] = {}
+        self._parked: dict[str, list[int]] = {}
+        self._unparked: list[str] = []
+        for entry in entries:
+            self.append(entry)
+
+    def append(self, entry: Any) -> None:
+        """Parks one ``(fence, blocks)`` entry under a name of its own."""
+        super().append(entry)
+        name = f"{DEFERRED_PREFIX}{next(self._ids)}"
+        # NOTE: the entry itself is kept next to its name, so its id() cannot be reused.
+        self._names[id(entry)] = (name, entry)
+        self._parked[name] = [block.block_id for block in entry[1]]
+
+    def popleft(self) -> Any:
+        """Returns the oldest entry to the caller (vLLM frees its blocks)."""
+        entry = super().popleft()
+        name, _ = self._names.pop(id(entry))
+        if self._parked.pop(name, None) is None:
+            self._unparked.append(name)  # parked in an earlier step
+        return entry
+
+    def take(self) -> tuple[dict[str, list[int]], list[str]]:
+        """What was parked and returned since the last call (an entry parked and returned
+        in between is in neither)."""
+        parked, self._parked = self._parked, {}
+        unparked, self._unparked = self._unparked, []
+        return parked, unparked
+
+    def block_lists(self) -> list[list[int]]:
+        """Every parked list now (for an audit)."""
+        return [[block.block_id for block in blocks] for _, blocks in self]
+
+
+def changes_from_output(
+    output: Any, parked: ParkedBlocks | None, *, is_cache_reset: bool = False
+) -> StepChanges:
+    """What one ``schedule()`` changed, read from its output and the parked lists alone."""
+    released = list(output.finished_req_ids)
+    released += output.preempted_req_ids or ()
+    full_rows = {
+        request.req_id: _single_group(request.block_ids, request.req_id)
+        for request in output.scheduled_new_reqs
+    }
+    appended: dict[str, list[int]] = {}
+    cached = output.scheduled_cached_reqs
+    resumed_ids = cached.resumed_req_ids
+    for request_id, groups in zip(cached.req_ids, cached.new_block_ids, strict=True):
+        if request_id in resumed_ids:
+            full_rows[request_id] = _single_group(groups, request_id)
+        elif groups is not None and groups[0]:
+            appended[request_id] = _single_group(groups, request_id)
+    parked_lists, unparked = parked.take() if parked is not None else ({}, [])
+    return StepChanges(
+        released=released,
+        full_rows=full_rows,
+        appended=appended,
+        num_computed_tokens=scheduled_num_computed_tokens(output),
+        not_fresh=copy_destinations(output),
+        parked=parked_lists,
+        unparked=unparked,
+        is_cache_reset=is_cache_reset,
+    )
+
+
 @dataclasses.dataclass
 class BridgeTotals:
-    """Counters since start: steps sent, rows re-sent, preemptions, time per step.
+    """Counters since start: steps sent, preemptions, time per ``apply``.
 
-    ``step_durations_s`` holds the scheduler-side time of each ``apply`` (plan, every
-    rank's round trip, rewrite), the first ``SchedulerBridge.keep_durations`` of them.
+    ``step_durations_s`` holds the scheduler-side time of each ``apply`` (read the
+    changes, plan, send), the first ``SchedulerBridge.keep_durations`` of them.
     """
 
     num_steps: int = 0
-    num_rows_resent: int = 0
     num_preempted: int = 0
+    num_audits: int = 0
     step_durations_s: list[float] = dataclasses.field(default_factory=list)
     last_reply: StepReply | None = None
 
 
 class SchedulerBridge:
-    """Turns each ``schedule()`` result into one step for every rank and rewrites it.
+    """Turns each ``schedule()``'s changes into one step for every rank, and stamps the
+    output with it.
 
-    Invariant: after ``apply`` returns, every block id in the output is physical and every
-    rank's engine mirrors ``ledger.held`` and ``ledger.cached_free`` (when the workers
-    translate: once the step in flight is applied, which ``settle`` waits for).
+    Invariant: after ``settle`` returns, every rank's engine mirrors ``ledger.held`` and
+    ``ledger.cached_free``; every output ``apply`` saw carries the stamp of the last step
+    planned up to it (the workers wait for it before they translate the output).
     """
 
-    def __init__(self, ranks: RankGroup, *, block_size: int, prefix_caching: bool) -> None:
+    def __init__(
+        self, ranks: RankGroup, *, num_blocks: int, block_size: int, prefix_caching: bool
+    ) -> None:
         self.ranks = ranks
-        self.ledger = BlockLedger(block_size=block_size, prefix_caching=prefix_caching)
-        self.rows = WorkerRows()
+        self.ledger = BlockLedger(
+            num_blocks=num_blocks, block_size=block_size, prefix_caching=prefix_caching
+        )
         self.totals = BridgeTotals()
         self.keep_durations = 100_000
         self._in_flight: InFlightStep | None = None
+        # Nothing sent yet: the step before each session's first (applied by definition).
+        self._stamp = StepStamp(
+            tuple((client.epoch, client.next_seq - 1) for client in ranks.clients)
+        )
 
-    def apply(
-        self,
-        output: Any,
-        truth: Mapping[str, Sequence[int]],
-        is_cached: Callable[[int], bool],
-        *,
-        rewrite: bool = True,
-    ) -> None:
-        """Plans, sends and applies one step, then rewrites ``output`` in place.
+    @property
+    def stamp(self) -> StepStamp:
+        """The stamp of the last step planned (sent, maybe not yet applied)."""
+        return self._stamp
+
+    def apply(self, output: Any, changes: StepChanges, is_cached: Callable[[int], bool]) -> None:
+        """Plans and sends one step, then stamps ``output`` with it.
+
+        Nothing in the output depends on the reply, so the step flies while vLLM goes on;
+        its replies are checked at the next ``apply`` (or ``settle``).
 
         Args:
-            output: The ``SchedulerOutput`` ``schedule()`` just returned (logical ids).
-            truth: Request id -> its logical block ids now, from the KV cache manager.
+            output: The ``SchedulerOutput`` ``schedule()`` just returned (logical ids; it
+                stays so).
+            changes: What that ``schedule()`` changed (``changes_from_output``).
             is_cached: Whether a free logical id still carries a prefix-cache hash.
-            rewrite: False when the workers translate ids themselves (async scheduling,
-                the V2 model runner; see ``common.workers_translate``): ``output`` is
-                then left logical, the step is only sent (its replies are checked at the
-                next ``apply`` or ``settle``), and ``output`` carries its ``StepStamp``,
-                which a worker waits for before it translates.
+
+        Raises:
+            RanksDiverged, StepOutcomeUnknown, DefragError: The previous step's replies
+                (``RankGroup.step``).
         """
         started = time.perf_counter()
-        preempted_ids = sorted(output.preempted_req_ids or ())
-        self.totals.num_preempted += len(preempted_ids)
-        num_computed = scheduled_num_computed_tokens(output)
-        plan = self.ledger.plan(truth, num_computed, is_cached, copy_destinations(output))
-        if not rewrite:
-            # Nothing in the output depends on the reply: the step flies while vLLM goes
-            # on, and the workers wait for it (its stamp) before they translate.
-            self.settle()
-            if not plan.events.is_empty:
-                self._in_flight = self.ranks.submit(plan.events)
-                self.totals.num_steps += 1
-                attach_step_stamp(output, self._in_flight.stamp)
-        elif not plan.events.is_empty:
-            reply = self.ranks.step(plan.events)
+        self.totals.num_preempted += len(output.preempted_req_ids or ())
+        self.settle()
+        events = self.ledger.plan(changes, is_cached)
+        if not events.is_empty:
+            self._in_flight = self.ranks.submit(events)
+            self._stamp = self._in_flight.stamp
             self.totals.num_steps += 1
-            self.totals.last_reply = reply
-            resolve = self.ranks.primary.resolve
-            self.rows.forget(sorted({*output.finished_req_ids, *preempted_ids}))
-            self.rows.forget([rid for rid in self.rows.rows if rid not in truth])
-            self.rows.mark_moved(sorted(reply.block_mapping), self.ledger.held, resolve)
-        else:
-            self.rows.forget(sorted({*output.finished_req_ids, *preempted_ids}))
-        if rewrite:
-            self._rewrite(output)
+        attach_step_stamp(output, self._stamp)
         if len(self.totals.step_durations_s) < self.keep_durations:
             self.totals.step_durations_s.append(time.perf_counter() - started)
 
@@ -132,23 +198,3 @@ class SchedulerBridge:
         in_flight, self._in_flight = self._in_flight, None
         if in_flight is not None:
             self.totals.last_reply = in_flight.result()
-
-    def _rewrite(self, output: Any) -> None:
-        cached = output.scheduled_cached_reqs
-        # A running request whose worker row names a moved block is re-sent whole, as
-        # resumed: the V1 runner replaces the row of a resumed request.
-        new_block_ids = list(cached.new_block_ids)
-        for position, request_id in enumerate(cached.req_ids):
-            if request_id in self.rows.stale and request_id not in cached.resumed_req_ids:
-                new_block_ids[position] = (list(self.ledger.held.get(request_id, ())),)
-                cached.resumed_req_ids.add(request_id)
-                self.totals.num_rows_resent += 1
-        cached.new_block_ids = new_block_ids
-        map_block_ids(output, self.ranks.primary.resolve)
-        for request in output.scheduled_new_reqs:
-            self.rows.set_row(request.req_id, _single_group(request.block_ids, request.req_id))
-        for request_id, groups in zip(cached.req_ids, cached.new_block_ids, strict=True):
-            if request_id in cached.resumed_req_ids:
-                self.rows.set_row(request_id, _single_group(groups, request_id))
-            elif groups is not None:
-                self.rows.append(request_id, _single_group(groups, request_id))

@@ -12,7 +12,7 @@ alone:
   built on rank 0's host after the KV caches exist, reads that file. The run directory
   comes from ``KVDEFRAG_VLLM_RUN_DIR`` (set it once for ``vllm serve``; every process of
   the engine inherits it), made private (mode 0700) by the first worker.
-* **Who translates** logical block ids to physical ones (``workers_translate``).
+* **How often the scheduler side audits** its ledger against vLLM (``audit_every``).
 * **The step stamp**: the step planned with an output, which a worker waits for before it
   translates that output (``attach_step_stamp`` / ``read_step_stamp``).
 * **Which ``SchedulerOutput`` fields carry block ids** (``map_block_ids``), and which
@@ -31,16 +31,17 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypedDict
 
 __all__ = [
+    "AUDIT_EVERY_ENV",
     "CLIENT_TLS_ENV",
     "RANKS_FILE",
     "RUN_DIR_ENV",
     "STEP_WAIT_ENV",
     "TCP_HOST_ENV",
     "TCP_PORT_ENV",
-    "TRANSLATE_ENV",
     "ClientTls",
     "StepStamp",
     "attach_step_stamp",
+    "audit_every",
     "client_tls_from_env",
     "copy_destinations",
     "first_fresh_block_index",
@@ -54,7 +55,6 @@ __all__ = [
     "step_wait_s",
     "tcp_address",
     "uses_v2_model_runner",
-    "workers_translate",
 ]
 
 RUN_DIR_ENV = "KVDEFRAG_VLLM_RUN_DIR"
@@ -84,32 +84,25 @@ def rank_address(run_dir: str, rank: int) -> str:
 STEP_WAIT_ENV = "KVDEFRAG_VLLM_STEP_WAIT_S"
 """How long a worker waits for its step to be applied (seconds; default 60)."""
 
-TRANSLATE_ENV = "KVDEFRAG_VLLM_TRANSLATE"
-"""``worker`` makes the workers translate block ids even under synchronous scheduling."""
+AUDIT_EVERY_ENV = "KVDEFRAG_VLLM_AUDIT_EVERY"
+"""Compare the scheduler side's ledger with vLLM's KV cache manager every N steps (O(pool)
+each time; unset or 0: never). The tests run it every step."""
 
 
-def workers_translate(vllm_config: object) -> bool:
-    """Whether the workers, not the scheduler, turn logical block ids into physical ones.
+def audit_every() -> int:
+    """``KVDEFRAG_VLLM_AUDIT_EVERY``: audit every N steps; 0 (the default) never.
 
-    Under async scheduling the scheduler plans step ``N + 1`` (and the service may move
-    blocks) before the worker has run step ``N``; an output rewritten at planning time can
-    then name blocks at their old places. A worker that translates when it runs the
-    output, holding ``kv_lock``, always uses the mapping the KV data is in. Both sides call
-    this with the same config and environment (vLLM's worker processes inherit both), so
-    they agree.
-
-    Under vLLM's V2 model runner the workers translate whatever the scheduling: the
-    scheduler's own remedy for a moved row (re-sending it whole, as a resumed request in
-    ``scheduled_cached_reqs``) is a V1 runner mechanism. The V2 runner only appends a
-    cached request's ``new_block_ids`` to its persistent block table (its scheduler sends
-    resumed requests as new ones), so a worker rewrites that table itself when blocks move.
+    Raises:
+        ValueError: The variable is not a whole number >= 0.
     """
-    if uses_v2_model_runner(vllm_config):
-        return True
-    scheduler_config = getattr(vllm_config, "scheduler_config", None)
-    if bool(getattr(scheduler_config, "async_scheduling", False)):
-        return True
-    return os.environ.get(TRANSLATE_ENV, "") == "worker"
+    text = os.environ.get(AUDIT_EVERY_ENV, "").strip()
+    try:
+        every = int(text) if text else 0
+    except ValueError:
+        every = -1
+    if every < 0:
+        raise ValueError(f"kvdefrag: {AUDIT_EVERY_ENV} must be a whole number >= 0, got {text!r}")
+    return every
 
 
 RANKS_FILE = "ranks.json"
@@ -247,9 +240,11 @@ _STAMP_ATTRIBUTE = "kvdefrag_step"
 class StepStamp:
     """The step the scheduler planned with one ``SchedulerOutput``, as each rank numbers it.
 
-    When the workers translate, the scheduler sends each step without waiting for its
-    reply; a worker must not translate the output before its service has applied that
-    step, or it would name blocks at the places the step is about to give to others.
+    The scheduler sends each step without waiting for its reply; a worker must not
+    translate the output before its service has applied that step, or it would name
+    blocks at the places the step is about to give to others. Every output carries one
+    (a step without events repeats the last step's), so every pass also checks that its
+    rank's service is still at the epoch the output was planned against.
 
     Attributes:
         by_rank: ``(epoch, seq)`` of the step on each rank's service, rank 0 first.
@@ -279,8 +274,8 @@ def attach_step_stamp(output: Any, stamp: StepStamp) -> None:
 
 
 def read_step_stamp(output: Any) -> StepStamp | None:
-    """The step planned with ``output``; None when the scheduler sent none with it (a step
-    without events, or a scheduler that rewrites outputs itself)."""
+    """The step planned with ``output``; None when it carries none (a scheduler that is
+    not kvdefrag's)."""
     stamp = getattr(output, _STAMP_ATTRIBUTE, None)
     assert stamp is None or isinstance(stamp, StepStamp), (
         f"{_STAMP_ATTRIBUTE} holds a {type(stamp).__name__}, not a StepStamp"

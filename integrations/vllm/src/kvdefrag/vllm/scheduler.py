@@ -6,9 +6,9 @@ kvdefrag.vllm.scheduler.DefragAsyncScheduler`` (async scheduling, vLLM's default
 ``LLM(..., scheduler_cls=...)``), with ``KVDEFRAG_VLLM_RUN_DIR`` set and the workers
 running ``kvdefrag.vllm.worker.DefragWorker`` (see the README).
 
-Under synchronous scheduling with vLLM's V1 model runner the output is rewritten here, to
-physical ids; under async scheduling, or with the V2 model runner, the workers translate
-it when they run it (``common.workers_translate``).
+The output leaves here in logical ids, as vLLM built it, stamped with the step planned
+with it (``common.attach_step_stamp``); every worker, under every scheduling mode and
+runner, waits for that step and translates the output when it runs it.
 
 Facts about vLLM 0.33 this relies on:
 
@@ -17,11 +17,14 @@ Facts about vLLM 0.33 this relies on:
   ``SchedulerConfig.get_scheduler_cls()``: the rank services exist when ``__init__``
   connects.
 * ``Scheduler.schedule()`` returns the output the executor hands, unchanged, to every
-  TP/PP rank; this subclass (under synchronous scheduling) rewrites it to physical ids
-  before returning it.
-* ``kv_cache_manager.coordinator.single_type_managers[0].req_to_blocks`` holds every
-  request's blocks; ``kv_cache_manager.block_pool.blocks[i]`` has ``ref_cnt`` and
-  ``block_hash`` (kept on free blocks while they stay in the prefix cache).
+  TP/PP rank (pickled for worker processes: the stamp travels as an attribute).
+* Per step (``_bridge`` lists the fields): the output's finished, preempted, new and
+  cached requests; ``Scheduler.deferred_frees``, a deque vLLM only appends to and pops
+  from the left (replaced by ``ParkedBlocks``); ``Scheduler.reset_prefix_cache``;
+  ``kv_cache_manager.block_pool.blocks[i]`` (``ref_cnt``, ``block_hash``, kept on free
+  blocks while they stay in the prefix cache) for the blocks a step freed.
+* For the audit only: ``kv_cache_manager.coordinator.single_type_managers[0]
+  .req_to_blocks``, every request's blocks.
 
 Importing this module imports vLLM; ``kvdefrag.vllm.common`` and the scheduler side's
 bookkeeping (``_ledger``, ``_bridge``, ``_ranks``) do not.
@@ -32,13 +35,13 @@ from __future__ import annotations
 from typing import Any
 
 from kvdefrag.client import DefragClient
-from kvdefrag.vllm._bridge import SchedulerBridge
+from kvdefrag.vllm._bridge import ParkedBlocks, SchedulerBridge, changes_from_output
 from kvdefrag.vllm._ranks import RankGroup
 from kvdefrag.vllm.common import (
+    audit_every,
     client_tls_from_env,
     published_rank_addresses,
     run_dir_from_env,
-    workers_translate,
 )
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
@@ -99,9 +102,12 @@ def check_supported(vllm_config: Any, kv_cache_config: Any) -> None:
 class DefragScheduler(Scheduler):  # type: ignore[misc]
     """vLLM's scheduler, plus one kvdefrag step per ``schedule()`` for every rank.
 
-    The output it returns names physical blocks (logical ones when the workers
-    translate: async scheduling, the V2 model runner); everything else (queues, the KV
-    cache manager, prefix caching, preemption) is vLLM's own, in logical ids.
+    The output it returns names logical blocks, as vLLM built it, stamped with the step
+    planned with it; each worker waits for that step and translates. Everything else
+    (queues, the KV cache manager, prefix caching, preemption) is vLLM's own, in logical
+    ids. Per step it reads only what changed (``_bridge``); with
+    ``KVDEFRAG_VLLM_AUDIT_EVERY=N`` it also compares its ledger with the KV cache manager
+    every ``N`` steps and stops with ``LedgerDiverged`` on any difference.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -115,10 +121,16 @@ class DefragScheduler(Scheduler):  # type: ignore[misc]
                 f"--scheduler-cls kvdefrag.vllm.scheduler.{wanted} (vLLM runs a "
                 "custom scheduler class as it is, so the class must match the mode)"
             )
-        self._kvdefrag_rewrite = not workers_translate(self.vllm_config)
         manager = self.kv_cache_manager
         self._kvdefrag_blocks = manager.coordinator.single_type_managers[0].req_to_blocks
         self._kvdefrag_pool = manager.block_pool.blocks
+        # NOTE: vLLM appends the block lists it holds back to this deque and pops them
+        # when they return to the pool; the subclass records both (no scan per step).
+        self._kvdefrag_parked = ParkedBlocks(getattr(self, "deferred_frees", ()))
+        self.deferred_frees = self._kvdefrag_parked
+        self._kvdefrag_cache_reset = False
+        self._kvdefrag_audit_every = audit_every()
+        self._kvdefrag_num_schedules = 0
         block_size = int(self.kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size)
         prefix_caching = bool(self.cache_config.enable_prefix_caching)
         tls = client_tls_from_env()
@@ -135,7 +147,10 @@ class DefragScheduler(Scheduler):  # type: ignore[misc]
                     f"scheduler {block_size}: one block size for every rank and group"
                 )
         self.kvdefrag = SchedulerBridge(
-            RankGroup(clients), block_size=block_size, prefix_caching=prefix_caching
+            RankGroup(clients),
+            num_blocks=int(self.kv_cache_config.num_blocks),
+            block_size=block_size,
+            prefix_caching=prefix_caching,
         )
 
     def kvdefrag_addresses(self) -> list[str]:
@@ -149,22 +164,41 @@ class DefragScheduler(Scheduler):  # type: ignore[misc]
         return block.ref_cnt == 0 and block.block_hash is not None
 
     def schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
-        """vLLM's ``schedule()``, then the kvdefrag step; returns physical ids."""
+        """vLLM's ``schedule()``, then the kvdefrag step; the output stays logical."""
         output = super().schedule(*args, **kwargs)
+        changes = changes_from_output(
+            output, self._kvdefrag_parked, is_cache_reset=self._kvdefrag_cache_reset
+        )
+        self._kvdefrag_cache_reset = False
+        self.kvdefrag.apply(output, changes, self._kvdefrag_is_cached)
+        self._kvdefrag_num_schedules += 1
+        every = self._kvdefrag_audit_every
+        if every and self._kvdefrag_num_schedules % every == 0:
+            self.kvdefrag_audit()
+        return output
+
+    def kvdefrag_audit(self) -> None:
+        """Compares kvdefrag's ledger with the KV cache manager over the whole pool.
+
+        Raises:
+            LedgerDiverged: Naming every difference.
+        """
         truth = {
             request_id: [block.block_id for block in blocks]
             for request_id, blocks in self._kvdefrag_blocks.items()
             if blocks
         }
-        # Blocks vLLM holds back until the step that may still use them has run (see
-        # DefragAsyncScheduler) stay live: moved with their data, never reused.
-        for fence, blocks in self.deferred_frees:
-            if blocks:
-                truth[f"kvdefrag-deferred-free/{fence}/{blocks[0].block_id}"] = [
-                    block.block_id for block in blocks
-                ]
-        self.kvdefrag.apply(output, truth, self._kvdefrag_is_cached, rewrite=self._kvdefrag_rewrite)
-        return output
+        self.kvdefrag.ledger.audit(
+            truth, self._kvdefrag_parked.block_lists(), self._kvdefrag_is_cached
+        )
+        self.kvdefrag.totals.num_audits += 1
+
+    def reset_prefix_cache(self, *args: Any, **kwargs: Any) -> bool:
+        """vLLM's reset; once it succeeds, the next step tells the engines that no free
+        block keeps its content."""
+        is_reset = bool(super().reset_prefix_cache(*args, **kwargs))
+        self._kvdefrag_cache_reset |= is_reset
+        return is_reset
 
     def shutdown(self) -> None:
         """Waits for the step in flight, closes the rank clients, shuts vLLM's scheduler down."""

@@ -12,12 +12,12 @@ Once vLLM has allocated the KV caches (``initialize_from_config``), the worker b
 see ``kvdefrag.vllm.common``). The ranks then gather their addresses over vLLM's world
 group and rank 0 publishes them in the run directory, where ``DefragScheduler`` reads
 them. It holds the service's ``kv_lock`` during every ``execute_model`` (the engine moves
-KV data only while holding it) and stops the service in ``shutdown``. When the workers
-translate block ids (``common.workers_translate``: async scheduling, or vLLM's V2 model
-runner), it waits for the step planned with each output (its ``StepStamp``), translates
-the output (``common.map_block_ids``) and keeps the runner's persistent block tables
-physical: vLLM's V1 runner (``remap_v1_runner_rows``) or its V2 runner
-(``remap_v2_runner_rows``).
+KV data only while holding it) and stops the service in ``shutdown``. Before each
+forward pass it waits for the step planned with the output (its ``StepStamp``), then,
+holding ``kv_lock``, keeps the runner's persistent block tables physical for the blocks
+that moved since its previous pass (vLLM's V1 runner: ``remap_v1_runner_rows``; its V2
+runner: ``remap_v2_runner_rows``) and translates the output (``common.map_block_ids``).
+The scheduler never rewrites outputs: every scheduling mode and runner takes this path.
 
 Importing this module does not import vLLM; looking up a worker class (``DefragWorker``,
 ``DefragCPUWorker``, ``DefragGPUWorker``) does.
@@ -54,7 +54,6 @@ from kvdefrag.vllm.common import (
     step_wait_s,
     tcp_address,
     uses_v2_model_runner,
-    workers_translate,
 )
 
 __all__ = [
@@ -109,11 +108,12 @@ def wait_for_planned_step(handle: ServerHandle, rank: int, output: Any, timeout_
 class DefragWorkerMixin:
     """Serves one rank's KV caches to ``DefragScheduler``; put it before a vLLM Worker.
 
-    Invariants: ``kvdefrag_handle`` is None until ``initialize_from_config`` has bound the
-    caches and the service listens; while it is set, every ``execute_model`` runs holding
-    ``kvdefrag_handle.engine.kv_lock``, so no block moves during a forward pass.
-    ``kvdefrag_translator`` is set exactly when the workers translate, and
-    ``kvdefrag_is_v2_runner`` says which runner's rows follow the moves then.
+    Invariants: ``kvdefrag_handle`` and ``kvdefrag_translator`` are None until
+    ``initialize_from_config`` has bound the caches and the service listens; while they
+    are set, every ``execute_model`` waits for the step planned with its output, then runs
+    holding the service's ``kv_lock`` (no block moves during a forward pass), with the
+    runner's rows and the output in physical ids. ``kvdefrag_is_v2_runner`` says which
+    runner's rows follow the moves.
     """
 
     kvdefrag_handle: ServerHandle | None = None
@@ -130,25 +130,23 @@ class DefragWorkerMixin:
     def kvdefrag_attach(self, handle: ServerHandle, num_blocks: int) -> None:
         """Puts a serving rank's engine in front of ``execute_model``.
 
-        ``initialize_from_config`` calls it once the service listens; when the workers
-        translate, it sets up the translator and picks the runner whose rows follow moves.
+        ``initialize_from_config`` calls it once the service listens: it sets up the
+        translator and picks the runner whose rows follow moves.
         """
         vllm_config = getattr(self, "vllm_config", None)
-        if workers_translate(vllm_config):
-            self.kvdefrag_step_wait_s = step_wait_s()
-            self.kvdefrag_is_v2_runner = uses_v2_model_runner(vllm_config)
-            all_ids = np.arange(num_blocks, dtype=np.int64)
-            self.kvdefrag_translator = BlockIdTranslator(lambda: handle.engine.resolve(all_ids))
+        self.kvdefrag_step_wait_s = step_wait_s()
+        self.kvdefrag_is_v2_runner = uses_v2_model_runner(vllm_config)
+        all_ids = np.arange(num_blocks, dtype=np.int64)
+        self.kvdefrag_translator = BlockIdTranslator(lambda: handle.engine.resolve(all_ids))
         self.kvdefrag_handle = handle
 
     def execute_model(self, scheduler_output: Any) -> Any:
         """vLLM's forward pass, holding ``kv_lock`` so no block moves meanwhile.
 
-        When the workers translate (async scheduling, or the V2 runner), it first waits
-        for the step planned with this output to be applied (``wait_for_planned_step``);
-        then the persistent rows follow the blocks that moved since the last pass and the
-        output turns physical, both with the mapping the KV data is in while the lock is
-        held.
+        It first waits for the step planned with this output to be applied
+        (``wait_for_planned_step``); then the persistent rows follow the blocks that moved
+        since the last pass and the output turns physical, both with the mapping the KV
+        data is in while the lock is held.
         """
         handle = self.kvdefrag_handle
         if handle is None:
