@@ -35,6 +35,7 @@ from kvdefrag.client import (
     OutOfOrder,
     ServiceUnavailable,
     SessionConflict,
+    StepEvents,
     StepOutcomeUnknown,
     StepPending,
     _convert,
@@ -194,10 +195,11 @@ def serve_pool(serve: Serve, path: Path, **config: Any) -> Pool:
     return Pool(handle, signed, executor)
 
 
-def step_and_write(client: DefragClient, signed: SignedKv, **events: Any) -> Any:
+def step_and_write(client: DefragClient, signed: SignedKv, **fields: Any) -> Any:
     """One step; then the worker writes every fresh block (all new blocks are fresh here)."""
-    reply = client.step(**events)
-    new_ids = sorted({i for ids in events.get("new_blocks", {}).values() for i in ids})
+    events = StepEvents.build(**fields)
+    reply = client.step(events)
+    new_ids = sorted({i for ids in events.new_blocks.values() for i in ids})
     signed.write(new_ids, client.resolve(new_ids))
     return reply
 
@@ -630,6 +632,88 @@ def test_malformed_steps_are_refused_and_change_nothing(
         assert client.audit().is_consistent
 
 
+# --- the two forms of step() -------------------------------------------------------------
+STEPS_AS_KEYWORDS: list[dict[str, Any]] = [
+    {"new_blocks": {"a": list(range(1, 11)), "b": [40, 41, 42]}},
+    {"finished": ["a"], "new_blocks": {"c": [50, 51]}, "fresh": [50]},
+    {"finished": ["zz"], "resumed": {"b": [40, 41, 42, 60]}, "fresh": []},
+    {"new_blocks": {"d": [20]}, "evicted": [30]},
+]
+
+
+def test_a_step_events_value_steps_as_its_keywords_do(socket_dir: Path, serve: Serve) -> None:
+    by_keywords = serve_pool(serve, socket_dir / "keywords.sock", threshold=2)
+    by_events = serve_pool(serve, socket_dir / "events.sock", threshold=2)
+    with (
+        DefragClient(by_keywords.handle.address, timeout_s=5) as keywords_client,
+        DefragClient(by_events.handle.address, timeout_s=5) as events_client,
+    ):
+        num_moves = 0
+        for keywords in STEPS_AS_KEYWORDS:
+            expected = keywords_client.step(**keywords)
+            got = events_client.step(StepEvents.build(**keywords))
+            assert got.epoch == events_client.epoch
+            assert dataclasses.replace(got, epoch=0) == dataclasses.replace(expected, epoch=0)
+            num_moves += got.num_moves
+        assert num_moves > 0, "the steps should have compacted"
+        assert server_state(by_events)[1:] == server_state(by_keywords)[1:]
+        assert client_state(events_client)[1:] == client_state(keywords_client)[1:]
+        assert events_client.audit().is_consistent
+
+
+def test_built_events_are_sent_as_they_are(
+    socket_dir: Path, serve: Serve, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pool = serve_pool(serve, socket_dir / "server.sock")
+    with DefragClient(pool.handle.address, timeout_s=5) as client:
+        events = StepEvents.build(new_blocks={"a": [5, 9]})
+
+        def no_second_check(**_: Any) -> StepEvents:
+            raise AssertionError("built events were checked again")
+
+        monkeypatch.setattr(StepEvents, "build", no_second_check)
+        assert client.step(events).seq == 1
+        assert client.live_requests() == {"a": [5, 9]}
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (
+            lambda client: client.step(StepEvents.build(finished=["a"]), finished=["b"]),
+            "step: got events and the keyword 'finished'",
+        ),
+        (
+            lambda client: client.step(StepEvents.build(), evicted=[3]),
+            "step: got events and the keyword 'evicted'",
+        ),
+        (
+            lambda client: client.step([("new_blocks", {"b": [3]})]),
+            r"step: expected a StepEvents, got a list",
+        ),
+        (
+            lambda client: client.step(StepEvents(new_blocks={"b": [3.0]})),
+            r"new_blocks\['b'\]: block id 3.0 is not an integer",
+        ),
+    ],
+    ids=["events-and-keywords", "events-and-evicted", "a-list", "direct-of-wrong-type"],
+)
+def test_events_with_keywords_or_of_another_type_are_refused_unsent(
+    socket_dir: Path, serve: Serve, call: Any, message: str
+) -> None:
+    pool = serve_pool(serve, socket_dir / "server.sock")
+    with DefragClient(pool.handle.address, timeout_s=5) as client:
+        step_and_write(client, pool.signed, new_blocks={"a": [3, 4]})
+        state, before = server_state(pool), client_state(client)
+
+        with pytest.raises(InvalidArgument, match=message):
+            call(client)
+
+        assert not client.has_pending_step
+        assert (server_state(pool), client_state(client)) == (state, before)
+        assert step_and_write(client, pool.signed, new_blocks={"b": [9]}).seq == 2
+
+
 def test_resolve_refuses_ids_outside_the_pool(socket_dir: Path, serve: Serve) -> None:
     pool = serve_pool(serve, socket_dir / "server.sock")
     with (
@@ -698,9 +782,9 @@ def test_reads_refuse_while_a_step_is_pending_and_retrying_it_never_applies_it_t
         step_and_write(client, pool.signed, new_blocks={"a": list(range(1, 11)), "b": [40]})
         pool.executor.stall_next_s = 1.5
         client.timeout_s = 0.5
-        events = {"finished": ["a"], "new_blocks": {"c": [50, 51]}}
+        events = StepEvents.build(finished=["a"], new_blocks={"c": [50, 51]})
         with pytest.raises(StepOutcomeUnknown):
-            client.step(**events)  # the server applies it and moves b's block 40 down
+            client.step(events)  # the server applies it and moves b's block 40 down
         wait_until(lambda: pool.handle.engine.stats().totals.num_steps == 2)
 
         # The mirror still has the mapping from before seq 2: every read refuses.
@@ -714,7 +798,7 @@ def test_reads_refuse_while_a_step_is_pending_and_retrying_it_never_applies_it_t
                 read()
         # The natural retry, step() with the same events, is refused: not applied twice.
         with pytest.raises(StepPending, match="not sent"):
-            client.step(**events)
+            client.step(events)
         assert pool.handle.engine.stats().totals.num_steps == 2
 
         client.timeout_s = 5

@@ -65,9 +65,9 @@ class Harness:
 
     def step(self, **events: Any) -> StepResult:
         """Steps engine and model, writes fresh blocks, checks everything that must agree."""
-        step_events = StepEvents(finished=tuple(events.pop("finished", ())), **events)
+        step_events = StepEvents.build(**events)
         before = physical_layout(self.engine)
-        result = self.engine.step(**step_events.as_kwargs())
+        result = self.engine.step(step_events)
         outcome = self.model.apply(step_events)
         after = assert_engine_agrees(self.engine, self.model)
         assert_step_result(
@@ -260,6 +260,97 @@ def test_block_lists_must_be_a_mapping_and_nothing_changes() -> None:
     with pytest.raises(InvalidArgument, match="new_blocks: expected a mapping"):
         engine.step(new_blocks=[1, 2])  # type: ignore[arg-type]
     assert (engine.stats(), engine.digest, engine.resolve(list(range(64))).tolist()) == before
+
+
+# --- the two forms of step() -------------------------------------------------------------
+STEPS_AS_KEYWORDS: list[dict[str, Any]] = [
+    {"new_blocks": {"a": [1, 2, 3], "b": [4, 5], "c": [6, 7]}},
+    {"finished": ["b"], "new_blocks": {"d": [40, 41]}, "fresh": [40]},
+    {"finished": ["a"], "resumed": {"c": [6, 7, 50]}, "fresh": []},
+    {"new_blocks": {"e": [60]}},
+]
+
+
+def engine_state(engine: Engine) -> tuple[Any, ...]:
+    return (
+        engine.stats(),
+        engine.digest,
+        engine.resolve(list(range(engine.num_blocks))).tolist(),
+        engine.list_requests(),
+    )
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_a_step_events_value_steps_as_its_keywords_do(prefix_caching: bool) -> None:
+    config = EngineConfig(threshold=2, prefix_caching=prefix_caching)
+    by_keywords, by_events = (
+        Engine(make_kv_caches(64, block_size=BLOCK_SIZE), BLOCK_SIZE, config) for _ in range(2)
+    )
+    num_moves = 0
+    for keywords in STEPS_AS_KEYWORDS:
+        expected = by_keywords.step(**keywords)
+        got = by_events.step(StepEvents.build(**keywords))
+        assert dataclasses.replace(got, swap_duration_s=0.0) == dataclasses.replace(
+            expected, swap_duration_s=0.0
+        )
+        num_moves += len(got.moves)
+    assert engine_state(by_events) == engine_state(by_keywords)
+    assert num_moves > 0, "the steps should have compacted"
+
+
+def test_built_events_are_applied_as_they_are(monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = Engine(make_kv_caches(64, block_size=BLOCK_SIZE), BLOCK_SIZE)
+    events = StepEvents.build(new_blocks={"a": [5, 9]})
+    applied: list[StepEvents] = []
+    apply_events = engine.apply_events
+    monkeypatch.setattr(engine, "apply_events", lambda e: applied.append(e) or apply_events(e))
+
+    def no_second_check(**_: Any) -> StepEvents:
+        raise AssertionError("built events were checked again")
+
+    monkeypatch.setattr(StepEvents, "build", no_second_check)
+    engine.step(events)
+    assert applied == [events] and applied[0] is events
+    assert engine.request_blocks("a") == [5, 9]
+
+
+def test_directly_constructed_events_are_checked_once_before_they_are_applied() -> None:
+    engine = Engine(make_kv_caches(64, block_size=BLOCK_SIZE), BLOCK_SIZE)
+    engine.step(StepEvents(new_blocks={"a": (5, 9)}))  # type: ignore[dict-item]
+    assert engine.request_blocks("a") == [5, 9]
+    before = engine_state(engine)
+    with pytest.raises(InvalidArgument, match=r"new_blocks\['b'\]: block id '7' is not an"):
+        engine.step(StepEvents(new_blocks={"b": ["7"]}))  # type: ignore[list-item]
+    assert engine_state(engine) == before
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (
+            lambda engine: engine.step(StepEvents.build(finished=["a"]), new_blocks={"b": [3]}),
+            "step: got events and the keyword 'new_blocks'",
+        ),
+        (
+            lambda engine: engine.step(StepEvents.build(new_blocks={"b": [3]}), fresh=[]),
+            "step: got events and the keyword 'fresh'",
+        ),
+        (
+            lambda engine: engine.step({"new_blocks": {"b": [3]}}),
+            r"step: expected a StepEvents, got a dict \(\{'new_blocks'",
+        ),
+    ],
+    ids=["events-and-keywords", "events-and-fresh", "a-dict"],
+)
+def test_events_with_keywords_or_of_another_type_are_refused_and_nothing_changes(
+    call: Any, message: str
+) -> None:
+    engine = Engine(make_kv_caches(64, block_size=BLOCK_SIZE), BLOCK_SIZE)
+    engine.step(new_blocks={"a": [9, 10]})
+    before = engine_state(engine)
+    with pytest.raises(InvalidArgument, match=message):
+        call(engine)
+    assert engine_state(engine) == before
 
 
 # --- block 0 ---------------------------------------------------------------------------
@@ -501,7 +592,7 @@ def test_same_events_give_the_same_moves_and_mapping() -> None:
     num_moves = 0
     for events in stream:
         assert events.fresh is None
-        results = [engine.step(**events.as_kwargs()) for engine in engines]
+        results = [engine.step(events) for engine in engines]
         first, second = (
             (
                 r.block_mapping,
