@@ -10,7 +10,7 @@ import pytest
 
 from kvdefrag.client import DefragClient, StepEvents
 from kvdefrag.client.vllm._ranks import RankGroup
-from kvdefrag.common import EpochMismatch, ServiceUnavailable
+from kvdefrag.common import EpochMismatch, InvalidArgument, ServiceUnavailable
 from kvdefrag.server import Move, make_executor
 
 from support.kv import SignedKv
@@ -79,3 +79,55 @@ def test_waiting_for_a_step_that_never_comes_names_it(serve: Serve) -> None:
         client.reset()
         with pytest.raises(EpochMismatch, match=f"seq 1 of epoch {epoch}: the server is at"):
             handle.wait_applied(epoch, 1, timeout_s=5.0)
+
+
+@pytest.mark.parametrize("num_ranks", [1, 3])
+def test_a_step_is_checked_once_for_all_ranks_and_keeps_every_mirror(
+    serve: Serve, monkeypatch: pytest.MonkeyPatch, num_ranks: int
+) -> None:
+    handles = [serve(kv=SignedKv.create(64), threshold=0) for _ in range(num_ranks)]
+    group = RankGroup([DefragClient(handle.address) for handle in handles])
+    build = StepEvents.build
+    num_builds = [0]
+
+    def counted_build(cls: type[StepEvents], **fields: Any) -> StepEvents:
+        num_builds[0] += 1
+        return build(**fields)
+
+    monkeypatch.setattr(StepEvents, "build", classmethod(counted_build))
+    try:
+        # Constructed directly, as the scheduler's ledger does: checked once, by the group.
+        steps = [
+            StepEvents(new_blocks={"a": [40, 41], "b": [50]}),
+            StepEvents(finished=("a",), new_blocks={"c": [60]}, fresh=[]),
+        ]
+        for seq, events in enumerate(steps, start=1):
+            assert group.step(events).seq == seq
+        assert num_builds[0] == len(steps)
+        assert group.submit(steps[0].checked()).result().seq == 3  # built: no check at all
+        assert num_builds[0] == len(steps) + 1  # that one .checked() above
+        for client, handle in zip(group.clients, handles, strict=True):
+            assert client.live_requests() == handle.engine.list_requests()
+            assert client.digest == handle.engine.digest == group.primary.digest
+            assert client.audit().is_consistent
+    finally:
+        group.close()
+
+
+def test_a_step_of_another_type_is_refused_before_any_rank_is_sent_it(serve: Serve) -> None:
+    handles = [serve(kv=SignedKv.create(64)) for _ in range(2)]
+    group = RankGroup([DefragClient(handle.address) for handle in handles])
+    try:
+        bad_steps: list[Any] = [
+            {"new_blocks": {"a": [3]}},
+            StepEvents(new_blocks={"a": ["3"]}),  # constructed directly, of the wrong type
+        ]
+        for bad in bad_steps:
+            with pytest.raises(InvalidArgument):
+                group.step(bad)
+            with pytest.raises(InvalidArgument):
+                group.submit(bad)
+        assert [client.next_seq for client in group.clients] == [1, 1]
+        assert [handle.engine.stats().totals.num_steps for handle in handles] == [0, 0]
+    finally:
+        group.close()
