@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvdefrag.common import EngineUnhealthy, InvalidArgument, mapping_digest
+from kvdefrag.common import EngineUnhealthy, InvalidArgument, StepEvents, mapping_digest
 from kvdefrag.server import Engine, EngineConfig, Move, MoveReport, make_executor
 from kvdefrag.server._executor import CpuSwapExecutor, pad_to_bucket
 
@@ -288,19 +288,19 @@ def test_a_failed_move_keeps_the_placement_of_its_own_step() -> None:
     executor = PartialExecutor(kv, lambda moves: moves)
     engine = Engine(kv.kv_caches, BLOCK_SIZE, config=EngineConfig(threshold=2), executor=executor)
     twin = Engine(twin_kv.kv_caches, BLOCK_SIZE, config=EngineConfig(threshold=10_000))
-    steps: list[tuple[dict[str, Any], list[int]]] = [
-        ({"new_blocks": {"a": [1, 2, 3], "b": [4, 5], "c": [6, 7, 8]}}, list(range(1, 9))),
-        ({"finished": ["b"], "new_blocks": {"a": [20]}}, [20]),
+    steps = [
+        (StepEvents.build(new_blocks={"a": [1, 2, 3], "b": [4, 5], "c": [6, 7, 8]}), range(1, 9)),
+        (StepEvents.build(finished=["b"], new_blocks={"a": [20]}), [20]),
     ]
     for events, fresh in steps:
         for each_engine, each_kv in ((engine, kv), (twin, twin_kv)):
-            each_engine.step(**events)
-            each_kv.write_fresh(each_engine, fresh)
+            each_engine.step(events)
+            each_kv.write_fresh(each_engine, list(fresh))
     assert engine.stats().totals.num_moves == twin.stats().totals.num_moves == 0
-    failing_step: dict[str, Any] = {"finished": ["a"], "new_blocks": {"d": [30, 31]}}
+    failing_step = StepEvents.build(finished=["a"], new_blocks={"d": [30, 31]})
     with pytest.raises(EngineUnhealthy):
-        engine.step(**failing_step)  # 30, 31 placed low; three holes left above threshold
-    twin_result = twin.step(**failing_step)
+        engine.step(failing_step)  # 30, 31 placed low; three holes left above threshold
+    twin_result = twin.step(failing_step)
     assert twin_result.num_placed == 2 and twin_result.stats.holes == 3
     kv.write_fresh(engine, [30, 31])  # what the forward pass would write
     check_failed_engine(engine, kv, twin.resolve(np.arange(32)).tolist())

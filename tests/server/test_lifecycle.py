@@ -31,7 +31,7 @@ import grpc
 import pytest
 
 from kvdefrag.client import DefragClient, EngineUnhealthy, ServiceUnavailable
-from kvdefrag.common import InvalidArgument
+from kvdefrag.common import InvalidArgument, StepEvents
 from kvdefrag.server import Move, MoveReport, make_executor, serve_in_process
 from kvdefrag.server._server import grpc_options
 from kvdefrag.server.config import ServiceConfig
@@ -83,10 +83,11 @@ def wait_until(condition: Callable[[], bool], timeout_s: float = 30.0) -> None:
         time.sleep(0.01)
 
 
-def step_and_write(client: DefragClient, kv: SignedKv, **events: Any) -> Any:
+def step_and_write(client: DefragClient, kv: SignedKv, **fields: Any) -> Any:
     """One step; then the worker writes every new block (all of them fresh here)."""
-    reply = client.step(**events)
-    new_ids = sorted({i for ids in events.get("new_blocks", {}).values() for i in ids})
+    events = StepEvents.build(**fields)
+    reply = client.step(events)
+    new_ids = sorted({i for ids in events.new_blocks.values() for i in ids})
     kv.write(new_ids, client.resolve(new_ids))
     return reply
 

@@ -161,7 +161,7 @@ def step_through_faults(client: DefragClient, events: StepEvents) -> tuple[StepR
     failures = 0
     while True:
         try:
-            return client.step(**events.as_kwargs()), failures
+            return client.step(events), failures
         except StepOutcomeUnknown:
             failures += 1
             break  # sent, outcome unknown: only complete_pending_step() may resend it
