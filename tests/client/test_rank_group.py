@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -11,30 +9,16 @@ import pytest
 from kvdefrag.client import DefragClient, StepEvents
 from kvdefrag.client.vllm._ranks import RankGroup
 from kvdefrag.common import EpochMismatch, InvalidArgument, ServiceUnavailable
-from kvdefrag.server import Move, make_executor
 
+from support.doubles import ScriptedExecutor
 from support.kv import SignedKv
 from support.server import Serve
 
 
-class StallOnceExecutor:
-    """The real CPU executor; its first batch takes ``stall_s`` longer."""
-
-    def __init__(self, kv: SignedKv, stall_s: float) -> None:
-        self._inner = make_executor(kv.kv_caches, kv.block_size)
-        self.num_blocks = self._inner.num_blocks
-        self.stall_s = stall_s
-
-    def execute(self, moves: Sequence[Move]) -> Any:
-        if self.stall_s:
-            time.sleep(self.stall_s)
-            self.stall_s = 0.0
-        return self._inner.execute(moves)
-
-
 def test_a_rank_that_answers_late_is_completed_not_stepped_twice(serve: Serve) -> None:
     kvs = [SignedKv.create(64), SignedKv.create(64)]
-    slow = StallOnceExecutor(kvs[1], stall_s=1.5)
+    slow = ScriptedExecutor.for_kv(kvs[1])
+    slow.stall_next(1.5)  # its first batch
     handles = [serve(kv=kvs[0], threshold=0), serve(kv=kvs[1], threshold=0, executor=slow)]
     clients = [DefragClient(handle.address, timeout_s=0.5) for handle in handles]
     group = RankGroup(clients)
@@ -52,7 +36,8 @@ def test_a_rank_that_answers_late_is_completed_not_stepped_twice(serve: Serve) -
 
 def test_a_submitted_step_is_waited_for_on_each_rank_by_its_stamp(serve: Serve) -> None:
     kvs = [SignedKv.create(64), SignedKv.create(64)]
-    slow = StallOnceExecutor(kvs[1], stall_s=0.3)
+    slow = ScriptedExecutor.for_kv(kvs[1])
+    slow.stall_next(0.3)  # its first batch
     handles = [serve(kv=kvs[0], threshold=0), serve(kv=kvs[1], threshold=0, executor=slow)]
     group = RankGroup([DefragClient(handle.address) for handle in handles])
     try:
