@@ -57,10 +57,9 @@ def run_integrity(
     corrupted = 0
     workload = SyntheticWorkload(config)
     for step in workload:
-        kwargs = step.events.as_kwargs()
-        engine.step(**kwargs)
+        engine.step(step.events)
         version += 1
-        fresh = list(kwargs["fresh"] or [])
+        fresh = list(step.events.fresh or [])
         on_stream = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
         with on_stream:  # the worker's forward pass writes fresh blocks on its stream
             if fresh:

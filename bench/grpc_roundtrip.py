@@ -53,16 +53,19 @@ ECHO_METHOD = "/kvdefrag.bench.Echo/Echo"
 GOAL_RATIO_P50 = 1.3
 
 
-def make_steps(num_blocks: int, num_timed: int, seed: int = 0) -> tuple[list[dict[str, Any]], int]:
+def make_steps(num_blocks: int, num_timed: int, seed: int = 0) -> tuple[list[StepEvents], int]:
     """Builds the setup steps followed by ``num_timed`` typical steps.
 
+    NOTE: constructed directly, not by ``StepEvents.build``, so ``step()`` checks each one
+    once, as it checks a vLLM scheduler's step: the timed step includes that check.
+
     Returns:
-        Every step's ``step()`` keywords, and how many of them are setup.
+        Every step's events, and how many of them are setup.
     """
     rng = random.Random(seed)
     free_ids = list(range(num_blocks - 1, 0, -1))  # pop() hands out 1, 2, 3, ...
     live: dict[str, list[int]] = {}
-    steps: list[dict[str, Any]] = []
+    steps: list[StepEvents] = []
     counter = 0
 
     def admit(num_blocks_wanted: int) -> tuple[str, list[int]]:
@@ -82,7 +85,7 @@ def make_steps(num_blocks: int, num_timed: int, seed: int = 0) -> tuple[list[dic
             request_id, block_ids = admit(REQUEST_BLOCKS)
             new_blocks[request_id] = block_ids
         fresh = [block_id for ids in new_blocks.values() for block_id in ids]
-        steps.append({"new_blocks": new_blocks, "fresh": fresh})
+        steps.append(StepEvents(new_blocks=new_blocks, fresh=fresh))
     num_setup = len(steps)
     for index in range(num_timed):
         finished = rng.sample(sorted(live), 2 + index % 2)
@@ -91,7 +94,9 @@ def make_steps(num_blocks: int, num_timed: int, seed: int = 0) -> tuple[list[dic
         rng.shuffle(free_ids)
         request_id, block_ids = admit(NEW_BLOCKS_PER_STEP)
         steps.append(
-            {"finished": finished, "new_blocks": {request_id: block_ids}, "fresh": block_ids}
+            StepEvents(
+                finished=tuple(finished), new_blocks={request_id: block_ids}, fresh=block_ids
+            )
         )
     return steps, num_setup
 
@@ -117,22 +122,22 @@ class EnginePass:
         return [total - swap for total, swap in zip(self.durations_s, self.swap_s, strict=True)]
 
 
-def engine_pass(steps: list[dict[str, Any]], num_blocks: int, num_setup: int) -> EnginePass:
+def engine_pass(steps: list[StepEvents], num_blocks: int, num_setup: int) -> EnginePass:
     """Runs the steps through an in-process ``Engine``; ``steps[:num_setup]`` untimed."""
     engine = Engine(
         _kv_caches(num_blocks), 16, config=EngineConfig(max_moves_per_step=MAX_MOVES_PER_STEP)
     )
     timed = EnginePass([], [], [], [], [])
-    for seq, kwargs in enumerate(steps, start=1):
+    for seq, events in enumerate(steps, start=1):
         started = time.perf_counter()
-        result = engine.step(**kwargs)
+        result = engine.step(events)
         elapsed = time.perf_counter() - started
         if seq <= num_setup:
             continue
         timed.durations_s.append(elapsed)
         timed.swap_s.append(result.swap_duration_s)
         timed.moves.append(len(result.moves))
-        request = client_convert.stream_step_request(seq, 1, StepEvents.build(**kwargs))
+        request = client_convert.stream_step_request(seq, 1, events.checked())
         timed.requests.append(request.SerializeToString())
         timed.replies.append(server_convert.step_response(result, seq, 1).SerializeToString())
     return timed
@@ -197,10 +202,10 @@ def _summary(samples_s: Sequence[float]) -> dict[str, float]:
     }
 
 
-def make_workload_steps(num_blocks: int, num_steps: int) -> list[dict[str, Any]]:
+def make_workload_steps(num_blocks: int, num_steps: int) -> list[StepEvents]:
     """The realistic synthetic workload's steps (``kvdefrag.tools.workload``)."""
     config = WorkloadConfig(num_blocks=num_blocks, num_steps=num_steps, seed=1)
-    return [step.events.as_kwargs() for step in SyntheticWorkload(config)]
+    return [step.events for step in SyntheticWorkload(config)]
 
 
 def run_grpc_bench(quick: bool = False) -> dict[str, Any]:
@@ -229,7 +234,7 @@ def run_grpc_bench(quick: bool = False) -> dict[str, Any]:
 def time_alternately(
     client: DefragClient,
     echo: _EchoClient,
-    steps: list[dict[str, Any]],
+    steps: list[StepEvents],
     requests: list[bytes],
     num_setup: int,
 ) -> tuple[list[float], list[float]]:
@@ -238,8 +243,8 @@ def time_alternately(
     Returns:
         The echo round trips and the steps, in seconds, one of each per timed step.
     """
-    for kwargs in steps[:num_setup]:
-        client.step(**kwargs)
+    for events in steps[:num_setup]:
+        client.step(events)
     for message in requests[:20]:  # warm the echo path; its replies wrap around
         echo.round_trip(message)
     echo_s: list[float] = []
@@ -247,19 +252,19 @@ def time_alternately(
     gc.collect()
     gc.freeze()
     try:
-        for message, kwargs in zip(requests, steps[num_setup:], strict=True):
+        for message, events in zip(requests, steps[num_setup:], strict=True):
             started = time.perf_counter()
             echo.round_trip(message)
             echo_s.append(time.perf_counter() - started)
             started = time.perf_counter()
-            client.step(**kwargs)
+            client.step(events)
             step_s.append(time.perf_counter() - started)
     finally:
         gc.unfreeze()
     return echo_s, step_s
 
 
-def _measure(steps: list[dict[str, Any]], num_setup: int, num_blocks: int) -> dict[str, Any]:
+def _measure(steps: list[StepEvents], num_setup: int, num_blocks: int) -> dict[str, Any]:
     """Runs ``steps[:num_setup]`` untimed, then times the rest against the echo."""
     timed = engine_pass(steps, num_blocks, num_setup)
     engine_s, requests, replies, moves = (

@@ -50,7 +50,7 @@ from seed_baseline import SeedEquivalentDefragmenter, SeedEquivalentSwap
 from step_weights import format_details, run_step_weights, summary_rows
 from traffic import CountingExecutor, format_traffic, run_traffic
 
-from kvdefrag.server import Engine, EngineConfig, Move, make_executor
+from kvdefrag.server import Engine, EngineConfig, Move, StepEvents, make_executor
 from kvdefrag.tools.workload import SyntheticWorkload, WorkloadConfig, WorkloadStep
 
 DYNAMIC_BLOCKS = 10_000
@@ -219,7 +219,7 @@ def _summary_us(samples_ns: list[int]) -> dict[str, float]:
 
 def _timed_pass(
     stream: list[WorkloadStep],
-    apply: Callable[[dict[str, Any]], None],
+    apply: Callable[[StepEvents], None],
     after: Callable[[WorkloadStep], None],
     label: str,
 ) -> list[int]:
@@ -232,9 +232,8 @@ def _timed_pass(
     gc.freeze()
     try:
         for step in stream:
-            kwargs = step.events.as_kwargs()
             started = clock()
-            apply(kwargs)
+            apply(step.events)
             durations.append(clock() - started)
             after(step)
             if step.index and step.index % report_every == 0:
@@ -267,8 +266,8 @@ def run_stream(
         if step.index == timed[0] - 1:
             runs_before_timing[0] = engine.stats().totals.num_defrag_runs
 
-    def apply_kvdefrag(kwargs: dict[str, Any]) -> None:
-        engine.step(**kwargs)
+    def apply_kvdefrag(events: StepEvents) -> None:
+        engine.step(events)
 
     kvdefrag_ns = _timed_pass(stream, apply_kvdefrag, after_kvdefrag, f"{label} kvdefrag")
 
@@ -280,8 +279,14 @@ def run_stream(
         if track_fragmentation and step.index:
             frag_seed.append(seed.max_used / seed.num_used if seed.num_used else 1.0)
 
-    def apply_seed(kwargs: dict[str, Any]) -> None:
-        seed.step(**kwargs)
+    def apply_seed(events: StepEvents) -> None:
+        seed.step(
+            finished=events.finished,
+            new_blocks=events.new_blocks,
+            resumed=events.resumed,
+            fresh=events.fresh,
+            evicted=events.evicted,
+        )
 
     seed_ns = _timed_pass(stream, apply_seed, after_seed, f"{label} seed")
     stats = engine.stats()
@@ -346,7 +351,7 @@ def run_threshold_sweep(stream: list[WorkloadStep]) -> list[dict[str, Any]]:
         engine = Engine([], config=EngineConfig(threshold=threshold), executor=executor)
         ratios = []
         for step in stream:
-            engine.step(**step.events.as_kwargs())
+            engine.step(step.events)
             ratios.append(engine.stats().fragmentation_ratio)
         rows.append(
             {

@@ -47,7 +47,7 @@ from grpc_roundtrip import (
     time_alternately,
 )
 
-from kvdefrag.client import DefragClient
+from kvdefrag.client import DefragClient, StepEvents
 from kvdefrag.client._stream import Stream
 from kvdefrag.server import StepResult, serve_in_process
 from kvdefrag.server._servicer import DefragServicer
@@ -59,22 +59,22 @@ HEAVY_MAX_STEPS = 150
 
 
 # --- the three step streams -----------------------------------------------------------------
-def light_steps(num_timed: int, seed: int = 0) -> tuple[list[dict[str, Any]], int, int]:
+def light_steps(num_timed: int, seed: int = 0) -> tuple[list[StepEvents], int, int]:
     """Decode steps: 16 of 64 running requests get one new block each; nothing finishes."""
     num_blocks = 8_192
     rng = random.Random(seed)
     free_ids = list(range(1, num_blocks))
     rng.shuffle(free_ids)
     requests = [f"req-{index}" for index in range(64)]
-    setup = {"new_blocks": {rid: [free_ids.pop() for _ in range(16)] for rid in requests}}
-    steps: list[dict[str, Any]] = [setup]
+    setup = StepEvents(new_blocks={rid: [free_ids.pop() for _ in range(16)] for rid in requests})
+    steps = [setup]
     for _ in range(num_timed):
         growing = rng.sample(requests, 16)
-        steps.append({"new_blocks": {rid: [free_ids.pop()] for rid in growing}})
+        steps.append(StepEvents(new_blocks={rid: [free_ids.pop()] for rid in growing}))
     return steps, 1, num_blocks
 
 
-def mid_steps(num_timed: int, seed: int = 0) -> tuple[list[dict[str, Any]], int, int]:
+def mid_steps(num_timed: int, seed: int = 0) -> tuple[list[StepEvents], int, int]:
     """8 requests finish and 8 arrive with 8 blocks each, on an 8,192-block pool."""
     num_blocks = 8_192
     rng = random.Random(seed)
@@ -90,17 +90,19 @@ def mid_steps(num_timed: int, seed: int = 0) -> tuple[list[dict[str, Any]], int,
         live[request_id] = [free_ids.pop() for _ in range(8)]
         return request_id, live[request_id]
 
-    steps: list[dict[str, Any]] = [{"new_blocks": dict(admit() for _ in range(512))}]
+    steps = [StepEvents(new_blocks=dict(admit() for _ in range(512)))]
     for _ in range(num_timed):
         finished = rng.sample(sorted(live), 8)
         for request_id in finished:
             free_ids.extend(live.pop(request_id))
         rng.shuffle(free_ids)
-        steps.append({"finished": finished, "new_blocks": dict(admit() for _ in range(8))})
+        steps.append(
+            StepEvents(finished=tuple(finished), new_blocks=dict(admit() for _ in range(8)))
+        )
     return steps, 1, num_blocks
 
 
-def heavy_steps(num_timed: int) -> tuple[list[dict[str, Any]], int, int]:
+def heavy_steps(num_timed: int) -> tuple[list[StepEvents], int, int]:
     """Compaction-heavy steps (``grpc_roundtrip.make_steps``): ~500 moves each.
 
     A step finishes 2.5 of the ~500 requests of 256 blocks the setup admits, so at most
@@ -193,7 +195,7 @@ def _summary_us(samples_s: Sequence[float]) -> dict[str, float]:
 
 
 def measure(
-    name: str, make: Callable[[int], tuple[list[dict[str, Any]], int, int]], num_timed: int
+    name: str, make: Callable[[int], tuple[list[StepEvents], int, int]], num_timed: int
 ) -> dict[str, Any]:
     """Times one step weight through ``DefragClient.step`` and the echo, interleaved."""
     steps, num_setup, num_blocks = make(num_timed)

@@ -82,7 +82,7 @@ def _kvdefrag(stream: list[WorkloadStep], config: EngineConfig, name: str) -> Tr
     traffic = Traffic(name)
     ratios = []
     for step in stream:
-        engine.step(**step.events.as_kwargs())
+        engine.step(step.events)
         stats = engine.stats()
         traffic.blocks_read += stats.max_live
         ratios.append(stats.fragmentation_ratio)

@@ -10,13 +10,10 @@ connection, and a client interceptor that cancels the stream before a step leave
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import queue
-import socket
-import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,15 +32,18 @@ from kvdefrag.client import (
     OutOfOrder,
     ServiceUnavailable,
     SessionConflict,
+    StepEvents,
     StepOutcomeUnknown,
     StepPending,
     _convert,
 )
-from kvdefrag.server import Move, MoveReport, ServerHandle, make_executor
+from kvdefrag.server import ServerHandle
 from kvdefrag.v1 import defrag_pb2 as pb
 from kvdefrag.v1 import defrag_pb2_grpc as pb_grpc
 
+from support.doubles import ScriptedExecutor
 from support.kv import SignedKv
+from support.proxy import SocketProxy
 from support.server import Serve
 
 NUM_BLOCKS = 64
@@ -51,77 +51,6 @@ BLOCK_SIZE = 2
 
 
 # --- resources and factories ------------------------------------------------------------
-class CuttingProxy:
-    """Forwards a unix socket to another one and can drop every connection at once."""
-
-    def __init__(self, listen_path: str, target_path: str) -> None:
-        self.address = f"unix:{listen_path}"
-        self._target_path = target_path
-        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._listener.bind(listen_path)
-        self._listener.listen()
-        self._listener.settimeout(0.05)
-        self._lock = threading.Lock()
-        self._sockets: list[socket.socket] = []
-        self._threads: list[threading.Thread] = []
-        self._is_stopping = False
-        self.num_cuts = 0
-        self._acceptor = threading.Thread(target=self._accept_loop, daemon=True)
-        self._acceptor.start()
-
-    def _accept_loop(self) -> None:
-        while not self._is_stopping:
-            try:
-                downstream, _ = self._listener.accept()
-            except TimeoutError:
-                continue
-            upstream = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            with self._lock:
-                self._sockets += [downstream, upstream]
-            try:
-                upstream.connect(self._target_path)
-            except OSError:
-                self._shut(downstream)
-                continue
-            for pair in ((downstream, upstream), (upstream, downstream)):
-                thread = threading.Thread(target=self._pump, args=pair, daemon=True)
-                thread.start()
-                self._threads.append(thread)
-
-    @staticmethod
-    def _shut(sock: socket.socket) -> None:
-        with contextlib.suppress(OSError):
-            sock.shutdown(socket.SHUT_RDWR)
-
-    def _pump(self, source: socket.socket, sink: socket.socket) -> None:
-        try:
-            while data := source.recv(1 << 16):
-                sink.sendall(data)
-        except OSError:
-            pass
-        finally:
-            self._shut(source)
-            self._shut(sink)
-
-    def cut(self) -> None:
-        """Drops every open connection (the client's channel reconnects through us)."""
-        self.num_cuts += 1
-        with self._lock:
-            sockets = list(self._sockets)
-        for sock in sockets:
-            self._shut(sock)
-
-    def close(self) -> None:
-        self._is_stopping = True
-        self._acceptor.join()
-        self.cut()
-        for thread in self._threads:
-            thread.join(5.0)
-        for sock in self._sockets:
-            sock.close()
-        self._listener.close()
-
-
 class DropStepInterceptor(grpc.StreamStreamClientInterceptor):  # type: ignore[misc]
     """Cancels the step stream instead of sending the step with seq ``drop_seq``."""
 
@@ -149,35 +78,12 @@ class DropStepInterceptor(grpc.StreamStreamClientInterceptor):  # type: ignore[m
 
 
 @dataclasses.dataclass
-class FaultyExecutor:
-    """The real CPU executor, which can be told to fail or stall its next batch."""
-
-    inner: Any
-    fail_next: bool = False
-    stall_next_s: float = 0.0
-
-    @property
-    def num_blocks(self) -> int:
-        return int(self.inner.num_blocks)
-
-    def execute(self, moves: Sequence[Move]) -> MoveReport:
-        if self.fail_next:
-            self.fail_next = False
-            raise RuntimeError("injected KV copy failure")
-        if self.stall_next_s:
-            time.sleep(self.stall_next_s)
-            self.stall_next_s = 0.0
-        report: MoveReport = self.inner.execute(moves)
-        return report
-
-
-@dataclasses.dataclass
 class Pool:
     """A served pool: the server handle, its signed KV tensors and executor."""
 
     handle: ServerHandle
     signed: SignedKv
-    executor: FaultyExecutor
+    executor: ScriptedExecutor
 
 
 @pytest.fixture
@@ -188,16 +94,17 @@ def socket_dir(tmp_path: Path) -> Path:
 def serve_pool(serve: Serve, path: Path, **config: Any) -> Pool:
     """A server on ``path`` (the ``serve`` fixture stops it) with a faulty executor."""
     signed = SignedKv.create(config.pop("num_blocks", NUM_BLOCKS), block_size=BLOCK_SIZE)
-    executor = FaultyExecutor(make_executor(signed.kv_caches, BLOCK_SIZE))
+    executor = ScriptedExecutor.for_kv(signed)
     config.setdefault("threshold", 0)
     handle = serve(f"unix:{path}", kv=signed, executor=executor, **config)
     return Pool(handle, signed, executor)
 
 
-def step_and_write(client: DefragClient, signed: SignedKv, **events: Any) -> Any:
+def step_and_write(client: DefragClient, signed: SignedKv, **fields: Any) -> Any:
     """One step; then the worker writes every fresh block (all new blocks are fresh here)."""
-    reply = client.step(**events)
-    new_ids = sorted({i for ids in events.get("new_blocks", {}).values() for i in ids})
+    events = StepEvents.build(**fields)
+    reply = client.step(events)
+    new_ids = sorted({i for ids in events.new_blocks.values() for i in ids})
     signed.write(new_ids, client.resolve(new_ids))
     return reply
 
@@ -243,7 +150,7 @@ def test_cut_after_the_server_applied_a_step_replays_it_once(
     socket_dir: Path, serve: Serve, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     pool = serve_pool(serve, socket_dir / "server.sock")
-    proxy = CuttingProxy(str(socket_dir / "proxy.sock"), str(socket_dir / "server.sock"))
+    proxy = SocketProxy(f"unix:{socket_dir}/server.sock", listen=f"unix:{socket_dir}/proxy.sock")
     engine = pool.handle.engine
     real_apply_events = engine.apply_events  # what the servicer calls
     cut_after: list[int] = []
@@ -304,7 +211,7 @@ def test_a_reply_past_the_deadline_leaves_the_step_pending_and_it_is_applied_onc
     pool = serve_pool(serve, socket_dir / "server.sock")
     with DefragClient(pool.handle.address, timeout_s=5) as client:
         step_and_write(client, pool.signed, new_blocks={"a": list(range(1, 11)), "b": [40]})
-        pool.executor.stall_next_s = 1.5
+        pool.executor.stall_next(1.5)
         client.timeout_s = 0.5
 
         with pytest.raises(StepOutcomeUnknown, match=r"step seq 2: no reply .* within 0.5 s"):
@@ -385,7 +292,7 @@ def test_client_refuses_a_server_another_writer_stepped_until_it_rebuilds(
     socket_dir: Path, serve: Serve
 ) -> None:
     pool = serve_pool(serve, socket_dir / "server.sock")
-    proxy = CuttingProxy(str(socket_dir / "proxy.sock"), str(socket_dir / "server.sock"))
+    proxy = SocketProxy(f"unix:{socket_dir}/server.sock", listen=f"unix:{socket_dir}/proxy.sock")
     tool = grpc.insecure_channel(pool.handle.address)
     try:
         with DefragClient(proxy.address, timeout_s=5) as client:
@@ -526,7 +433,7 @@ def test_an_executor_failure_refuses_steps_until_reset(socket_dir: Path, serve: 
         client.step(finished=["c"])
         assert pool.handle.engine.stats().holes == 3  # at most the threshold: left alone
         client.defragment()  # so the next step runs a pass, which fails
-        pool.executor.fail_next = True
+        pool.executor.fail_next()
         before = client_state(client)
         live_before = pool.handle.engine.resolve([40, 41, 42, 23]).tolist()
 
@@ -630,6 +537,88 @@ def test_malformed_steps_are_refused_and_change_nothing(
         assert client.audit().is_consistent
 
 
+# --- the two forms of step() -------------------------------------------------------------
+STEPS_AS_KEYWORDS: list[dict[str, Any]] = [
+    {"new_blocks": {"a": list(range(1, 11)), "b": [40, 41, 42]}},
+    {"finished": ["a"], "new_blocks": {"c": [50, 51]}, "fresh": [50]},
+    {"finished": ["zz"], "resumed": {"b": [40, 41, 42, 60]}, "fresh": []},
+    {"new_blocks": {"d": [20]}, "evicted": [30]},
+]
+
+
+def test_a_step_events_value_steps_as_its_keywords_do(socket_dir: Path, serve: Serve) -> None:
+    by_keywords = serve_pool(serve, socket_dir / "keywords.sock", threshold=2)
+    by_events = serve_pool(serve, socket_dir / "events.sock", threshold=2)
+    with (
+        DefragClient(by_keywords.handle.address, timeout_s=5) as keywords_client,
+        DefragClient(by_events.handle.address, timeout_s=5) as events_client,
+    ):
+        num_moves = 0
+        for keywords in STEPS_AS_KEYWORDS:
+            expected = keywords_client.step(**keywords)
+            got = events_client.step(StepEvents.build(**keywords))
+            assert got.epoch == events_client.epoch
+            assert dataclasses.replace(got, epoch=0) == dataclasses.replace(expected, epoch=0)
+            num_moves += got.num_moves
+        assert num_moves > 0, "the steps should have compacted"
+        assert server_state(by_events)[1:] == server_state(by_keywords)[1:]
+        assert client_state(events_client)[1:] == client_state(keywords_client)[1:]
+        assert events_client.audit().is_consistent
+
+
+def test_built_events_are_sent_as_they_are(
+    socket_dir: Path, serve: Serve, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pool = serve_pool(serve, socket_dir / "server.sock")
+    with DefragClient(pool.handle.address, timeout_s=5) as client:
+        events = StepEvents.build(new_blocks={"a": [5, 9]})
+
+        def no_second_check(**_: Any) -> StepEvents:
+            raise AssertionError("built events were checked again")
+
+        monkeypatch.setattr(StepEvents, "build", no_second_check)
+        assert client.step(events).seq == 1
+        assert client.live_requests() == {"a": [5, 9]}
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (
+            lambda client: client.step(StepEvents.build(finished=["a"]), finished=["b"]),
+            "step: got events and the keyword 'finished'",
+        ),
+        (
+            lambda client: client.step(StepEvents.build(), evicted=[3]),
+            "step: got events and the keyword 'evicted'",
+        ),
+        (
+            lambda client: client.step([("new_blocks", {"b": [3]})]),
+            r"step: expected a StepEvents, got a list",
+        ),
+        (
+            lambda client: client.step(StepEvents(new_blocks={"b": [3.0]})),
+            r"new_blocks\['b'\]: block id 3.0 is not an integer",
+        ),
+    ],
+    ids=["events-and-keywords", "events-and-evicted", "a-list", "direct-of-wrong-type"],
+)
+def test_events_with_keywords_or_of_another_type_are_refused_unsent(
+    socket_dir: Path, serve: Serve, call: Any, message: str
+) -> None:
+    pool = serve_pool(serve, socket_dir / "server.sock")
+    with DefragClient(pool.handle.address, timeout_s=5) as client:
+        step_and_write(client, pool.signed, new_blocks={"a": [3, 4]})
+        state, before = server_state(pool), client_state(client)
+
+        with pytest.raises(InvalidArgument, match=message):
+            call(client)
+
+        assert not client.has_pending_step
+        assert (server_state(pool), client_state(client)) == (state, before)
+        assert step_and_write(client, pool.signed, new_blocks={"b": [9]}).seq == 2
+
+
 def test_resolve_refuses_ids_outside_the_pool(socket_dir: Path, serve: Serve) -> None:
     pool = serve_pool(serve, socket_dir / "server.sock")
     with (
@@ -663,7 +652,7 @@ def test_a_step_behind_a_pending_one_is_refused_unsent_and_lands_after_completio
     pool = serve_pool(serve, socket_dir / "server.sock")
     with DefragClient(pool.handle.address, timeout_s=5) as client:
         step_and_write(client, pool.signed, new_blocks={"a": list(range(1, 11)), "b": [40]})
-        pool.executor.stall_next_s = 1.5
+        pool.executor.stall_next(1.5)
         client.timeout_s = 0.5
         with pytest.raises(StepOutcomeUnknown) as unknown:
             client.step(finished=["a"])  # compaction stalls: seq 2's outcome is unknown
@@ -696,11 +685,11 @@ def test_reads_refuse_while_a_step_is_pending_and_retrying_it_never_applies_it_t
     pool = serve_pool(serve, socket_dir / "server.sock")
     with DefragClient(pool.handle.address, timeout_s=5) as client:
         step_and_write(client, pool.signed, new_blocks={"a": list(range(1, 11)), "b": [40]})
-        pool.executor.stall_next_s = 1.5
+        pool.executor.stall_next(1.5)
         client.timeout_s = 0.5
-        events = {"finished": ["a"], "new_blocks": {"c": [50, 51]}}
+        events = StepEvents.build(finished=["a"], new_blocks={"c": [50, 51]})
         with pytest.raises(StepOutcomeUnknown):
-            client.step(**events)  # the server applies it and moves b's block 40 down
+            client.step(events)  # the server applies it and moves b's block 40 down
         wait_until(lambda: pool.handle.engine.stats().totals.num_steps == 2)
 
         # The mirror still has the mapping from before seq 2: every read refuses.
@@ -714,7 +703,7 @@ def test_reads_refuse_while_a_step_is_pending_and_retrying_it_never_applies_it_t
                 read()
         # The natural retry, step() with the same events, is refused: not applied twice.
         with pytest.raises(StepPending, match="not sent"):
-            client.step(**events)
+            client.step(events)
         assert pool.handle.engine.stats().totals.num_steps == 2
 
         client.timeout_s = 5

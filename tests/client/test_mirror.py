@@ -242,9 +242,9 @@ def test_mirror_follows_the_engine_step_by_step(
 
     for _ in range(25):
         step, _ = workload.next_step()
-        result = engine.step(**step.as_kwargs())
+        result = engine.step(step)
         digest = mirror.apply_step(
-            StepEvents.build(**step.as_kwargs()),
+            step,
             list(result.block_mapping),
             list(result.block_mapping.values()),
         )

@@ -24,7 +24,7 @@ def test_recorded_trace_replays_to_the_same_mapping(serve: Serve, tmp_path: Path
     handle = serve(num_blocks=num_blocks, block_size=block_size)
     with DefragClient(handle.address, record_to=trace_path) as client:
         for step in workload:
-            client.step(**step.events.as_kwargs())
+            client.step(step.events)
         with pytest.raises(InvalidArgument):  # refused: changes nothing, not recorded
             client.step(new_blocks={"bad": [num_blocks]})
         served_mapping = client.resolve(range(num_blocks))
@@ -34,5 +34,5 @@ def test_recorded_trace_replays_to_the_same_mapping(serve: Serve, tmp_path: Path
     assert (trace.header.num_blocks, trace.header.block_size) == (num_blocks, block_size)
     engine = Engine([(torch.zeros(num_blocks * block_size, 4), None)], block_size)
     for step_events in trace.steps:
-        engine.step(**step_events.as_kwargs())
+        engine.step(step_events)
     assert engine.resolve(list(range(num_blocks))).tolist() == served_mapping

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import random
 import threading
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -13,8 +12,9 @@ import pytest
 import torch
 
 from kvdefrag.common import InvalidArgument, NotFound, StepEvents, mapping_digest
-from kvdefrag.server import Engine, EngineConfig, Move, MoveReport, StepResult, make_executor
+from kvdefrag.server import Engine, EngineConfig, Move, StepResult
 
+from support.doubles import ScriptedExecutor
 from support.kv import SignedKv, make_kv_caches
 from support.reference_model import (
     ReferenceModel,
@@ -25,19 +25,6 @@ from support.reference_model import (
 
 BLOCK_SIZE = 4
 NO_TRIGGER = 10_000  # a threshold compaction never reaches in these small pools
-
-
-class RecordingExecutor:
-    """Wraps the real executor and records every batch it is asked to move."""
-
-    def __init__(self, kv: SignedKv) -> None:
-        self._inner = make_executor(kv.kv_caches, kv.block_size)
-        self.num_blocks = self._inner.num_blocks
-        self.batches: list[list[Move]] = []
-
-    def execute(self, moves: Sequence[Move]) -> MoveReport:
-        self.batches.append(list(moves))
-        return self._inner.execute(moves)
 
 
 class Harness:
@@ -53,7 +40,7 @@ class Harness:
         **options: Any,
     ) -> None:
         self.kv = SignedKv.create(num_blocks, block_size=BLOCK_SIZE)
-        self.executor = RecordingExecutor(self.kv)
+        self.executor = ScriptedExecutor.for_kv(self.kv)
         self.engine = Engine(
             self.kv.kv_caches,
             BLOCK_SIZE,
@@ -65,9 +52,9 @@ class Harness:
 
     def step(self, **events: Any) -> StepResult:
         """Steps engine and model, writes fresh blocks, checks everything that must agree."""
-        step_events = StepEvents(finished=tuple(events.pop("finished", ())), **events)
+        step_events = StepEvents.build(**events)
         before = physical_layout(self.engine)
-        result = self.engine.step(**step_events.as_kwargs())
+        result = self.engine.step(step_events)
         outcome = self.model.apply(step_events)
         after = assert_engine_agrees(self.engine, self.model)
         assert_step_result(
@@ -262,6 +249,97 @@ def test_block_lists_must_be_a_mapping_and_nothing_changes() -> None:
     assert (engine.stats(), engine.digest, engine.resolve(list(range(64))).tolist()) == before
 
 
+# --- the two forms of step() -------------------------------------------------------------
+STEPS_AS_KEYWORDS: list[dict[str, Any]] = [
+    {"new_blocks": {"a": [1, 2, 3], "b": [4, 5], "c": [6, 7]}},
+    {"finished": ["b"], "new_blocks": {"d": [40, 41]}, "fresh": [40]},
+    {"finished": ["a"], "resumed": {"c": [6, 7, 50]}, "fresh": []},
+    {"new_blocks": {"e": [60]}},
+]
+
+
+def engine_state(engine: Engine) -> tuple[Any, ...]:
+    return (
+        engine.stats(),
+        engine.digest,
+        engine.resolve(list(range(engine.num_blocks))).tolist(),
+        engine.list_requests(),
+    )
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_a_step_events_value_steps_as_its_keywords_do(prefix_caching: bool) -> None:
+    config = EngineConfig(threshold=2, prefix_caching=prefix_caching)
+    by_keywords, by_events = (
+        Engine(make_kv_caches(64, block_size=BLOCK_SIZE), BLOCK_SIZE, config) for _ in range(2)
+    )
+    num_moves = 0
+    for keywords in STEPS_AS_KEYWORDS:
+        expected = by_keywords.step(**keywords)
+        got = by_events.step(StepEvents.build(**keywords))
+        assert dataclasses.replace(got, swap_duration_s=0.0) == dataclasses.replace(
+            expected, swap_duration_s=0.0
+        )
+        num_moves += len(got.moves)
+    assert engine_state(by_events) == engine_state(by_keywords)
+    assert num_moves > 0, "the steps should have compacted"
+
+
+def test_built_events_are_applied_as_they_are(monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = Engine(make_kv_caches(64, block_size=BLOCK_SIZE), BLOCK_SIZE)
+    events = StepEvents.build(new_blocks={"a": [5, 9]})
+    applied: list[StepEvents] = []
+    apply_events = engine.apply_events
+    monkeypatch.setattr(engine, "apply_events", lambda e: applied.append(e) or apply_events(e))
+
+    def no_second_check(**_: Any) -> StepEvents:
+        raise AssertionError("built events were checked again")
+
+    monkeypatch.setattr(StepEvents, "build", no_second_check)
+    engine.step(events)
+    assert applied == [events] and applied[0] is events
+    assert engine.request_blocks("a") == [5, 9]
+
+
+def test_directly_constructed_events_are_checked_once_before_they_are_applied() -> None:
+    engine = Engine(make_kv_caches(64, block_size=BLOCK_SIZE), BLOCK_SIZE)
+    engine.step(StepEvents(new_blocks={"a": (5, 9)}))  # type: ignore[dict-item]
+    assert engine.request_blocks("a") == [5, 9]
+    before = engine_state(engine)
+    with pytest.raises(InvalidArgument, match=r"new_blocks\['b'\]: block id '7' is not an"):
+        engine.step(StepEvents(new_blocks={"b": ["7"]}))  # type: ignore[list-item]
+    assert engine_state(engine) == before
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (
+            lambda engine: engine.step(StepEvents.build(finished=["a"]), new_blocks={"b": [3]}),
+            "step: got events and the keyword 'new_blocks'",
+        ),
+        (
+            lambda engine: engine.step(StepEvents.build(new_blocks={"b": [3]}), fresh=[]),
+            "step: got events and the keyword 'fresh'",
+        ),
+        (
+            lambda engine: engine.step({"new_blocks": {"b": [3]}}),
+            r"step: expected a StepEvents, got a dict \(\{'new_blocks'",
+        ),
+    ],
+    ids=["events-and-keywords", "events-and-fresh", "a-dict"],
+)
+def test_events_with_keywords_or_of_another_type_are_refused_and_nothing_changes(
+    call: Any, message: str
+) -> None:
+    engine = Engine(make_kv_caches(64, block_size=BLOCK_SIZE), BLOCK_SIZE)
+    engine.step(new_blocks={"a": [9, 10]})
+    before = engine_state(engine)
+    with pytest.raises(InvalidArgument, match=message):
+        call(engine)
+    assert engine_state(engine) == before
+
+
 # --- block 0 ---------------------------------------------------------------------------
 def test_null_block_is_never_tracked_or_moved() -> None:
     h = Harness(threshold=0, enable_placement=False)
@@ -274,7 +352,7 @@ def test_null_block_is_never_tracked_or_moved() -> None:
         h.step(new_blocks={"c": [30, 31]}, finished=["a"])
         h.step(finished=["c"], new_blocks={"a": [0, 28]})
     assert h.engine.resolve([0]).tolist() == [0]
-    moved = [m for batch in h.executor.batches for m in batch]
+    moved = [m for batch in h.executor.calls for m in batch]
     assert moved, "the scenario should have compacted"
     assert all(0 not in (m.src_physical_id, m.dst_physical_id) for m in moved)
 
@@ -286,7 +364,7 @@ def test_trigger_boundary_holes_equal_to_threshold_do_not_trigger() -> None:
     result = h.step(finished=["r2", "r4", "r6", "r8"])
     assert result.moves == ()
     assert result.stats.holes == 4
-    assert h.executor.batches == []
+    assert h.executor.calls == []
 
     result = h.step(finished=["r10"])  # holes = threshold + 1
     assert result.moves == (
@@ -298,7 +376,7 @@ def test_trigger_boundary_holes_equal_to_threshold_do_not_trigger() -> None:
     )
     assert result.stats.holes == 0
     assert result.stats.max_live == 15
-    assert result.num_bytes_moved == 5 * h.executor._inner.bytes_per_block  # type: ignore[attr-defined]
+    assert result.num_bytes_moved == 5 * h.executor.bytes_per_block
     assert h.engine.stats().totals.num_defrag_runs == 1
 
 
@@ -374,7 +452,7 @@ def test_moves_swap_with_cached_targets_and_copy_one_way_onto_evicted_ones() -> 
     assert h.engine.resolve([1, 2, 3, 8, 7, 6]).tolist() == [8, 7, 6, 1, 2, 3]
     stats = h.engine.stats()
     assert (stats.totals.num_moves, stats.totals.num_two_way_moves) == (3, 2)
-    bytes_per_block = h.executor._inner.bytes_per_block  # type: ignore[attr-defined]
+    bytes_per_block = h.executor.bytes_per_block
     assert result.num_bytes_moved == 5 * bytes_per_block
 
 
@@ -409,7 +487,7 @@ def test_fresh_blocks_are_placed_without_copying() -> None:
     result = h.step(new_blocks={"a": [20], "b": [5, 6]})
     assert h.engine.resolve([20, 5, 6]).tolist() == [4, 5, 6]
     assert result.num_placed == 1
-    assert h.executor.batches == []  # placement is a mapping change only
+    assert h.executor.calls == []  # placement is a mapping change only
     assert h.engine.stats().totals.num_placements == 4
 
 
@@ -418,7 +496,7 @@ def test_without_placement_fresh_blocks_are_compacted_by_copying() -> None:
     result = h.step(new_blocks={"a": [7, 12, 30]})
     assert result.num_placed == 0
     assert result.moves == (Move(30, 1, False), Move(12, 2, False), Move(7, 3, False))
-    assert len(h.executor.batches) == 1
+    assert len(h.executor.calls) == 1
 
 
 def test_placement_skips_cached_slots_and_uses_evicted_ones() -> None:
@@ -430,7 +508,7 @@ def test_placement_skips_cached_slots_and_uses_evicted_ones() -> None:
     h.step(new_blocks={"c": [11]}, fresh=[11], evicted=[2])
     assert h.engine.resolve([11]).tolist() == [2]
     assert h.model.cached == {1, 3}
-    assert h.executor.batches == []
+    assert h.executor.calls == []
 
 
 def test_fresh_none_places_every_newly_live_block_without_prefix_caching() -> None:
@@ -501,7 +579,7 @@ def test_same_events_give_the_same_moves_and_mapping() -> None:
     num_moves = 0
     for events in stream:
         assert events.fresh is None
-        results = [engine.step(**events.as_kwargs()) for engine in engines]
+        results = [engine.step(events) for engine in engines]
         first, second = (
             (
                 r.block_mapping,
@@ -527,7 +605,7 @@ def test_schedule_defragment_forces_a_pass_in_the_next_step_only() -> None:
     result = h.step(finished=["r1", "r2"])
     assert result.moves == ()
     h.engine.schedule_defragment()
-    assert h.executor.batches == []  # nothing moves outside a step
+    assert h.executor.calls == []  # nothing moves outside a step
     result = h.step()
     assert result.moves == (Move(8, 1, False), Move(7, 2, False))
     h.step(finished=["r3"])
@@ -676,6 +754,6 @@ def test_kv_lock_is_taken_only_to_move_blocks() -> None:
         worker.start()
         worker.join(timeout=0.2)
         assert worker.is_alive(), "the move did not wait for the forward pass"
-        assert h.executor.batches == []
+        assert h.executor.calls == []
     worker.join()
-    assert h.executor.batches == [[Move(30, 1, False)]]
+    assert h.executor.calls == [[Move(30, 1, False)]]

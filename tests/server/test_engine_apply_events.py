@@ -1,7 +1,7 @@
 """``Engine.apply_events`` (the servicer's path: events converted from the wire, not
 checked for types or copied again) against ``Engine.step`` on the same random workloads.
 
-Each step goes to one engine through ``step(**events.as_kwargs())`` and to another as the
+Each step goes to one engine through ``step(events)`` and to another as the
 servicer hands it on: a StepRequest serialised by the client, parsed and converted by the
 server. Both must give the same results, digests and mappings, and refuse the same
 invalid steps with the same message, changing nothing.
@@ -82,7 +82,7 @@ def test_apply_events_gives_what_step_gives(prefix_caching: bool, seed: int) -> 
             # NOTE: next_step applied the unspoiled events to the model; apply them to
             # the engines too after checking that the spoiled ones change nothing.
             with pytest.raises(InvalidArgument) as from_step:
-                by_step.step(**bad.as_kwargs())
+                by_step.step(bad)
             with pytest.raises(InvalidArgument) as from_events:
                 by_events.apply_events(through_the_wire(bad))
             assert str(from_step.value) == str(from_events.value)
@@ -93,7 +93,7 @@ def test_apply_events_gives_what_step_gives(prefix_caching: bool, seed: int) -> 
             )
         else:
             events, _ = workload.next_step()
-        expected = by_step.step(**events.as_kwargs())
+        expected = by_step.step(events)
         wired = through_the_wire(events)
         got = by_events.apply_events(wired)
         assert comparable(got) == comparable(expected)

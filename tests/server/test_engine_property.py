@@ -181,7 +181,7 @@ class Run:
         forced = data.draw(st.integers(0, 7), label="forced") == 0
         return DrawnStep(events, forced), pools, fresh
 
-    def draw_invalid(self, events: StepEvents, pools: Pools) -> dict[str, Any]:
+    def draw_invalid(self, events: StepEvents, pools: Pools) -> StepEvents:
         kwargs = events.as_kwargs()
         kind = self.data.draw(
             st.sampled_from(
@@ -202,7 +202,7 @@ class Run:
             kwargs["new_blocks"][""] = []
         else:
             kwargs["evicted"].append(self.num_blocks + 3)
-        return kwargs
+        return StepEvents.build(**kwargs)
 
     # --- checking -----------------------------------------------------------------------
     def snapshot(self) -> tuple[Any, ...]:
@@ -238,12 +238,12 @@ class Run:
         if self.data.draw(st.integers(0, 7), label="invalid") == 0:
             before = self.snapshot()
             with pytest.raises(InvalidArgument):
-                self.engine.step(**self.draw_invalid(events, pools))
+                self.engine.step(self.draw_invalid(events, pools))
             assert self.snapshot() == before
             self.totals["invalid"] += 1
 
         before = physical_layout(self.engine)
-        result = self.engine.step(**events.as_kwargs())
+        result = self.engine.step(events)
         outcome = self.model.apply(events)
         assert sorted(outcome.fresh) == sorted(fresh_drawn)
         after = assert_engine_agrees(self.engine, self.model)

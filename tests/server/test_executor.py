@@ -5,18 +5,17 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
-import threading
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
-from kvdefrag.common import EngineUnhealthy, InvalidArgument, mapping_digest
+from kvdefrag.common import EngineUnhealthy, InvalidArgument, StepEvents, mapping_digest
 from kvdefrag.server import Engine, EngineConfig, Move, MoveReport, make_executor
 from kvdefrag.server._executor import CpuSwapExecutor, pad_to_bucket
 
+from support.doubles import INJECTED_FAILURE, ScriptedExecutor
 from support.kv import SignedKv, make_kv_caches
 
 BLOCK_SIZE = 4
@@ -68,30 +67,14 @@ def test_a_failure_in_one_thread_undoes_the_swaps_of_every_thread(
     kv = SignedKv.create(
         4 * num_moves, block_size=16, num_layers=2, num_heads=8, head_size=head_size
     )
-    rows_written, failed_rows = [0], []
-    lock = threading.Lock()
-
-    class FailingExecutor(CpuSwapExecutor):
-        def write_rows(self, rows: Any, indices: Any, data: Any) -> None:
-            if rows is self._rows[3]:  # the last tensor: the others are done by then
-                with lock:
-                    first_row = rows_written[0] + 1
-                    rows_written[0] += np.size(indices)
-                if first_row <= fail_at_row <= rows_written[0]:
-                    failed_rows.append(fail_at_row)
-                    if np.ndim(indices):  # a chunk: write the rows before the failing one
-                        num_before = fail_at_row - first_row
-                        super().write_rows(rows, indices[:num_before], data[:num_before])
-                    raise RuntimeError("injected: device lost")
-            super().write_rows(rows, indices, data)
-
-    executor = FailingExecutor(kv.kv_caches, 16, num_threads=2)
+    executor = ScriptedExecutor.for_kv(kv, num_threads=2)
+    executor.fail_mid_write(3, at_row=fail_at_row)  # the last tensor: the others are done
     top = 4 * num_moves - 1
     moves = [Move(top - i, 1 + i, True) for i in range(num_moves)]
     assert num_moves * executor.bytes_per_block >= CpuSwapExecutor._THREADED_MIN_BYTES
     with pytest.raises(RuntimeError, match="injected"):
         executor.execute(moves)
-    assert failed_rows == [fail_at_row]
+    assert executor.failed_writes == [fail_at_row]
     every = list(range(4 * num_moves))
     assert kv.mismatched(every, every) == []
 
@@ -220,20 +203,12 @@ def test_the_hpu_backend_is_not_imported_for_cpu_tensors() -> None:
 
 
 # --- failures --------------------------------------------------------------------------
-class PartialExecutor:
-    """Performs some moves of a batch for real (``keep`` picks them), then raises."""
-
-    def __init__(self, kv: SignedKv, keep: Callable[[list[Move]], list[Move]]) -> None:
-        self._inner = make_executor(kv.kv_caches, kv.block_size)
-        self.num_blocks = self._inner.num_blocks
-        self.keep = keep
-        self.failing = True
-
-    def execute(self, moves: Sequence[Move]) -> MoveReport:
-        if not self.failing:
-            return self._inner.execute(moves)
-        self._inner.execute(self.keep(list(moves)))
-        raise RuntimeError("injected: device lost")
+def failing_partway(kv: SignedKv, keep: Callable[[list[Move]], list[Move]]) -> ScriptedExecutor:
+    """A real executor whose batches fail after the moves ``keep`` picks ran for real."""
+    executor = ScriptedExecutor.for_kv(kv)
+    executor.is_failing = True
+    executor.moves_before_failing = keep
+    return executor
 
 
 def live_pairs(engine: Engine) -> list[tuple[int, int]]:
@@ -251,8 +226,8 @@ def check_failed_engine(engine: Engine, kv: SignedKv, mapping_before: list[int])
     stats = engine.stats()
     assert not stats.is_healthy
     assert engine.unhealthy_reason is not None
-    assert "injected: device lost" in engine.unhealthy_reason
-    with pytest.raises(EngineUnhealthy, match="injected: device lost"):
+    assert INJECTED_FAILURE in engine.unhealthy_reason
+    with pytest.raises(EngineUnhealthy, match=INJECTED_FAILURE):
         engine.step()
     with pytest.raises(EngineUnhealthy):
         engine.step(new_blocks={"late": [1]})
@@ -262,19 +237,19 @@ def check_failed_engine(engine: Engine, kv: SignedKv, mapping_before: list[int])
 @pytest.mark.parametrize("num_done", [0, 2, 6])
 def test_a_failed_move_commits_nothing_and_leaves_the_engine_unhealthy(num_done: int) -> None:
     kv = SignedKv.create(32, block_size=BLOCK_SIZE)
-    executor = PartialExecutor(kv, lambda moves: moves[:num_done])
+    executor = failing_partway(kv, lambda moves: moves[:num_done])
     engine = Engine(kv.kv_caches, BLOCK_SIZE, config=EngineConfig(threshold=2), executor=executor)
     engine.step(new_blocks={"a": list(range(1, 7)), "b": list(range(7, 13))})
     kv.write_fresh(engine, range(1, 13))
     mapping_before = engine.resolve(np.arange(32)).tolist()
 
-    with pytest.raises(EngineUnhealthy, match="injected: device lost") as info:
+    with pytest.raises(EngineUnhealthy, match=INJECTED_FAILURE) as info:
         engine.step(finished=["a"])  # six holes: the compaction of six blocks fails
     assert isinstance(info.value.__cause__, RuntimeError)
     check_failed_engine(engine, kv, mapping_before)
 
     engine.reset()
-    executor.failing = False
+    executor.is_failing = False
     assert engine.stats().is_healthy and engine.unhealthy_reason is None
     assert engine.resolve(np.arange(32)).tolist() == list(range(32))
     result = engine.step(new_blocks={"c": [3, 9]}, fresh=[])
@@ -285,22 +260,22 @@ def test_a_failed_move_commits_nothing_and_leaves_the_engine_unhealthy(num_done:
 def test_a_failed_move_keeps_the_placement_of_its_own_step() -> None:
     """The failed step's events and placement stand; only its compaction is dropped."""
     kv, twin_kv = (SignedKv.create(32, block_size=BLOCK_SIZE) for _ in range(2))
-    executor = PartialExecutor(kv, lambda moves: moves)
+    executor = failing_partway(kv, lambda moves: moves)
     engine = Engine(kv.kv_caches, BLOCK_SIZE, config=EngineConfig(threshold=2), executor=executor)
     twin = Engine(twin_kv.kv_caches, BLOCK_SIZE, config=EngineConfig(threshold=10_000))
-    steps: list[tuple[dict[str, Any], list[int]]] = [
-        ({"new_blocks": {"a": [1, 2, 3], "b": [4, 5], "c": [6, 7, 8]}}, list(range(1, 9))),
-        ({"finished": ["b"], "new_blocks": {"a": [20]}}, [20]),
+    steps = [
+        (StepEvents.build(new_blocks={"a": [1, 2, 3], "b": [4, 5], "c": [6, 7, 8]}), range(1, 9)),
+        (StepEvents.build(finished=["b"], new_blocks={"a": [20]}), [20]),
     ]
     for events, fresh in steps:
         for each_engine, each_kv in ((engine, kv), (twin, twin_kv)):
-            each_engine.step(**events)
-            each_kv.write_fresh(each_engine, fresh)
+            each_engine.step(events)
+            each_kv.write_fresh(each_engine, list(fresh))
     assert engine.stats().totals.num_moves == twin.stats().totals.num_moves == 0
-    failing_step: dict[str, Any] = {"finished": ["a"], "new_blocks": {"d": [30, 31]}}
+    failing_step = StepEvents.build(finished=["a"], new_blocks={"d": [30, 31]})
     with pytest.raises(EngineUnhealthy):
-        engine.step(**failing_step)  # 30, 31 placed low; three holes left above threshold
-    twin_result = twin.step(**failing_step)
+        engine.step(failing_step)  # 30, 31 placed low; three holes left above threshold
+    twin_result = twin.step(failing_step)
     assert twin_result.num_placed == 2 and twin_result.stats.holes == 3
     kv.write_fresh(engine, [30, 31])  # what the forward pass would write
     check_failed_engine(engine, kv, twin.resolve(np.arange(32)).tolist())
@@ -309,7 +284,7 @@ def test_a_failed_move_keeps_the_placement_of_its_own_step() -> None:
 def test_a_failed_move_with_prefix_caching_keeps_live_and_cached_blocks() -> None:
     """The one-way moves ran, then the failure: no live or cached block is lost."""
     kv = SignedKv.create(32, block_size=BLOCK_SIZE)
-    executor = PartialExecutor(kv, lambda moves: [m for m in moves if not m.is_two_way])
+    executor = failing_partway(kv, lambda moves: [m for m in moves if not m.is_two_way])
     engine = Engine(
         kv.kv_caches,
         BLOCK_SIZE,
@@ -328,23 +303,12 @@ def test_a_failed_move_with_prefix_caching_keeps_live_and_cached_blocks() -> Non
 @pytest.mark.parametrize("fail_at_call", [1, 2, 3], ids=["one-way", "swap-dst", "swap-src"])
 def test_a_failure_inside_the_swap_executor_keeps_every_block(fail_at_call: int) -> None:
     """A layer fails mid-batch: whatever other layers already swapped is undone."""
-    calls, failed_calls = [0], []
     caches = make_kv_caches(32, block_size=BLOCK_SIZE, num_layers=3)
     kv = SignedKv(caches, BLOCK_SIZE)
-
-    class FailingExecutor(CpuSwapExecutor):
-        """Fails the n-th write into the middle layer's key (tensor 2 of k0 v0 k1 v1 k2 v2),
-        after writing the first half of its rows."""
-
-        def write_rows(self, rows: Any, indices: Any, data: Any) -> None:
-            if rows is self._rows[2]:
-                calls[0] += 1
-                if calls[0] == fail_at_call:
-                    failed_calls.append(calls[0])
-                    num_before = len(indices) // 2
-                    super().write_rows(rows, indices[:num_before], data[:num_before])
-                    raise RuntimeError("injected: device lost")
-            super().write_rows(rows, indices, data)
+    executor = ScriptedExecutor.for_kv(kv)
+    # The n-th write into the middle layer's key (tensor 2 of k0 v0 k1 v1 k2 v2) fails
+    # after writing the first half of its rows.
+    executor.fail_mid_write(2, at_write=fail_at_call)
 
     # Writes into that tensor: 1 is the one-way move, 2 and 3 the three swaps' two halves
     # (destinations, then sources), each one chunk.
@@ -352,13 +316,13 @@ def test_a_failure_inside_the_swap_executor_keeps_every_block(fail_at_call: int)
         caches,
         BLOCK_SIZE,
         config=EngineConfig(threshold=2, prefix_caching=True),
-        executor=FailingExecutor(caches, BLOCK_SIZE),
+        executor=executor,
     )
     failing.step(new_blocks={"a": [1, 2, 3, 4], "b": [5, 6, 7, 8, 9]}, fresh=range(1, 10))
     kv.write_fresh(failing, range(1, 10))
     mapping_before = failing.resolve(np.arange(32)).tolist()
     with pytest.raises(EngineUnhealthy):
         failing.step(finished=["a"], evicted=[1])  # one one-way move, three swaps
-    assert failed_calls == [fail_at_call]
+    assert executor.failed_writes == [fail_at_call]
     check_failed_engine(failing, kv, mapping_before)
     assert kv.lost_blocks(failing, [2, 3, 4]) == []

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import random
 import threading
-from collections.abc import Sequence
 from typing import Any
 
 import grpc
@@ -15,27 +14,14 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvdefrag.common import EngineUnhealthy
-from kvdefrag.server import Engine, EngineConfig, Move
+from kvdefrag.server import Engine, EngineConfig
 from kvdefrag.server._executor import TorchSwapExecutor
 
+from support.doubles import ScriptedExecutor
 from support.kv import SignedKv
 from support.server import Serve
 
 BLOCK_SIZE = 4
-
-
-class BreakableExecutor:
-    """A real CPU executor that raises once ``is_broken`` is set."""
-
-    def __init__(self, kv: SignedKv) -> None:
-        self._inner = TorchSwapExecutor(kv.kv_caches, kv.block_size)
-        self.num_blocks = self._inner.num_blocks
-        self.is_broken = False
-
-    def execute(self, moves: Sequence[Move]) -> Any:
-        if self.is_broken:
-            raise RuntimeError("injected KV copy failure")
-        return self._inner.execute(moves)
 
 
 def health_status(address: str) -> Any:
@@ -46,12 +32,12 @@ def health_status(address: str) -> Any:
 
 def test_a_move_failure_in_process_turns_health_off_until_reset(serve: Serve) -> None:
     kv = SignedKv.create(64, block_size=BLOCK_SIZE)
-    executor = BreakableExecutor(kv)
+    executor = ScriptedExecutor.around(TorchSwapExecutor(kv.kv_caches, kv.block_size))
     handle = serve(kv=kv, threshold=0, executor=executor)
     engine = handle.engine  # the scheduler in the worker's process: no servicer involved
     engine.step(new_blocks={"a": list(range(1, 9)), "b": list(range(9, 17))})
     assert health_status(handle.address) == health_pb2.HealthCheckResponse.SERVING
-    executor.is_broken = True
+    executor.is_failing = True
     with pytest.raises(EngineUnhealthy):
         engine.step(finished=["a"])  # b must move down: the move fails
     assert health_status(handle.address) == health_pb2.HealthCheckResponse.NOT_SERVING

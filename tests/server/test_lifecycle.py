@@ -15,7 +15,6 @@ import contextlib
 import gc
 import os
 import shutil
-import socket
 import stat
 import subprocess
 import sys
@@ -23,7 +22,7 @@ import textwrap
 import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,14 +30,16 @@ import grpc
 import pytest
 
 from kvdefrag.client import DefragClient, EngineUnhealthy, ServiceUnavailable
-from kvdefrag.common import InvalidArgument
-from kvdefrag.server import Move, MoveReport, make_executor, serve_in_process
+from kvdefrag.common import InvalidArgument, StepEvents
+from kvdefrag.server import serve_in_process
 from kvdefrag.server._server import grpc_options
 from kvdefrag.server.config import ServiceConfig
 from kvdefrag.v1 import defrag_pb2 as pb
 from kvdefrag.v1 import defrag_pb2_grpc as pb_grpc
 
+from support.doubles import INJECTED_FAILURE, ScriptedExecutor
 from support.kv import SignedKv
+from support.proxy import SocketProxy
 from support.server import Serve
 
 OPENSSL = shutil.which("openssl")
@@ -48,27 +49,6 @@ BLOCK_SIZE = 2
 # --- resources and factories ------------------------------------------------------------
 # Servers start through the shared ``serve`` fixture (tests/conftest.py), on signed caches
 # of 64 blocks of BLOCK_SIZE tokens.
-
-
-class GatedExecutor:
-    """The real CPU executor behind a gate: a batch can be made to hang or to fail."""
-
-    def __init__(self, kv: SignedKv) -> None:
-        self._inner = make_executor(kv.kv_caches, kv.block_size)
-        self.num_blocks = self._inner.num_blocks
-        self.is_failing = False
-        self.entered = threading.Event()
-        self.go_ahead = threading.Event()
-        self.go_ahead.set()
-
-    def execute(self, moves: Sequence[Move]) -> MoveReport:
-        self.entered.set()
-        # A hung device copy, for at most a minute (the test lets it go before then).
-        self.go_ahead.wait(60)
-        if self.is_failing:
-            raise RuntimeError("injected KV copy failure")
-        report: MoveReport = self._inner.execute(moves)
-        return report
 
 
 def get_stats(address: str) -> Any:
@@ -83,10 +63,11 @@ def wait_until(condition: Callable[[], bool], timeout_s: float = 30.0) -> None:
         time.sleep(0.01)
 
 
-def step_and_write(client: DefragClient, kv: SignedKv, **events: Any) -> Any:
+def step_and_write(client: DefragClient, kv: SignedKv, **fields: Any) -> Any:
     """One step; then the worker writes every new block (all of them fresh here)."""
-    reply = client.step(**events)
-    new_ids = sorted({i for ids in events.get("new_blocks", {}).values() for i in ids})
+    events = StepEvents.build(**fields)
+    reply = client.step(events)
+    new_ids = sorted({i for ids in events.new_blocks.values() for i in ids})
     kv.write(new_ids, client.resolve(new_ids))
     return reply
 
@@ -125,14 +106,14 @@ def step_until_stopped(client: DefragClient) -> None:
 
 def test_stop_returns_after_its_grace_while_a_step_hangs(serve: Serve, tmp_path: Path) -> None:
     kv = SignedKv.create(64, block_size=BLOCK_SIZE)
-    executor = GatedExecutor(kv)
+    executor = ScriptedExecutor.for_kv(kv)
     handle = serve(
         f"unix:{tmp_path}/kv.sock", block_size=BLOCK_SIZE, kv=kv, executor=executor, threshold=0
     )
     client = DefragClient(handle.address, timeout_s=5)
     try:
         fragment(client, kv)
-        executor.go_ahead.clear()
+        executor.hold()  # a hung device copy, until the test releases it
         stepping = threading.Thread(target=step_until_stopped, args=(client,))
         stepping.start()
         assert executor.entered.wait(30)
@@ -150,7 +131,7 @@ def test_stop_returns_after_its_grace_while_a_step_hangs(serve: Serve, tmp_path:
         assert stopped == [False]  # a step was still running when it returned
         assert handle.wait(0)
     finally:
-        executor.go_ahead.set()  # the step completes after stop() has returned ...
+        executor.release()  # the step completes after stop() has returned ...
         stepping.join(60)
         client.close()
     engine = handle.engine
@@ -231,82 +212,6 @@ def test_socket_is_never_reachable_by_others_while_binding_with_umask_0(
 
 
 # --- 4. client keepalive: a half-open TCP path is noticed -------------------------------
-class BlackholeProxy:
-    """A TCP proxy that can stop forwarding its open connections without closing them.
-
-    Connections accepted after ``blackhole()`` are forwarded normally: the old path is
-    half-open (nothing arrives, nothing fails), a new one works.
-    """
-
-    def __init__(self, target_port: int) -> None:
-        self._target_port = target_port
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self._listener.settimeout(0.05)
-        self.port = self._listener.getsockname()[1]
-        self._lock = threading.Lock()
-        self._blackholed: set[int] = set()
-        self._sockets: list[socket.socket] = []
-        self._pairs: list[tuple[int, threading.Event]] = []
-        self._is_closed = threading.Event()
-        self.num_accepted = 0
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while not self._is_closed.is_set():
-            try:
-                downstream, _ = self._listener.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            upstream = socket.create_connection(("127.0.0.1", self._target_port))
-            with self._lock:
-                self.num_accepted += 1
-                connection_id = self.num_accepted
-                self._sockets += [downstream, upstream]
-            for source, sink in ((downstream, upstream), (upstream, downstream)):
-                threading.Thread(
-                    target=self._pump, args=(connection_id, source, sink), daemon=True
-                ).start()
-
-    def _pump(self, connection_id: int, source: socket.socket, sink: socket.socket) -> None:
-        source.settimeout(0.05)
-        while not self._is_closed.is_set():
-            with self._lock:
-                if connection_id in self._blackholed:
-                    break
-            try:
-                data = source.recv(65536)
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            if not data:
-                with contextlib.suppress(OSError):
-                    sink.shutdown(socket.SHUT_WR)
-                return
-            with self._lock:
-                if connection_id in self._blackholed:
-                    break  # dropped, as a dead path drops it
-            try:
-                sink.sendall(data)
-            except OSError:
-                return
-        self._is_closed.wait()  # blackholed: hold the connection open, silently
-
-    def blackhole(self) -> None:
-        """Stops forwarding on every connection open now; new ones are forwarded."""
-        with self._lock:
-            self._blackholed.update(range(1, self.num_accepted + 1))
-
-    def close(self) -> None:
-        self._is_closed.set()
-        self._listener.close()
-        with self._lock:
-            for sock in self._sockets:
-                sock.close()
-
-
 def test_client_keepalive_agrees_with_the_server_ping_policy() -> None:
     from kvdefrag.client._channel import channel_options
 
@@ -331,9 +236,9 @@ def test_client_reconnects_when_its_tcp_path_goes_half_open(
 ) -> None:
     kv = SignedKv.create(64, block_size=BLOCK_SIZE)
     handle = serve("127.0.0.1:0", block_size=BLOCK_SIZE, kv=kv)
-    proxy = BlackholeProxy(int(handle.address.rsplit(":", 1)[1]))
+    proxy = SocketProxy(handle.address)
     try:
-        with DefragClient(f"127.0.0.1:{proxy.port}", timeout_s=30) as client:
+        with DefragClient(proxy.address, timeout_s=30) as client:
             step_and_write(client, kv, new_blocks={"a": [3, 4]})
             # An idle session sees four client pings; pings the server's policy did
             # not allow would get the connection closed (GOAWAY too_many_pings).
@@ -420,7 +325,7 @@ def test_a_failed_move_applies_the_step_without_its_compaction_and_says_so(
     serve: Serve, tmp_path: Path
 ) -> None:
     kv = SignedKv.create(64, block_size=BLOCK_SIZE)
-    executor = GatedExecutor(kv)
+    executor = ScriptedExecutor.for_kv(kv)
     handle = serve(
         f"unix:{tmp_path}/kv.sock", block_size=BLOCK_SIZE, kv=kv, executor=executor, threshold=0
     )
@@ -428,7 +333,7 @@ def test_a_failed_move_applies_the_step_without_its_compaction_and_says_so(
         fragment(client, kv)  # seq 1
         executor.is_failing = True
 
-        with pytest.raises(EngineUnhealthy, match="injected KV copy failure"):
+        with pytest.raises(EngineUnhealthy, match=INJECTED_FAILURE):
             client.step(finished=["a"], new_blocks={"c": [20, 21]})  # seq 2
 
         stats = client.stats()

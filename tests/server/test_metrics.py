@@ -6,17 +6,17 @@ Also the server's default metrics: wired to the engine and served on /metrics wh
 from __future__ import annotations
 
 import urllib.request
-from collections.abc import Sequence
 from typing import Any
 
 import pytest
 from prometheus_client import REGISTRY, CollectorRegistry
 
 from kvdefrag.common import EngineUnhealthy
-from kvdefrag.server import Engine, EngineConfig, Move, MoveReport
-from kvdefrag.server._executor import TorchSwapExecutor, pad_to_bucket
+from kvdefrag.server import Engine, EngineConfig
+from kvdefrag.server._executor import TorchSwapExecutor
 from kvdefrag.server.metrics import DURATION_BUCKETS_S, Metrics, serve_metrics
 
+from support.doubles import ScriptedExecutor
 from support.kv import SignedKv
 from support.server import Serve
 
@@ -99,20 +99,17 @@ def test_prefix_caching_moves_swap_both_ways(registry: CollectorRegistry) -> Non
     assert kv.lost_blocks(engine, range(1, 11)) == []
 
 
-class FailingExecutor:
+def failing_executor(num_blocks: int) -> ScriptedExecutor:
     """A swap executor whose device is gone."""
-
-    def __init__(self, num_blocks: int) -> None:
-        self.num_blocks = num_blocks
-
-    def execute(self, moves: Sequence[Move]) -> MoveReport:
-        raise RuntimeError(f"device lost while moving {len(moves)} blocks")
+    executor = ScriptedExecutor.without_kv(num_blocks)
+    executor.is_failing = True
+    return executor
 
 
 def test_move_failure_is_counted_and_turns_healthy_gauge_off(
     registry: CollectorRegistry,
 ) -> None:
-    engine, _, _ = make_engine(registry, threshold=0, executor=FailingExecutor(64))
+    engine, _, _ = make_engine(registry, threshold=0, executor=failing_executor(64))
     engine.step(new_blocks={"near": [1, 2]})
     assert value(registry, "kvdefrag_healthy") == 1
 
@@ -128,29 +125,10 @@ def test_move_failure_is_counted_and_turns_healthy_gauge_off(
     assert value(registry, "kvdefrag_defrag_runs_total", result="failed") == 1
 
 
-class PaddingExecutor:
-    """Pads every batch to a bucket with the null pair, as static-shape backends do."""
-
-    def __init__(self, inner: TorchSwapExecutor, buckets: Sequence[int]) -> None:
-        self.num_blocks = inner.num_blocks
-        self._inner = inner
-        self._buckets = buckets
-
-    def execute(self, moves: Sequence[Move]) -> MoveReport:
-        src, dst, num_padded = pad_to_bucket(
-            [move.src_physical_id for move in moves],
-            [move.dst_physical_id for move in moves],
-            self._buckets,
-        )
-        two_way = [move.is_two_way for move in moves] + [False] * num_padded
-        report = self._inner.execute([Move(*pair) for pair in zip(src, dst, two_way, strict=True)])
-        num_bytes = report.num_bytes - num_padded * self._inner.bytes_per_block
-        return MoveReport(len(moves), num_padded, num_bytes)
-
-
 def test_padded_slots_are_counted(registry: CollectorRegistry) -> None:
     kv = SignedKv.create(64, block_size=BLOCK_SIZE)
-    executor = PaddingExecutor(TorchSwapExecutor(kv.kv_caches, BLOCK_SIZE), (8, 16))
+    executor = ScriptedExecutor.around(TorchSwapExecutor(kv.kv_caches, BLOCK_SIZE))
+    executor.pad_to((8, 16))  # as static-shape backends do
     engine, _, _ = make_engine(registry, threshold=0, executor=executor)
     engine.step(new_blocks={"far": [40, 41, 42]}, fresh=[])
 

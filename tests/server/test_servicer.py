@@ -20,10 +20,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvdefrag.server import ServerHandle
 from kvdefrag.server._convert import max_step_response_bytes, step_events
 from kvdefrag.server._executor import TorchSwapExecutor
-from kvdefrag.server._policy import Move
 from kvdefrag.v1 import defrag_pb2 as pb
 from kvdefrag.v1 import defrag_pb2_grpc as pb_grpc
 
+from support.doubles import ScriptedExecutor
 from support.kv import SignedKv
 from support.server import Serve
 
@@ -468,23 +468,9 @@ def test_every_live_block_keeps_its_data_through_the_wire(harness: Harness) -> N
 
 
 # --- executor failure, health, shutdown -------------------------------------------------
-class FlakyExecutor:
-    """A real CPU executor that fails on demand, or waits for a go-ahead."""
-
-    def __init__(self, kv: SignedKv) -> None:
-        self._inner = TorchSwapExecutor(kv.kv_caches, kv.block_size)
-        self.num_blocks = self._inner.num_blocks
-        self.is_failing = False
-        self.entered = threading.Event()
-        self.go_ahead = threading.Event()
-        self.go_ahead.set()
-
-    def execute(self, moves: Sequence[Move]) -> Any:
-        self.entered.set()
-        assert self.go_ahead.wait(30), "the test never let the move run"
-        if self.is_failing:
-            raise RuntimeError("injected KV copy failure")
-        return self._inner.execute(moves)
+def scripted_torch_executor(kv: SignedKv) -> ScriptedExecutor:
+    """The real torch executor of ``kv``, with scripted faults."""
+    return ScriptedExecutor.around(TorchSwapExecutor(kv.kv_caches, kv.block_size))
 
 
 def fragment(stub: pb_grpc.DefragServiceStub) -> Any:
@@ -497,7 +483,7 @@ def fragment(stub: pb_grpc.DefragServiceStub) -> Any:
 
 def test_executor_failure_is_unavailable_until_reset(harness: Harness) -> None:
     kv = SignedKv.create(64)
-    executor = FlakyExecutor(kv)
+    executor = scripted_torch_executor(kv)
     handle = harness.serve(kv=kv, executor=executor, threshold=0)
     stub = harness.stub(handle)
     step_2 = fragment(stub)
@@ -524,11 +510,11 @@ def test_executor_failure_is_unavailable_until_reset(harness: Harness) -> None:
 
 def test_stop_flips_health_first_and_lets_the_step_in_flight_finish(harness: Harness) -> None:
     kv = SignedKv.create(64)
-    executor = FlakyExecutor(kv)
+    executor = scripted_torch_executor(kv)
     handle = harness.serve(kv=kv, executor=executor, threshold=0)
     stub = harness.stub(handle)
     step_2 = fragment(stub)
-    executor.go_ahead.clear()
+    executor.hold()
     replies: list[Any] = []
     stepping = threading.Thread(target=lambda: replies.append(stub.Step(step_2, timeout=30)))
     stepping.start()
@@ -537,7 +523,7 @@ def test_stop_flips_health_first_and_lets_the_step_in_flight_finish(harness: Har
     stopping.start()
 
     wait_until(lambda: harness.health(handle) == NOT_SERVING)
-    executor.go_ahead.set()
+    executor.release()
     stepping.join(30)
     stopping.join(30)
 

@@ -7,12 +7,7 @@ up as a corrupted block.
 
 from __future__ import annotations
 
-import contextlib
-import random
 import resource
-import socket
-import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -29,6 +24,7 @@ from kvdefrag.server import ServerHandle
 from kvdefrag.tools.workload import SyntheticWorkload, WorkloadConfig
 
 from support.kv import SignedKv
+from support.proxy import SocketProxy
 from support.server import Serve
 
 BLOCK_SIZE = 4
@@ -55,103 +51,6 @@ def workload_config(num_steps: int, prefix_caching: bool, seed: int) -> Workload
     )
 
 
-class ChaosProxy:
-    """A unix-socket proxy that, at random, cuts, delays and blackholes its connections.
-
-    Modes change every few milliseconds; a blackhole stops forwarding without closing,
-    as a half-open connection does. ``calm()`` forwards faithfully from then on.
-    """
-
-    MODES = ("pass", "pass", "pass", "delay", "cut", "blackhole")
-
-    def __init__(self, listen_path: str, target_path: str, seed: int) -> None:
-        self.address = f"unix:{listen_path}"
-        self._target_path = target_path
-        self._rng = random.Random(seed)
-        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._listener.bind(listen_path)
-        self._listener.listen()
-        self._listener.settimeout(0.05)
-        self._lock = threading.Lock()
-        self._sockets: list[socket.socket] = []
-        self.mode = "pass"
-        self.counts = dict.fromkeys(set(self.MODES), 0)
-        self._is_calm = False
-        self._is_stopping = threading.Event()
-        self._threads = [
-            threading.Thread(target=self._accept_loop, daemon=True),
-            threading.Thread(target=self._chaos_loop, daemon=True),
-        ]
-        for thread in self._threads:
-            thread.start()
-
-    def _chaos_loop(self) -> None:
-        duration_s = 0.01
-        while not self._is_stopping.wait(duration_s):
-            if self._is_calm:
-                self.mode = "pass"
-                continue
-            self.mode = self._rng.choice(self.MODES)
-            self.counts[self.mode] += 1
-            if self.mode == "cut":
-                self._cut_all()
-            # A blackhole may outlast the client's deadline (its step's outcome becomes
-            # unknown); the other modes flicker.
-            is_long = self.mode == "blackhole" and self._rng.random() < 0.3
-            duration_s = self._rng.uniform(0.3, 1.0) if is_long else self._rng.uniform(0.005, 0.05)
-
-    def _accept_loop(self) -> None:
-        while not self._is_stopping.is_set():
-            try:
-                downstream, _ = self._listener.accept()
-            except TimeoutError:
-                continue
-            upstream = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            try:
-                upstream.connect(self._target_path)
-            except OSError:
-                downstream.close()
-                continue
-            with self._lock:
-                self._sockets += [downstream, upstream]
-            for pair in ((downstream, upstream), (upstream, downstream)):
-                threading.Thread(target=self._pump, args=pair, daemon=True).start()
-
-    def _pump(self, source: socket.socket, sink: socket.socket) -> None:
-        try:
-            while data := source.recv(1 << 16):
-                while self.mode == "blackhole" and not self._is_stopping.is_set():
-                    time.sleep(0.005)  # hold the bytes: the peer sees silence
-                if self.mode == "delay":
-                    time.sleep(self._rng.uniform(0.0, 0.05))
-                sink.sendall(data)
-        except OSError:
-            pass
-        finally:
-            for sock in (source, sink):
-                with contextlib.suppress(OSError):
-                    sock.shutdown(socket.SHUT_RDWR)
-
-    def _cut_all(self) -> None:
-        with self._lock:
-            sockets, self._sockets = self._sockets, []
-        for sock in sockets:
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
-            sock.close()
-
-    def calm(self) -> None:
-        self._is_calm = True
-        self.mode = "pass"
-
-    def close(self) -> None:
-        self._is_stopping.set()
-        for thread in self._threads:
-            thread.join(5.0)
-        self._cut_all()
-        self._listener.close()
-
-
 def step_through_faults(client: DefragClient, events: StepEvents) -> tuple[StepReply, int]:
     """Sends one step by the client's contract, however often the connection fails.
 
@@ -161,7 +60,7 @@ def step_through_faults(client: DefragClient, events: StepEvents) -> tuple[StepR
     failures = 0
     while True:
         try:
-            return client.step(**events.as_kwargs()), failures
+            return client.step(events), failures
         except StepOutcomeUnknown:
             failures += 1
             break  # sent, outcome unknown: only complete_pending_step() may resend it
@@ -235,7 +134,8 @@ def test_chaos_every_step_is_applied_exactly_once_and_no_block_is_corrupted(
 ) -> None:
     num_steps = 2_000
     handle, signed = serve_pool(serve, tmp_path, prefix_caching)
-    proxy = ChaosProxy(f"{tmp_path}/proxy.sock", f"{tmp_path}/server.sock", seed=11)
+    proxy = SocketProxy(f"unix:{tmp_path}/server.sock", listen=f"unix:{tmp_path}/proxy.sock")
+    proxy.start_chaos(seed=11)
     try:
         with DefragClient(proxy.address, prefix_caching, timeout_s=0.5) as client:
             workload = SyntheticWorkload(workload_config(num_steps, prefix_caching, seed=3))
@@ -250,7 +150,7 @@ def test_chaos_every_step_is_applied_exactly_once_and_no_block_is_corrupted(
         proxy.close()
         handle.stop(1.0)
     # The chaos was real: every kind happened and steps had to be retried.
-    assert all(count > 0 for count in proxy.counts.values()), proxy.counts
+    assert all(count > 0 for count in proxy.chaos_counts.values()), proxy.chaos_counts
     assert num_failures > 0 and totals.num_moves > 0
 
 

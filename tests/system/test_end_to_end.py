@@ -74,7 +74,7 @@ def test_every_live_block_reads_its_own_data_through_the_client(
                 client.defragment()
             events, outcome = workload.next_step()
 
-            reply = client.step(**events.as_kwargs())
+            reply = client.step(events)
 
             assert reply.seq == step_number
             assert not reply.replayed
@@ -108,7 +108,7 @@ def test_the_workloads_exercise_moves_placements_and_every_event_kind() -> None:
         workload = RandomWorkload(NUM_BLOCKS, seed % 2 == 1, seed)
         for _ in range(NUM_STEPS):
             events, _ = workload.next_step()
-            result = engine.step(**events.as_kwargs())
+            result = engine.step(events)
             totals["moves"] += len(result.moves)
             totals["two_way"] += sum(move.is_two_way for move in result.moves)
             totals["placed"] += result.num_placed

@@ -10,18 +10,18 @@ import re
 import subprocess
 import sys
 import threading
-from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 import torch
 
 from kvdefrag.common import StepEvents
-from kvdefrag.server import Move, MoveReport
 from kvdefrag.tools import demo
 from kvdefrag.tools._demo_worker import KvSignatures, LogicalPool, make_kv_caches
 from kvdefrag.tools._report import format_report
 from kvdefrag.tools.demo import DemoOptions, run_demo, run_mode
+
+from support.doubles import ScriptedExecutor
 
 KVDEFRAG = Path(sys.executable).parent / "kvdefrag"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -84,20 +84,12 @@ def test_one_mode_only(tmp_path: Path) -> None:
     assert "prefix caching off" not in out.getvalue()
 
 
-class DroppingExecutor:
-    """Claims every move succeeded but copies nothing: the data stays behind."""
-
-    def __init__(self, num_blocks: int) -> None:
-        self.num_blocks = num_blocks
-
-    def execute(self, moves: Sequence[Move]) -> MoveReport:
-        return MoveReport(num_moves=len(moves), num_padded=0, num_bytes=0)
-
-
 def test_demo_sees_blocks_whose_data_did_not_move() -> None:
     options = tiny_options(num_steps=150)
+    executor = ScriptedExecutor.without_kv(400)
+    executor.drops_moves = True  # claims every move succeeded, copies nothing
 
-    run = run_mode(options, False, out=io.StringIO(), executor=DroppingExecutor(400))
+    run = run_mode(options, False, out=io.StringIO(), executor=executor)
 
     report = run.report
     assert report.num_moves > 0

@@ -8,6 +8,7 @@ from collections import Counter
 
 import pytest
 
+from kvdefrag.client import DefragClient
 from kvdefrag.common import InvalidArgument
 from kvdefrag.server import Engine, EngineConfig
 from kvdefrag.tools.workload import (
@@ -259,11 +260,15 @@ def test_background_blocks_shift_the_same_events_by_a_constant() -> None:
         assert moved.num_live_blocks == base.num_live_blocks + 250
 
 
-def test_step_kwargs_are_the_engine_step_keywords() -> None:
+def test_step_kwargs_are_the_engine_and_client_step_keywords() -> None:
     step = next(generate_steps(small_config()))
 
-    parameters = set(inspect.signature(Engine.step).parameters) - {"self"}
-    assert set(step.events.as_kwargs()) == parameters
+    for step_method in (Engine.step, DefragClient.step):
+        parameters = inspect.signature(step_method).parameters
+        assert parameters["events"].kind is inspect.Parameter.POSITIONAL_ONLY
+        keywords = set(parameters) - {"self", "events"}
+        assert set(step.events.as_kwargs()) == keywords
+        assert all(parameters[name].kind is inspect.Parameter.KEYWORD_ONLY for name in keywords)
 
 
 @pytest.mark.parametrize(
@@ -297,7 +302,7 @@ def test_engine_keeps_every_block_intact_under_the_workload(prefix_caching: bool
     ratios_with, ratios_without = [], []
 
     for step in workload:
-        result = engine.step(**step.events.as_kwargs())
+        result = engine.step(step.events)
         kv.write_fresh(engine, step.events.fresh)  # the forward pass fills the fresh blocks
         num_moves += len(result.moves)
         live = {i for ids in workload.block_tables().values() for i in ids}

@@ -2,39 +2,23 @@
 
 from __future__ import annotations
 
-import time
-from collections.abc import Sequence
 from typing import Any
 
 import pytest
 
 from kvdefrag.client import DefragClient, StepEvents
-from kvdefrag.common import EpochMismatch, ServiceUnavailable
-from kvdefrag.server import Move, make_executor
+from kvdefrag.common import EpochMismatch, InvalidArgument, ServiceUnavailable
 from kvdefrag.vllm._ranks import RankGroup
 
+from support.doubles import ScriptedExecutor
 from support.kv import SignedKv
 from support.server import Serve
 
 
-class StallOnceExecutor:
-    """The real CPU executor; its first batch takes ``stall_s`` longer."""
-
-    def __init__(self, kv: SignedKv, stall_s: float) -> None:
-        self._inner = make_executor(kv.kv_caches, kv.block_size)
-        self.num_blocks = self._inner.num_blocks
-        self.stall_s = stall_s
-
-    def execute(self, moves: Sequence[Move]) -> Any:
-        if self.stall_s:
-            time.sleep(self.stall_s)
-            self.stall_s = 0.0
-        return self._inner.execute(moves)
-
-
 def test_a_rank_that_answers_late_is_completed_not_stepped_twice(serve: Serve) -> None:
     kvs = [SignedKv.create(64), SignedKv.create(64)]
-    slow = StallOnceExecutor(kvs[1], stall_s=1.5)
+    slow = ScriptedExecutor.for_kv(kvs[1])
+    slow.stall_next(1.5)  # its first batch
     handles = [serve(kv=kvs[0], threshold=0), serve(kv=kvs[1], threshold=0, executor=slow)]
     clients = [DefragClient(handle.address, timeout_s=0.5) for handle in handles]
     group = RankGroup(clients)
@@ -52,7 +36,8 @@ def test_a_rank_that_answers_late_is_completed_not_stepped_twice(serve: Serve) -
 
 def test_a_submitted_step_is_waited_for_on_each_rank_by_its_stamp(serve: Serve) -> None:
     kvs = [SignedKv.create(64), SignedKv.create(64)]
-    slow = StallOnceExecutor(kvs[1], stall_s=0.3)
+    slow = ScriptedExecutor.for_kv(kvs[1])
+    slow.stall_next(0.3)  # its first batch
     handles = [serve(kv=kvs[0], threshold=0), serve(kv=kvs[1], threshold=0, executor=slow)]
     group = RankGroup([DefragClient(handle.address) for handle in handles])
     try:
@@ -79,3 +64,55 @@ def test_waiting_for_a_step_that_never_comes_names_it(serve: Serve) -> None:
         client.reset()
         with pytest.raises(EpochMismatch, match=f"seq 1 of epoch {epoch}: the server is at"):
             handle.wait_applied(epoch, 1, timeout_s=5.0)
+
+
+@pytest.mark.parametrize("num_ranks", [1, 3])
+def test_a_step_is_checked_once_for_all_ranks_and_keeps_every_mirror(
+    serve: Serve, monkeypatch: pytest.MonkeyPatch, num_ranks: int
+) -> None:
+    handles = [serve(kv=SignedKv.create(64), threshold=0) for _ in range(num_ranks)]
+    group = RankGroup([DefragClient(handle.address) for handle in handles])
+    build = StepEvents.build
+    num_builds = [0]
+
+    def counted_build(cls: type[StepEvents], **fields: Any) -> StepEvents:
+        num_builds[0] += 1
+        return build(**fields)
+
+    monkeypatch.setattr(StepEvents, "build", classmethod(counted_build))
+    try:
+        # Constructed directly, as the scheduler's ledger does: checked once, by the group.
+        steps = [
+            StepEvents(new_blocks={"a": [40, 41], "b": [50]}),
+            StepEvents(finished=("a",), new_blocks={"c": [60]}, fresh=[]),
+        ]
+        for seq, events in enumerate(steps, start=1):
+            assert group.step(events).seq == seq
+        assert num_builds[0] == len(steps)
+        assert group.submit(steps[0].checked()).result().seq == 3  # built: no check at all
+        assert num_builds[0] == len(steps) + 1  # that one .checked() above
+        for client, handle in zip(group.clients, handles, strict=True):
+            assert client.live_requests() == handle.engine.list_requests()
+            assert client.digest == handle.engine.digest == group.primary.digest
+            assert client.audit().is_consistent
+    finally:
+        group.close()
+
+
+def test_a_step_of_another_type_is_refused_before_any_rank_is_sent_it(serve: Serve) -> None:
+    handles = [serve(kv=SignedKv.create(64)) for _ in range(2)]
+    group = RankGroup([DefragClient(handle.address) for handle in handles])
+    try:
+        bad_steps: list[Any] = [
+            {"new_blocks": {"a": [3]}},
+            StepEvents(new_blocks={"a": ["3"]}),  # constructed directly, of the wrong type
+        ]
+        for bad in bad_steps:
+            with pytest.raises(InvalidArgument):
+                group.step(bad)
+            with pytest.raises(InvalidArgument):
+                group.submit(bad)
+        assert [client.next_seq for client in group.clients] == [1, 1]
+        assert [handle.engine.stats().totals.num_steps for handle in handles] == [0, 0]
+    finally:
+        group.close()

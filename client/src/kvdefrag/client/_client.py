@@ -48,6 +48,7 @@ from kvdefrag.client._types import AuditReport, ServiceStats, StepReply
 from kvdefrag.client.record import StepRecorder
 from kvdefrag.common import DefragError, InvalidArgument, MirrorDiverged, StepEvents
 from kvdefrag.common._exit import call_at_exit
+from kvdefrag.common.events import step_call_events
 
 DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 # At interpreter exit, how long closing waits for a step running in another thread.
@@ -206,6 +207,8 @@ class DefragClient:
     # --- the step ---------------------------------------------------------------------
     def step(
         self,
+        events: StepEvents | None = None,
+        /,
         *,
         finished: Iterable[str] = (),
         new_blocks: Mapping[str, Sequence[int]] | None = None,
@@ -215,7 +218,14 @@ class DefragClient:
     ) -> StepReply:
         """Sends one scheduling iteration's block events and applies the reply.
 
+        Pass the events either as a ``StepEvents`` (``client.step(events)``) or as its
+        fields' keywords (``client.step(new_blocks=...)``), not both. A ``StepEvents``
+        that ``StepEvents.build`` made is sent as is (neither copied nor checked again:
+        leave it unchanged, it is kept until the reply is applied); one constructed
+        directly is checked first.
+
         Args:
+            events: The step's events.
             finished: Request ids that finished or were preempted (blocks released).
             new_blocks: Request id -> logical ids appended this step.
             resumed: Request id -> full new block list of a resumed request (replaces).
@@ -231,14 +241,16 @@ class DefragClient:
                 ``complete_pending_step()`` and send them again.
             StepOutcomeUnknown: No reply within ``timeout_s``: the step is pending (the
                 server may have applied it); call ``complete_pending_step()``.
-            InvalidArgument: A field is malformed (nothing changed on either side).
+            InvalidArgument: A field is malformed, ``events`` is not a ``StepEvents``, or
+                it comes with keywords (nothing changed on either side).
             MessageTooLarge: The step exceeds ``max_message_bytes`` (nothing changed).
             EngineUnhealthy: The server's engine failed a KV move; ``reset()`` recovers.
             EpochMismatch: The server restarted or was reset under this client.
             MirrorDiverged: The reply does not match the mirror.
             DefragError: Any other refusal (``OutOfOrder``, ``SessionConflict``).
         """
-        events = StepEvents.build(
+        events = step_call_events(
+            events,
             finished=finished,
             new_blocks=new_blocks,
             resumed=resumed,

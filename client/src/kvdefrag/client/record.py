@@ -92,12 +92,12 @@ class Trace:
 class StepRecorder:
     """Writes the steps a scheduler sends to a JSON-lines trace.
 
-    Wrap it around the client's calls: record the keywords, then send them::
+    Wrap it around the client's calls: record the events, then send them::
 
         recorder = StepRecorder("trace.jsonl", num_blocks=client.num_blocks,
                                 block_size=client.block_size, prefix_caching=False)
-        recorder.record(**step_kwargs)
-        client.step(**step_kwargs)
+        recorder.record(events)
+        client.step(events)
 
     Lines are buffered; ``flush()`` or ``close()`` writes them out (a crash may lose the
     last buffered steps, never corrupt earlier lines).

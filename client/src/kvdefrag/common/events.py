@@ -11,7 +11,7 @@ import dataclasses
 import operator
 from array import array
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 from kvdefrag.common.errors import InvalidArgument, quote
 
@@ -88,7 +88,11 @@ class StepEvents:
             the engine decide (every newly live block without prefix caching, none with).
 
     Build one with ``StepEvents.build(...)`` (it checks types and copies); the range
-    checks against the pool are the engine's.
+    checks against the pool are the engine's. ``step()`` (engine, client, rank group)
+    takes a built value as is, neither copied nor checked again, so leave it unchanged
+    once built. A value constructed directly (``StepEvents(...)``, or
+    ``dataclasses.replace``) is not trusted: ``step()`` checks it once, as ``build``
+    would, and uses the checked copy (see ``checked()``).
 
     Example:
         >>> StepEvents.build(new_blocks={"req-a": (5, 9)}).new_blocks
@@ -100,6 +104,10 @@ class StepEvents:
     resumed: dict[str, list[int]] = dataclasses.field(default_factory=dict)
     fresh: list[int] | None = None
     evicted: list[int] = dataclasses.field(default_factory=list)
+
+    # True on the values ``build`` returns (set on the instance; not a field, so equality
+    # and repr ignore it).
+    _is_checked: ClassVar[bool] = False
 
     @classmethod
     def build(
@@ -121,12 +129,30 @@ class StepEvents:
                 "finished: expected a collection of request ids, "
                 f"got a {type(finished).__name__} ({quote(finished)})"
             )
-        return cls(
+        events = cls(
             finished=tuple(_request_id("finished", request_id) for request_id in finished),
             new_blocks=_block_lists("new_blocks", new_blocks),
             resumed=_block_lists("resumed", resumed),
             fresh=None if fresh is None else _block_ids("fresh", fresh),
             evicted=_block_ids("evicted", evicted),
+        )
+        object.__setattr__(events, "_is_checked", True)  # frozen: the one write
+        return events
+
+    def checked(self) -> StepEvents:
+        """Returns these events if ``build`` made them, else a checked copy of them.
+
+        Raises:
+            InvalidArgument: A value constructed directly holds a field of the wrong type.
+        """
+        if self._is_checked:
+            return self
+        return type(self).build(
+            finished=self.finished,
+            new_blocks=self.new_blocks,
+            resumed=self.resumed,
+            fresh=self.fresh,
+            evicted=self.evicted,
         )
 
     @classmethod
@@ -149,3 +175,66 @@ class StepEvents:
     def is_empty(self) -> bool:
         """True when the step carries no event at all."""
         return not (self.finished or self.new_blocks or self.resumed or self.fresh or self.evicted)
+
+
+def step_call_events(
+    events: object,
+    *,
+    finished: Iterable[str],
+    new_blocks: Mapping[str, Sequence[int]] | None,
+    resumed: Mapping[str, Sequence[int]] | None,
+    fresh: Iterable[int] | None,
+    evicted: Iterable[int],
+) -> StepEvents:
+    """The events of a ``step(events)`` or ``step(**keywords)`` call, checked once.
+
+    Args:
+        events: The positional argument: a ``StepEvents``, or None for the keyword form.
+        finished: ``step``'s keywords, as passed (their defaults: ``()`` or None).
+        new_blocks: As ``finished``.
+        resumed: As ``finished``.
+        fresh: As ``finished``.
+        evicted: As ``finished``.
+
+    Returns:
+        ``events`` itself if ``StepEvents.build`` made it, else the checked events.
+
+    Raises:
+        InvalidArgument: ``events`` is not a StepEvents, or comes with event keywords,
+            or a field has the wrong type.
+    """
+    if events is None:
+        return StepEvents.build(
+            finished=finished, new_blocks=new_blocks, resumed=resumed, fresh=fresh, evicted=evicted
+        )
+    # NOTE: a keyword at its default adds nothing; any other value (even an empty list,
+    # or ``fresh=()``, which means "none is fresh") would compete with the events.
+    at_default = {
+        "finished": isinstance(finished, tuple) and not finished,
+        "new_blocks": new_blocks is None,
+        "resumed": resumed is None,
+        "fresh": fresh is None,
+        "evicted": isinstance(evicted, tuple) and not evicted,
+    }
+    given = [name for name, is_default in at_default.items() if not is_default]
+    if given:
+        raise InvalidArgument(
+            f"step: got events and the keyword {given[0]!r}: pass the events one way, "
+            "either a StepEvents or keywords"
+        )
+    return checked_step_events(events)
+
+
+def checked_step_events(events: object) -> StepEvents:
+    """``events``, type-checked once: itself if ``StepEvents.build`` made it, else the
+    checked copy (see ``StepEvents.checked``).
+
+    Raises:
+        InvalidArgument: ``events`` is not a ``StepEvents``, or a field has the wrong type.
+    """
+    if not isinstance(events, StepEvents):
+        raise InvalidArgument(
+            f"step: expected a StepEvents, got a {type(events).__name__} ({quote(events)}); "
+            "pass the events as keywords, or as StepEvents.build(...)"
+        )
+    return events.checked()

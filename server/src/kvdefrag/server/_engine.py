@@ -36,6 +36,7 @@ from kvdefrag.common import (
     Totals,
 )
 from kvdefrag.common.errors import quote
+from kvdefrag.common.events import step_call_events
 from kvdefrag.server import _policy
 from kvdefrag.server._executor import KvCaches, MoveReport, SwapExecutor, make_executor
 from kvdefrag.server._policy import MoveBatch
@@ -190,6 +191,8 @@ class Engine:
     # --- the step ---------------------------------------------------------------------
     def step(
         self,
+        events: StepEvents | None = None,
+        /,
         *,
         finished: Iterable[str] = (),
         new_blocks: Mapping[str, Sequence[int]] | None = None,
@@ -199,28 +202,47 @@ class Engine:
     ) -> StepResult:
         """Applies one scheduling iteration's block events, then compacts if needed.
 
-        The keywords are the fields of ``kvdefrag.common.StepEvents`` (see there); a
-        ``StepEvents`` value is sent with ``engine.step(**events.as_kwargs())``.
+        Pass the events either as a ``StepEvents`` (``engine.step(events)``) or as its
+        fields' keywords (``engine.step(new_blocks=...)``), not both. A ``StepEvents``
+        that ``StepEvents.build`` made is applied as is (neither copied nor checked
+        again: leave it unchanged); one constructed directly is checked first.
+
+        Args:
+            events: The step's events.
+            finished: Request ids whose blocks are released (finished or preempted).
+            new_blocks: Request id -> logical block ids appended this step.
+            resumed: Request id -> the full new block list of a resumed request.
+            fresh: Logical ids among the new/resumed ones that hold no data yet; None:
+                every newly live block without prefix caching, none with it.
+            evicted: Logical ids dropped from the prefix cache.
 
         Returns:
             The new or changed mapping entries, the moves executed and statistics.
 
         Raises:
-            InvalidArgument: A field is malformed; nothing changed.
+            InvalidArgument: A field is malformed, ``events`` is not a ``StepEvents``,
+                or it comes with keywords; nothing changed.
             EngineUnhealthy: A previous KV move failed (nothing changed), or this one
                 did: the step is applied without its compaction and counted in
                 ``stats().totals.num_steps``.
         """
-        events = StepEvents.build(
-            finished=finished, new_blocks=new_blocks, resumed=resumed, fresh=fresh, evicted=evicted
+        return self.apply_events(
+            step_call_events(
+                events,
+                finished=finished,
+                new_blocks=new_blocks,
+                resumed=resumed,
+                fresh=fresh,
+                evicted=evicted,
+            )
         )
-        return self.apply_events(events)
 
     def apply_events(self, events: StepEvents) -> StepResult:
-        """``step`` for events that are already a ``StepEvents`` (the servicer's path).
+        """``step`` for events whose types are known to be right (the servicer's path).
 
         The types are taken as ``StepEvents.build`` (or a proto conversion) guarantees
-        them, and nothing is copied: the caller must not change ``events`` afterwards.
+        them, even for a ``StepEvents`` constructed directly, and nothing is copied: the
+        caller must not change ``events`` afterwards.
         The pool checks (ranges, duplicates, fresh blocks) run as in ``step``.
 
         Raises:

@@ -88,7 +88,7 @@ def replay_trace(
     for index, events in enumerate(trace.steps):
         started = time.perf_counter()
         try:
-            result = engine.step(**events.as_kwargs())
+            result = engine.step(events)
         except InvalidArgument as err:
             line = trace.line_numbers[index] if trace.line_numbers else index + 2
             raise InvalidArgument(

@@ -254,7 +254,7 @@ def _drive(
         if recorder is not None:
             recorder.record(step.events)
         started = time.perf_counter()
-        reply = client.step(**step.events.as_kwargs())
+        reply = client.step(step.events)
         latency_s = time.perf_counter() - started
         stats = reply.stats
         pool.apply(step.events)

@@ -17,8 +17,8 @@ hands out block ids exactly the way vLLM 0.33's ``BlockPool`` does::
       the front, cached ones to the tail, so they are evicted last-block-first;
     * a prefix-cache hit on a free block takes it out of the queue (ref count 0 -> 1).
 
-Each scheduling iteration yields a ``WorkloadStep`` whose ``events.as_kwargs()`` are the
-keywords of ``Engine.step`` / ``DefragClient.step``. The generator is deterministic for a
+Each scheduling iteration yields a ``WorkloadStep`` whose ``events`` are what
+``Engine.step`` / ``DefragClient.step`` take. The generator is deterministic for a
 given configuration (seed included), and the request stream (arrivals and lengths) does
 not depend on the pool size, so the same configuration with ``background_blocks`` set
 to ``num_blocks - C`` gives the same events, shifted by a constant id offset, for every

@@ -2,8 +2,10 @@
 
 Every tensor-parallel (and pipeline-parallel) rank owns a slice of the KV cache in the same
 block layout, so every rank's engine must apply the same steps and reach the same mapping.
-The step is built once, sent to all ranks concurrently, and the replies must agree on the
-digest of the live mapping and on the epoch the session was opened in.
+The step is built once and its types are checked once, whatever the number of ranks; the
+one ``StepEvents`` is sent to all ranks concurrently (each client builds its own message,
+which carries that rank's seq and epoch, and keeps its own mirror), and the replies must
+agree on the digest of the live mapping and on the epoch the session was opened in.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from kvdefrag.client import DefragClient, StepReply
 from kvdefrag.common import DefragError, StepEvents, StepOutcomeUnknown
+from kvdefrag.common.events import checked_step_events
 from kvdefrag.vllm.common import StepStamp
 
 # How many times a rank's pending step is resent (each within the client's timeout_s)
@@ -52,15 +55,22 @@ class RankGroup:
     def step(self, events: StepEvents) -> StepReply:
         """Sends one step to every rank concurrently and waits for all of them.
 
+        Args:
+            events: The step's events; one constructed directly (not by
+                ``StepEvents.build``) is checked here, once for every rank.
+
         Returns:
             The first rank's reply (the others are equal in digest and mapping).
 
         Raises:
+            InvalidArgument: ``events`` is not a ``StepEvents``, or a field has the wrong
+                type; no rank was sent anything.
             RanksDiverged: The ranks' digests differ, or a rank's epoch changed.
             StepOutcomeUnknown: A rank did not answer, even after its pending step was
                 resent ``MAX_COMPLETION_ATTEMPTS`` times (it stays pending there).
             DefragError: A rank refused the step (the first such error, by rank).
         """
+        events = checked_step_events(events)
         if len(self.clients) == 1:
             return self._checked([step_through_timeouts(self.primary, events)])
         return self.submit(events).result()
@@ -72,7 +82,11 @@ class RankGroup:
             The step in flight: its ``StepStamp`` (each rank's ``(epoch, seq)``), and ``result()``,
             which waits for every reply and checks them as ``step`` does. Submit the next
             step only after ``result()`` returned.
+
+        Raises:
+            InvalidArgument: As ``step``; no rank was sent anything.
         """
+        events = checked_step_events(events)
         stamp = StepStamp(tuple((client.epoch, client.next_seq) for client in self.clients))
         futures = [
             self._pool.submit(step_through_timeouts, client, events) for client in self.clients
@@ -118,9 +132,13 @@ def step_through_timeouts(client: DefragClient, events: StepEvents) -> StepReply
     A step without a reply in time may have been applied (and its KV moved) on that rank,
     so it is completed, never resent as a new step: ``complete_pending_step()`` until it
     answers, at most ``MAX_COMPLETION_ATTEMPTS`` times.
+
+    Args:
+        client: The rank's client.
+        events: The step's events, shared by every rank (they are only read).
     """
     try:
-        return client.step(**events.as_kwargs())
+        return client.step(events)
     except StepOutcomeUnknown:
         for attempt in range(MAX_COMPLETION_ATTEMPTS):
             try:
