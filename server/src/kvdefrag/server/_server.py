@@ -31,7 +31,7 @@ from kvdefrag.server import _convert, _socket_file
 from kvdefrag.server._engine import Engine, StepObserver, StepResult
 from kvdefrag.server._executor import KvCaches, SwapExecutor
 from kvdefrag.server._limits import MAX_OTHER_STREAMS, MIN_WORKERS, StreamShare, StreamSlots
-from kvdefrag.server._servicer import DefragServicer, ServiceMetrics
+from kvdefrag.server._servicer import DefragServicer
 from kvdefrag.server._socket_file import MAX_SOCKET_PATH_BYTES, SocketFile
 from kvdefrag.server._tls import server_credentials
 from kvdefrag.server.config import ServiceConfig, load_config
@@ -328,7 +328,6 @@ def serve_in_process(
     stream: Any = None,
     kv_lock: threading.Lock | None = None,
     observer: StepObserver | None = None,
-    metrics: ServiceMetrics | None = None,
     registry: CollectorRegistry | None = None,
     max_workers: int = 8,
     **config: Any,
@@ -342,10 +341,9 @@ def serve_in_process(
         executor: A swap executor to use instead of the one built for the caches.
         stream: CUDA/HPU: the stream of the worker's forward pass.
         kv_lock: CPU: the lock the worker holds during its forward pass.
-        observer: Told about every step (engine metrics); default: a ``Metrics``.
-        metrics: Told about errors and replayed steps; default: the same ``Metrics``.
-        registry: Where the default ``Metrics`` registers (a new registry if None);
-            served on ``/metrics`` when ``metrics_port`` is set.
+        observer: Also told about every step, besides the server's metrics and health.
+        registry: Where the server's ``Metrics`` register, once the engine exists (a new
+            registry if None); served on ``/metrics`` when ``metrics_port`` is set.
         max_workers: gRPC handler threads (a stream holds one while it is open), at
             least 7: streams get a bounded share, unary calls the rest (``_limits``).
         **config: Fields of ``EngineConfig`` (threshold, max_moves_per_step,
@@ -360,6 +358,7 @@ def serve_in_process(
         InvalidArgument: A bad option or address, a non-loopback TCP address without
             TLS or ``insecure``, or a ``max_message_bytes`` too small for a step's reply.
         OSError: The address is taken (``errno.EADDRINUSE``).
+        ValueError: ``registry`` already holds kvdefrag's metrics.
     """
     engine_config, service_config = load_config({**config, "address": address})
     if max_workers < MIN_WORKERS:
@@ -367,10 +366,6 @@ def serve_in_process(
             f"max_workers must be >= {MIN_WORKERS} (the writer, the streams' shares and room "
             f"for unary calls), got {max_workers}"
         )
-    registry = registry if registry is not None else CollectorRegistry()
-    default_metrics = Metrics(registry)
-    observer = observer if observer is not None else default_metrics
-    metrics = metrics if metrics is not None else default_metrics
     engine = Engine(
         kv_caches,
         block_size,
@@ -380,6 +375,8 @@ def serve_in_process(
         kv_lock=kv_lock,
         observer=observer,
     )
+    registry = registry if registry is not None else CollectorRegistry()
+    metrics = Metrics(registry, engine)
     servicer = DefragServicer(engine, service_config, metrics=metrics)
     listen_address = parse_address(service_config.address)
     thread_pool = futures.ThreadPoolExecutor(
@@ -403,7 +400,6 @@ def serve_in_process(
     reflection.enable_server_reflection(
         (_convert.SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
-    default_metrics.bind_engine(engine)
     metrics_server: MetricsServer | None = None
     try:
         bound_address, socket_file = _listen(server, listen_address, service_config)
