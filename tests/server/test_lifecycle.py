@@ -368,11 +368,11 @@ EXITING_SCRIPT = """
     import tempfile
     import torch
     from kvdefrag.client import DefragClient
-    from kvdefrag.server import serve_in_process
+    from kvdefrag.server import ServiceConfig, serve_in_process
 
     kv_caches = [(torch.zeros(64 * 2, 4), torch.zeros(64 * 2, 4))]
     address = f"unix:{tempfile.mkdtemp()}/kv.sock"
-    handle = serve_in_process(kv_caches, block_size=2, address=address)
+    handle = serve_in_process(kv_caches, 2, service_config=ServiceConfig(address=address))
     client = DefragClient(address)
     client.step(new_blocks={"a": [3, 4]})
     print("stepped", flush=True)
@@ -403,7 +403,11 @@ def test_process_with_a_server_and_an_open_client_stream_exits_after_an_uncaught
 def test_exit_hooks_keep_no_server_or_client_alive(tmp_path: Path) -> None:
     kv = SignedKv.create(16, block_size=BLOCK_SIZE)
     # NOTE: not the ``serve`` fixture: it keeps its servers alive until teardown.
-    handle = serve_in_process(kv.kv_caches, kv.block_size, f"unix:{tmp_path}/kv.sock")
+    handle = serve_in_process(
+        kv.kv_caches,
+        kv.block_size,
+        service_config=ServiceConfig(address=f"unix:{tmp_path}/kv.sock"),
+    )
     client = DefragClient(handle.address)
     client.close()
     handle.stop(0)

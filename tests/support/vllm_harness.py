@@ -34,7 +34,7 @@ from vllm.v1.structured_output import StructuredOutputManager
 
 from kvdefrag.client.vllm.scheduler import DefragAsyncScheduler, DefragScheduler
 from kvdefrag.client.vllm.topology import RUN_DIR_ENV, rank_address
-from kvdefrag.server import ServerHandle, serve_in_process
+from kvdefrag.server import EngineConfig, ServerHandle, ServiceConfig, serve_in_process
 from kvdefrag.server.vllm_worker import (
     BlockIdTranslator,
     DefragWorkerMixin,
@@ -147,7 +147,10 @@ def serve_rank(socket_path: str, num_blocks: int) -> tuple[Any, torch.Tensor]:
     """One rank's service on a tiny int64 KV cache: one layer, one slot per token."""
     key = torch.zeros(num_blocks * BLOCK_SIZE, 1, dtype=torch.int64)
     handle = serve_in_process(
-        [(key, None)], block_size=BLOCK_SIZE, address=f"unix:{socket_path}", threshold=2
+        [(key, None)],
+        BLOCK_SIZE,
+        engine_config=EngineConfig(threshold=2),
+        service_config=ServiceConfig(address=f"unix:{socket_path}"),
     )
     return handle, key
 

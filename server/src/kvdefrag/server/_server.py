@@ -34,7 +34,7 @@ from kvdefrag.server._limits import MAX_OTHER_STREAMS, MIN_WORKERS, StreamShare,
 from kvdefrag.server._servicer import DefragServicer
 from kvdefrag.server._socket_file import MAX_SOCKET_PATH_BYTES, SocketFile
 from kvdefrag.server._tls import server_credentials
-from kvdefrag.server.config import ServiceConfig, load_config
+from kvdefrag.server.config import EngineConfig, ServiceConfig
 from kvdefrag.server.metrics import Metrics, MetricsServer, serve_metrics
 
 _LOGGER = logging.getLogger(__name__)
@@ -322,22 +322,28 @@ def _add_port(
 def serve_in_process(
     kv_caches: KvCaches,
     block_size: int,
-    address: str | None = None,
     *,
+    engine_config: EngineConfig | None = None,
+    service_config: ServiceConfig | None = None,
     executor: SwapExecutor | None = None,
     stream: Any = None,
     kv_lock: threading.Lock | None = None,
     observer: StepObserver | None = None,
     registry: CollectorRegistry | None = None,
     max_workers: int = 8,
-    **config: Any,
 ) -> ServerHandle:
     """Starts the kvdefrag service in background threads of the calling process.
+
+    The configs come in typed and are used as given: this reads no environment. Whoever
+    starts the server (the command line, the vLLM worker) builds them once, with
+    ``load_config`` from its flags and ``KVDEFRAG_*`` variables.
 
     Args:
         kv_caches: The worker's per-layer ``(key, value)`` KV tensors.
         block_size: Token slots per block.
-        address: ``unix:/abs/path.sock`` or ``HOST:PORT``; None: config/env/default.
+        engine_config: The engine's knobs; None: ``EngineConfig()``.
+        service_config: Where it listens and how (``address``, TLS, limits,
+            ``metrics_port``); None: ``ServiceConfig()``.
         executor: A swap executor to use instead of the one built for the caches.
         stream: CUDA/HPU: the stream of the worker's forward pass.
         kv_lock: CPU: the lock the worker holds during its forward pass.
@@ -346,21 +352,28 @@ def serve_in_process(
             registry if None); served on ``/metrics`` when ``metrics_port`` is set.
         max_workers: gRPC handler threads (a stream holds one while it is open), at
             least 7: streams get a bounded share, unary calls the rest (``_limits``).
-        **config: Fields of ``EngineConfig`` (threshold, max_moves_per_step,
-            pad_buckets, enable_placement, prefix_caching) and of ``ServiceConfig``
-            (insecure, tls_*, max_message_bytes, replay_cache_size, metrics_port,
-            metrics_host); they override ``KVDEFRAG_*`` variables.
 
     Returns:
         The running server's handle; call ``stop()`` when the worker shuts down.
 
     Raises:
-        InvalidArgument: A bad option or address, a non-loopback TCP address without
-            TLS or ``insecure``, or a ``max_message_bytes`` too small for a step's reply.
+        InvalidArgument: A config that is not of its type, a bad address, a
+            non-loopback TCP address without TLS or ``insecure``, or a
+            ``max_message_bytes`` too small for a step's reply.
         OSError: The address is taken (``errno.EADDRINUSE``).
         ValueError: ``registry`` already holds kvdefrag's metrics.
     """
-    engine_config, service_config = load_config({**config, "address": address})
+    engine_config = engine_config if engine_config is not None else EngineConfig()
+    service_config = service_config if service_config is not None else ServiceConfig()
+    for name, value, cls, article in (
+        ("engine_config", engine_config, EngineConfig, "an"),
+        ("service_config", service_config, ServiceConfig, "a"),
+    ):
+        if not isinstance(value, cls):
+            raise InvalidArgument(
+                f"{name} must be {article} {cls.__name__}, got {type(value).__name__} (build "
+                "both configs with load_config from options and KVDEFRAG_* variables)"
+            )
     if max_workers < MIN_WORKERS:
         raise InvalidArgument(
             f"max_workers must be >= {MIN_WORKERS} (the writer, the streams' shares and room "
@@ -375,8 +388,7 @@ def serve_in_process(
         kv_lock=kv_lock,
         observer=observer,
     )
-    registry = registry if registry is not None else CollectorRegistry()
-    metrics = Metrics(registry, engine)
+    metrics = Metrics(registry if registry is not None else CollectorRegistry(), engine)
     servicer = DefragServicer(engine, service_config, metrics=metrics)
     listen_address = parse_address(service_config.address)
     thread_pool = futures.ThreadPoolExecutor(
@@ -405,7 +417,7 @@ def serve_in_process(
         bound_address, socket_file = _listen(server, listen_address, service_config)
         if service_config.metrics_port is not None:
             metrics_server = serve_metrics(
-                registry, service_config.metrics_port, service_config.metrics_host
+                metrics.registry, service_config.metrics_port, service_config.metrics_host
             )
     except BaseException:
         server.stop(None)
@@ -423,6 +435,6 @@ def serve_in_process(
         health_servicer,
         socket_file,
         thread_pool,
-        registry,
+        metrics.registry,
         metrics_server,
     )

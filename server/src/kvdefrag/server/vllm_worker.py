@@ -48,6 +48,7 @@ from kvdefrag.client.vllm.topology import (
     workers_translate,
 )
 from kvdefrag.server._server import ServerHandle, serve_in_process
+from kvdefrag.server.config import load_config
 
 __all__ = [
     "BlockIdTranslator",
@@ -448,7 +449,14 @@ class DefragWorkerMixin:
         address = self.kvdefrag_address()
         device = kv_caches[0][0].device
         stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
-        handle = serve_in_process(kv_caches, block_size, address=address, stream=stream)
+        engine_config, service_config = load_config({"address": address})
+        handle = serve_in_process(
+            kv_caches,
+            block_size,
+            engine_config=engine_config,
+            service_config=service_config,
+            stream=stream,
+        )
         try:
             addresses = _gather_addresses(address, int(worker.parallel_config.world_size))
             if worker.rank == 0:
