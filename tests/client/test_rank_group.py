@@ -43,9 +43,9 @@ def test_a_rank_that_answers_late_is_completed_not_stepped_twice(serve: Serve) -
         reply = group.step(StepEvents.build(new_blocks={"b": [50]}))
         assert reply.seq == 2
         for handle in handles:
-            assert handle.engine.stats().totals.num_steps == 2
-            assert handle.engine.list_requests() == {"a": [40, 41], "b": [50]}
-        assert handles[0].engine.digest == handles[1].engine.digest == clients[1].digest
+            assert handle.stats().totals.num_steps == 2
+            assert handle._engine.list_requests() == {"a": [40, 41], "b": [50]}
+        assert handles[0]._engine.digest == handles[1]._engine.digest == clients[1].digest
     finally:
         group.close()
 
@@ -61,7 +61,7 @@ def test_a_submitted_step_is_waited_for_on_each_rank_by_its_stamp(serve: Serve) 
         assert [epoch for epoch, _ in in_flight.stamps] == group.epochs
         for handle, (epoch, seq) in zip(handles, in_flight.stamps, strict=True):
             handle.wait_applied(epoch, seq, timeout_s=10.0)
-            assert handle.engine.list_requests() == {"a": [40, 41]}  # applied, moves done
+            assert handle._engine.list_requests() == {"a": [40, 41]}  # applied, moves done
         assert in_flight.result().seq == 1
         assert group.submit(StepEvents.build(finished=["a"])).result().seq == 2
     finally:

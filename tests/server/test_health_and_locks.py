@@ -14,9 +14,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvdefrag.common import EngineUnhealthy
 from kvdefrag.server import Engine, EngineConfig, Move
 from kvdefrag.server._executor import TorchSwapExecutor
+from kvdefrag.v1 import defrag_pb2 as pb
+from kvdefrag.v1 import defrag_pb2_grpc as pb_grpc
 
 from support.kv import SignedKv
 from support.server import Serve
@@ -44,18 +45,25 @@ def health_status(address: str) -> Any:
         return stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=10).status
 
 
-def test_a_move_failure_in_process_turns_health_off_until_reset(serve: Serve) -> None:
+def test_a_move_failure_turns_health_off_until_the_handle_resets(serve: Serve) -> None:
     kv = SignedKv.create(64, block_size=BLOCK_SIZE)
     executor = BreakableExecutor(kv)
     handle = serve(kv=kv, threshold=0, executor=executor)
-    engine = handle.engine  # the scheduler in the worker's process: no servicer involved
-    engine.step(new_blocks={"a": list(range(1, 9)), "b": list(range(9, 17))})
-    assert health_status(handle.address) == health_pb2.HealthCheckResponse.SERVING
-    executor.is_broken = True
-    with pytest.raises(EngineUnhealthy):
-        engine.step(finished=["a"])  # b must move down: the move fails
+    first = pb.StepRequest(seq=1)
+    first.new_blocks.add(request_id="a", block_ids=range(1, 9))
+    first.new_blocks.add(request_id="b", block_ids=range(9, 17))
+    with grpc.insecure_channel(handle.address) as channel:
+        stub = pb_grpc.DefragServiceStub(channel)
+        stub.Step(first, timeout=10)
+        assert health_status(handle.address) == health_pb2.HealthCheckResponse.SERVING
+        executor.is_broken = True
+        with pytest.raises(grpc.RpcError) as info:
+            # b must move down: the move fails
+            stub.Step(pb.StepRequest(seq=2, finished_request_ids=["a"]), timeout=10)
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
     assert health_status(handle.address) == health_pb2.HealthCheckResponse.NOT_SERVING
-    engine.reset()
+    old_epoch = handle.epoch
+    assert handle.reset() == handle.epoch != old_epoch
     assert health_status(handle.address) == health_pb2.HealthCheckResponse.SERVING
 
 

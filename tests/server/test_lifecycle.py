@@ -153,15 +153,14 @@ def test_stop_returns_after_its_grace_while_a_step_hangs(serve: Serve, tmp_path:
         executor.go_ahead.set()  # the step completes after stop() has returned ...
         stepping.join(60)
         client.close()
-    engine = handle.engine
-    wait_until(lambda: engine.stats().totals.num_steps == 2)
+    wait_until(lambda: handle.stats().totals.num_steps == 2)
     # ... and leaves the engine whole: a permutation, compacted, and every live block
     # reads its own data where the mapping says it is.
-    mapping = engine.resolve(range(engine.num_blocks)).tolist()
-    assert sorted(mapping) == list(range(engine.num_blocks))
-    stats = engine.stats()
+    mapping = handle.resolve().tolist()
+    stats = handle.stats()
+    assert sorted(mapping) == list(range(stats.num_blocks))
     assert stats.is_healthy and stats.holes == 0 and stats.totals.num_moves > 0
-    assert kv.lost_blocks(engine, [40, 41, 42]) == []
+    assert kv.lost_blocks(handle, [40, 41, 42]) == []
 
 
 # --- 3. the socket is never reachable by others while it binds --------------------------
@@ -437,7 +436,7 @@ def test_a_failed_move_applies_the_step_without_its_compaction_and_says_so(
 
         stats = client.stats()
         # Step 2's events stand (a finished, c running), so the numbers count it ...
-        assert handle.engine.list_requests() == {"b": [40, 41, 42], "c": [20, 21]}
+        assert handle._engine.list_requests() == {"b": [40, 41, 42], "c": [20, 21]}
         assert stats.next_seq == 3
         assert stats.stats.totals.num_steps == 2 and stats.stats.totals.num_moves == 0
         # ... and the reason says what the state is.

@@ -1,5 +1,5 @@
-"""``serve_in_process``: typed configs in, and where the server listens (unix sockets: 0600,
-stale, taken; TCP, TLS and mTLS)."""
+"""``serve_in_process`` and its handle: typed configs in, where the server listens (unix
+sockets: 0600, stale, taken; TCP, TLS and mTLS), and the narrow ``ServerHandle``."""
 
 from __future__ import annotations
 
@@ -7,12 +7,15 @@ import errno
 import os
 import socket
 import stat
+import threading
 from pathlib import Path
 from typing import Any
 
 import grpc
+import numpy as np
 import pytest
 
+from kvdefrag.client import DefragClient, EpochMismatch
 from kvdefrag.common import InvalidArgument
 from kvdefrag.server import EngineConfig, ServiceConfig, load_config, serve_in_process
 from kvdefrag.server._server import parse_address
@@ -97,6 +100,42 @@ def test_a_server_refused_by_its_configs_leaves_nothing_behind(
     with pytest.raises(InvalidArgument, match="max_message_bytes=1024 is too small"):
         serve(f"unix:{tmp_path}/kv.sock", max_message_bytes=1024)
     assert not os.listdir(tmp_path)
+
+
+# --- the handle ---------------------------------------------------------------------------
+def test_the_handle_has_no_engine_and_its_reset_starts_a_new_epoch(serve: Serve) -> None:
+    handle = serve()
+    assert not hasattr(handle, "engine")
+    with DefragClient(handle.address, timeout_s=10) as client:
+        client.step(new_blocks={"a": [3, 4]})
+        old_epoch = handle.epoch
+        assert client.epoch == old_epoch and handle.stats().num_live == 2
+
+        new_epoch = handle.reset()
+
+        assert new_epoch == handle.epoch != old_epoch
+        stats = handle.stats()
+        assert (stats.num_live, stats.num_requests, stats.totals.num_steps) == (0, 0, 0)
+        with pytest.raises(EpochMismatch):
+            client.step(new_blocks={"b": [5]})  # its state belongs to the old epoch
+    with DefragClient(handle.address, timeout_s=10) as client:
+        assert client.epoch == new_epoch  # a new session starts over at the new epoch
+        client.step(new_blocks={"b": [5]})
+
+
+def test_the_handle_resolves_the_mapping_the_kv_lock_guards(serve: Serve) -> None:
+    kv_lock = threading.Lock()
+    handle = serve(kv_lock=kv_lock, threshold=0)
+    assert handle.kv_lock is kv_lock
+    with DefragClient(handle.address, timeout_s=10) as client:
+        client.step(new_blocks={"a": [30, 31, 32]})
+        with handle.kv_lock:  # the forward pass: no block moves meanwhile
+            mapping = handle.resolve()
+            assert mapping.tolist() == handle.resolve(np.arange(64)).tolist()
+            assert handle.resolve([30, 31, 32]).tolist() == client.resolve([30, 31, 32])
+            assert sorted(mapping.tolist()) == list(range(64)) and mapping[30] != 30
+    with pytest.raises(InvalidArgument, match="block id 64 is outside"):
+        handle.resolve([64])
 
 
 def test_unix_socket_is_private_and_removed_on_stop(serve: Serve, tmp_path: Path) -> None:

@@ -262,7 +262,7 @@ def test_reset_starts_a_new_epoch_and_forgets_everything(harness: Harness) -> No
     assert new_epoch == handle.epoch != old_epoch
     stats = stub.GetStats(pb.GetStatsRequest())
     assert (stats.epoch, stats.next_seq, stats.stats.num_live, stats.digest) == (new_epoch, 1, 0, 0)
-    assert handle.engine.config.prefix_caching
+    assert handle._engine.config.prefix_caching
     expect_error(
         lambda: stub.Step(pb.StepRequest(seq=1, epoch=old_epoch)),
         FAILED_PRECONDITION,
@@ -333,7 +333,7 @@ def test_open_switches_prefix_caching_only_while_nothing_was_applied(harness: Ha
         FAILED_PRECONDITION,
         "SessionConflict",
     )
-    assert "prefix_caching" in details and handle.engine.config.prefix_caching
+    assert "prefix_caching" in details and handle._engine.config.prefix_caching
 
 
 # --- bad input --------------------------------------------------------------------------
@@ -464,7 +464,7 @@ def test_every_live_block_keeps_its_data_through_the_wire(harness: Harness) -> N
         kv.write(fresh, [mirror[logical_id] for logical_id in fresh])  # the forward pass
         live = [logical_id for ids in running.values() for logical_id in ids]
         assert kv.mismatched(live, [mirror[logical_id] for logical_id in live]) == []
-    assert mirror == handle.engine.resolve(list(range(128))).tolist()
+    assert mirror == handle.resolve(list(range(128))).tolist()
     assert stub.GetStats(pb.GetStatsRequest()).stats.num_moves > 0
 
 

@@ -135,14 +135,14 @@ def test_the_mixin_serves_the_rank_holds_kv_lock_and_stops_on_shutdown(
     held: list[bool] = []
 
     def execute(scheduler_output: Any) -> Any:
-        lock: threading.Lock = handle.engine.kv_lock
+        lock: threading.Lock = handle.kv_lock
         held.append(lock.locked())
         return scheduler_output
 
     monkeypatch.setattr(_FakeVllmWorker, "execute_model", lambda self, out: execute(out))
     assert worker.execute_model("output") == "output"
     assert held == [True]
-    assert not handle.engine.kv_lock.locked()
+    assert not handle.kv_lock.locked()
 
     worker.shutdown()
     assert worker.kvdefrag_handle is None

@@ -228,7 +228,7 @@ class SignedWorker:
         handle, rank = self.service
         if self.translator is not None:
             wait_for_planned_step(handle, rank, output, timeout_s=60.0)
-        with handle.engine.kv_lock:
+        with handle.kv_lock:
             return self._execute(output)
 
     def _execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
@@ -326,8 +326,8 @@ class SignedWorker:
         if handle is None:
             self._check_cached_free(scheduler, resolve)
             return
-        with handle.engine.kv_lock:
-            self._check_cached_free(scheduler, handle.engine.resolve)
+        with handle.kv_lock:
+            self._check_cached_free(scheduler, handle.resolve)
 
     def _check_cached_free(self, scheduler: Scheduler, resolve: Any) -> None:
         pool = scheduler.kv_cache_manager.block_pool

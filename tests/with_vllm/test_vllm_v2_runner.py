@@ -131,7 +131,7 @@ def test_v2_runner_workers_read_every_signature(
     )
     assert not scheduler.has_requests(), f"unfinished after {steps} steps"
     assert not scheduler._kvdefrag_rewrite  # the workers translate, also when synchronous
-    stats = [handle.engine.stats() for handle, _ in ranks]
+    stats = [handle.stats() for handle, _ in ranks]
     assert stats[0].totals.num_moves > 0, "the workload never made kvdefrag move a block"
     assert stats[0] == stats[1]
     assert num_remaps[0] > 0, "no table ever followed a move"

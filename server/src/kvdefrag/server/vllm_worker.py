@@ -350,7 +350,7 @@ class DefragWorkerMixin:
 
     Invariants: ``kvdefrag_handle`` is None until ``initialize_from_config`` has bound the
     caches and the service listens; while it is set, every ``execute_model`` runs holding
-    ``kvdefrag_handle.engine.kv_lock``, so no block moves during a forward pass.
+    ``kvdefrag_handle.kv_lock``, so no block moves during a forward pass.
     ``kvdefrag_translator`` is set exactly when the workers translate, and
     ``kvdefrag_is_v2_runner`` says which runner's rows follow the moves then.
     """
@@ -376,8 +376,7 @@ class DefragWorkerMixin:
         if workers_translate(vllm_config):
             self.kvdefrag_step_wait_s = step_wait_s()
             self.kvdefrag_is_v2_runner = uses_v2_model_runner(vllm_config)
-            all_ids = np.arange(num_blocks, dtype=np.int64)
-            self.kvdefrag_translator = BlockIdTranslator(lambda: handle.engine.resolve(all_ids))
+            self.kvdefrag_translator = BlockIdTranslator(handle.resolve)
         self.kvdefrag_handle = handle
 
     def execute_model(self, scheduler_output: Any) -> Any:
@@ -400,7 +399,7 @@ class DefragWorkerMixin:
                 scheduler_output,
                 self.kvdefrag_step_wait_s,
             )
-        with handle.engine.kv_lock:
+        with handle.kv_lock:
             if translator is not None:
                 mapping, remap = translator.advance()
                 if remap is not None:

@@ -200,7 +200,7 @@ def run_mode(
             executor=executor,
         )
         try:
-            kv = KvSignatures(kv_caches, options.block_size, handle.engine.kv_lock)
+            kv = KvSignatures(kv_caches, options.block_size, handle.kv_lock)
             with DefragClient(
                 handle.address, prefix_caching=prefix_caching, client_name=f"kvdefrag-demo-{mode}"
             ) as client:
