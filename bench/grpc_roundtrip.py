@@ -40,7 +40,7 @@ import torch
 
 from kvdefrag.client import DefragClient, StepEvents
 from kvdefrag.client import _convert as client_convert
-from kvdefrag.server import Engine, EngineConfig, serve_in_process
+from kvdefrag.server import Engine, EngineConfig, ServiceConfig, serve_in_process
 from kvdefrag.server import _convert as server_convert
 from kvdefrag.tools.workload import SyntheticWorkload, WorkloadConfig
 
@@ -279,8 +279,8 @@ def _measure(steps: list[StepEvents], num_setup: int, num_blocks: int) -> dict[s
         handle = serve_in_process(
             _kv_caches(num_blocks),
             16,
-            address=f"unix:{socket_dir}/kvdefrag.sock",
-            max_moves_per_step=MAX_MOVES_PER_STEP,
+            engine_config=EngineConfig(max_moves_per_step=MAX_MOVES_PER_STEP),
+            service_config=ServiceConfig(address=f"unix:{socket_dir}/kvdefrag.sock"),
         )
         echo = _EchoClient(echo_address)
         try:

@@ -49,7 +49,7 @@ from grpc_roundtrip import (
 
 from kvdefrag.client import DefragClient, StepEvents
 from kvdefrag.client._stream import Stream
-from kvdefrag.server import StepResult, serve_in_process
+from kvdefrag.server import EngineConfig, ServiceConfig, StepResult, serve_in_process
 from kvdefrag.server._servicer import DefragServicer
 
 GOALS = {"light": 1.3, "mid": 1.6, "heavy": 3.0}
@@ -165,10 +165,10 @@ def serve(socket_dir: str, num_blocks: int) -> None:
     handle = serve_in_process(
         _kv_caches(num_blocks),
         16,
-        address=f"unix:{socket_dir}/kvdefrag.sock",
-        max_moves_per_step=MAX_MOVES_PER_STEP,
+        engine_config=EngineConfig(max_moves_per_step=MAX_MOVES_PER_STEP),
+        service_config=ServiceConfig(address=f"unix:{socket_dir}/kvdefrag.sock"),
+        observer=swap_times,  # besides the server's own metrics
     )
-    handle.engine.add_observer(swap_times)  # besides the server's own metrics
     handler = _Timed(DefragServicer, "_stream_step")
     print("ready", flush=True)
     sys.stdin.read()

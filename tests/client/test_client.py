@@ -117,7 +117,7 @@ def lost_blocks(client: DefragClient, signed: SignedKv) -> list[int]:
 
 def server_state(pool: Pool) -> tuple[Any, ...]:
     """What must not change when a step is refused (read in-process, no session needed)."""
-    engine = pool.handle.engine
+    engine = pool.handle._engine
     stats = engine.stats()
     return (
         pool.handle.epoch,
@@ -151,7 +151,7 @@ def test_cut_after_the_server_applied_a_step_replays_it_once(
 ) -> None:
     pool = serve_pool(serve, socket_dir / "server.sock")
     proxy = SocketProxy(f"unix:{socket_dir}/server.sock", listen=f"unix:{socket_dir}/proxy.sock")
-    engine = pool.handle.engine
+    engine = pool.handle._engine
     real_apply_events = engine.apply_events  # what the servicer calls
     cut_after: list[int] = []
 
@@ -200,7 +200,7 @@ def test_cut_before_the_step_reached_the_server_sends_it_again(
 
         assert interceptor.dropped == [3]
         assert (reply.seq, reply.replayed) == (3, False)  # applied now, for the first time
-        assert pool.handle.engine.stats().totals.num_steps == 3
+        assert pool.handle.stats().totals.num_steps == 3
         assert lost_blocks(client, pool.signed) == []
         assert client.audit().is_consistent
 
@@ -220,14 +220,14 @@ def test_a_reply_past_the_deadline_leaves_the_step_pending_and_it_is_applied_onc
         client.timeout_s = 5
         assert client.has_pending_step and client.pending_seq == 2
         assert client.next_seq == 2
-        wait_until(lambda: pool.handle.engine.stats().totals.num_steps == 2)
+        wait_until(lambda: pool.handle.stats().totals.num_steps == 2)
         completed = client.complete_pending_step()
         assert completed is not None and (completed.seq, completed.replayed) == (2, True)
         reply = step_and_write(client, pool.signed, new_blocks={"c": [50]})
 
         assert reply.seq == 3
         assert not client.has_pending_step
-        assert pool.handle.engine.stats().totals.num_steps == 3
+        assert pool.handle.stats().totals.num_steps == 3
         assert client.live_requests() == {"b": [40], "c": [50]}
         assert lost_blocks(client, pool.signed) == []
         assert client.audit().is_consistent
@@ -383,7 +383,7 @@ def test_a_prefix_caching_mode_change_is_refused_while_the_server_has_state(
         client.reset()  # a reset in the client's own mode; a new client may then switch
     with DefragClient(pool.handle.address, prefix_caching=True, timeout_s=5) as client:
         assert client.step(new_blocks={"b": [4]}, fresh=[4]).seq == 1
-    assert pool.handle.engine.config.prefix_caching
+    assert pool.handle._engine.config.prefix_caching
 
 
 def test_a_server_restarted_under_the_client_raises_epoch_mismatch_until_reset(
@@ -428,14 +428,14 @@ def test_an_executor_failure_refuses_steps_until_reset(socket_dir: Path, serve: 
     pool = serve_pool(serve, socket_dir / "server.sock", threshold=4)
     with DefragClient(pool.handle.address, timeout_s=5) as client:
         fragment(client, pool.signed)  # 10 holes below b, above the threshold of 4 ...
-        assert pool.handle.engine.stats().holes == 0  # ... so b was compacted down
+        assert pool.handle.stats().holes == 0  # ... so b was compacted down
         step_and_write(client, pool.signed, new_blocks={"c": [20, 21, 22], "d": [23]})
         client.step(finished=["c"])
-        assert pool.handle.engine.stats().holes == 3  # at most the threshold: left alone
+        assert pool.handle.stats().holes == 3  # at most the threshold: left alone
         client.defragment()  # so the next step runs a pass, which fails
         pool.executor.fail_next()
         before = client_state(client)
-        live_before = pool.handle.engine.resolve([40, 41, 42, 23]).tolist()
+        live_before = pool.handle.resolve([40, 41, 42, 23]).tolist()
 
         with pytest.raises(EngineUnhealthy, match="injected KV copy failure"):
             client.step()
@@ -447,7 +447,7 @@ def test_an_executor_failure_refuses_steps_until_reset(socket_dir: Path, serve: 
         assert not stats.stats.is_healthy
         assert "injected" in stats.unhealthy_reason
         assert client_state(client) == before
-        assert pool.handle.engine.resolve([40, 41, 42, 23]).tolist() == live_before
+        assert pool.handle.resolve([40, 41, 42, 23]).tolist() == live_before
         assert lost_blocks(client, pool.signed) == []  # the failed pass committed nothing
 
         client.reset()
@@ -636,7 +636,7 @@ def test_a_closed_client_refuses_steps(socket_dir: Path, serve: Serve) -> None:
 
     with pytest.raises(DefragError, match="is closed"):
         client.step()
-    assert not pool.handle.engine.list_requests()
+    assert not pool.handle._engine.list_requests()
 
 
 def test_no_server_is_service_unavailable_within_the_deadline(socket_dir: Path) -> None:
@@ -670,9 +670,9 @@ def test_a_step_behind_a_pending_one_is_refused_unsent_and_lands_after_completio
         reply = step_and_write(client, pool.signed, new_blocks={"c": [13]})  # sent again
 
         assert reply.seq == 3
-        assert pool.handle.engine.stats().totals.num_steps == 3
+        assert pool.handle.stats().totals.num_steps == 3
         assert client.live_requests() == {"b": [40], "c": [13]}
-        assert pool.handle.engine.request_blocks("c") == [13]
+        assert pool.handle._engine.request_blocks("c") == [13]
         # Later fresh blocks land around c's, never on them.
         step_and_write(client, pool.signed, new_blocks={"d": list(range(20, 30))})
         assert lost_blocks(client, pool.signed) == []
@@ -690,7 +690,7 @@ def test_reads_refuse_while_a_step_is_pending_and_retrying_it_never_applies_it_t
         events = StepEvents.build(finished=["a"], new_blocks={"c": [50, 51]})
         with pytest.raises(StepOutcomeUnknown):
             client.step(events)  # the server applies it and moves b's block 40 down
-        wait_until(lambda: pool.handle.engine.stats().totals.num_steps == 2)
+        wait_until(lambda: pool.handle.stats().totals.num_steps == 2)
 
         # The mirror still has the mapping from before seq 2: every read refuses.
         for read in (
@@ -704,14 +704,14 @@ def test_reads_refuse_while_a_step_is_pending_and_retrying_it_never_applies_it_t
         # The natural retry, step() with the same events, is refused: not applied twice.
         with pytest.raises(StepPending, match="not sent"):
             client.step(events)
-        assert pool.handle.engine.stats().totals.num_steps == 2
+        assert pool.handle.stats().totals.num_steps == 2
 
         client.timeout_s = 5
         completed = client.complete_pending_step()
         assert completed is not None and completed.replayed
-        assert client.resolve([40]) == pool.handle.engine.resolve([40]).tolist()
+        assert client.resolve([40]) == pool.handle.resolve([40]).tolist()
         assert client.live_requests() == {"b": [40], "c": [50, 51]}
-        assert pool.handle.engine.request_blocks("c") == [50, 51]
+        assert pool.handle._engine.request_blocks("c") == [50, 51]
         pool.signed.write([50, 51], client.resolve([50, 51]))  # the forward pass fills c
         assert lost_blocks(client, pool.signed) == []
         assert client.audit().is_consistent
@@ -735,7 +735,7 @@ def test_a_pending_step_survives_a_reopen_refused_by_a_session_the_server_still_
         client.timeout_s = 5
         completed = client.complete_pending_step()
         assert completed is not None and completed.seq == 2
-        assert pool.handle.engine.stats().totals.num_steps == 2
+        assert pool.handle.stats().totals.num_steps == 2
         assert client.live_requests() == {"a": [1, 2], "b": [3]}
 
 

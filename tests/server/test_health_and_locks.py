@@ -30,18 +30,19 @@ def health_status(address: str) -> Any:
         return stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=10).status
 
 
-def test_a_move_failure_in_process_turns_health_off_until_reset(serve: Serve) -> None:
+def test_a_move_failure_turns_health_off_until_the_handle_resets(serve: Serve) -> None:
     kv = SignedKv.create(64, block_size=BLOCK_SIZE)
     executor = ScriptedExecutor.around(TorchSwapExecutor(kv.kv_caches, kv.block_size))
     handle = serve(kv=kv, threshold=0, executor=executor)
-    engine = handle.engine  # the scheduler in the worker's process: no servicer involved
+    engine = handle._engine  # the scheduler in the worker's process: no servicer involved
     engine.step(new_blocks={"a": list(range(1, 9)), "b": list(range(9, 17))})
     assert health_status(handle.address) == health_pb2.HealthCheckResponse.SERVING
     executor.is_failing = True
     with pytest.raises(EngineUnhealthy):
         engine.step(finished=["a"])  # b must move down: the move fails
     assert health_status(handle.address) == health_pb2.HealthCheckResponse.NOT_SERVING
-    engine.reset()
+    old_epoch = handle.epoch
+    assert handle.reset() == handle.epoch != old_epoch
     assert health_status(handle.address) == health_pb2.HealthCheckResponse.SERVING
 
 

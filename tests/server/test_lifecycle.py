@@ -134,15 +134,14 @@ def test_stop_returns_after_its_grace_while_a_step_hangs(serve: Serve, tmp_path:
         executor.release()  # the step completes after stop() has returned ...
         stepping.join(60)
         client.close()
-    engine = handle.engine
-    wait_until(lambda: engine.stats().totals.num_steps == 2)
+    wait_until(lambda: handle.stats().totals.num_steps == 2)
     # ... and leaves the engine whole: a permutation, compacted, and every live block
     # reads its own data where the mapping says it is.
-    mapping = engine.resolve(range(engine.num_blocks)).tolist()
-    assert sorted(mapping) == list(range(engine.num_blocks))
-    stats = engine.stats()
+    mapping = handle.resolve().tolist()
+    stats = handle.stats()
+    assert sorted(mapping) == list(range(stats.num_blocks))
     assert stats.is_healthy and stats.holes == 0 and stats.totals.num_moves > 0
-    assert kv.lost_blocks(engine, [40, 41, 42]) == []
+    assert kv.lost_blocks(handle, [40, 41, 42]) == []
 
 
 # --- 3. the socket is never reachable by others while it binds --------------------------
@@ -273,11 +272,11 @@ EXITING_SCRIPT = """
     import tempfile
     import torch
     from kvdefrag.client import DefragClient
-    from kvdefrag.server import serve_in_process
+    from kvdefrag.server import ServiceConfig, serve_in_process
 
     kv_caches = [(torch.zeros(64 * 2, 4), torch.zeros(64 * 2, 4))]
     address = f"unix:{tempfile.mkdtemp()}/kv.sock"
-    handle = serve_in_process(kv_caches, block_size=2, address=address)
+    handle = serve_in_process(kv_caches, 2, service_config=ServiceConfig(address=address))
     client = DefragClient(address)
     client.step(new_blocks={"a": [3, 4]})
     print("stepped", flush=True)
@@ -308,7 +307,11 @@ def test_process_with_a_server_and_an_open_client_stream_exits_after_an_uncaught
 def test_exit_hooks_keep_no_server_or_client_alive(tmp_path: Path) -> None:
     kv = SignedKv.create(16, block_size=BLOCK_SIZE)
     # NOTE: not the ``serve`` fixture: it keeps its servers alive until teardown.
-    handle = serve_in_process(kv.kv_caches, kv.block_size, f"unix:{tmp_path}/kv.sock")
+    handle = serve_in_process(
+        kv.kv_caches,
+        kv.block_size,
+        service_config=ServiceConfig(address=f"unix:{tmp_path}/kv.sock"),
+    )
     client = DefragClient(handle.address)
     client.close()
     handle.stop(0)
@@ -338,7 +341,7 @@ def test_a_failed_move_applies_the_step_without_its_compaction_and_says_so(
 
         stats = client.stats()
         # Step 2's events stand (a finished, c running), so the numbers count it ...
-        assert handle.engine.list_requests() == {"b": [40, 41, 42], "c": [20, 21]}
+        assert handle._engine.list_requests() == {"b": [40, 41, 42], "c": [20, 21]}
         assert stats.next_seq == 3
         assert stats.stats.totals.num_steps == 2 and stats.stats.totals.num_moves == 0
         # ... and the reason says what the state is.

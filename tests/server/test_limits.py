@@ -412,7 +412,7 @@ def test_a_state_larger_than_a_message_is_adopted_page_by_page(servers: Servers)
     adopter = servers.client(handle)  # rebuilds its mirror from the server's tables
     assert adopter.list_requests() == expected
     assert adopter.audit().is_consistent
-    assert adopter.resolve(range(4096)) == handle.engine.resolve(range(4096)).tolist()
+    assert adopter.resolve(range(4096)) == handle.resolve(range(4096)).tolist()
     assert adopter.step(finished=["long"]).stats.num_requests == 2400
 
     pages = list_all(servers.stub(handle))

@@ -1,6 +1,6 @@
 """Metrics: values read from a fresh registry after known event sequences on a real Engine.
 
-Also the server's default metrics: wired to the engine and served on /metrics when asked.
+Also the server's metrics: registered once its engine exists, served on /metrics when asked.
 """
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ from __future__ import annotations
 import urllib.request
 from typing import Any
 
+import grpc
 import pytest
 from prometheus_client import REGISTRY, CollectorRegistry
 
@@ -15,6 +16,8 @@ from kvdefrag.common import EngineUnhealthy
 from kvdefrag.server import Engine, EngineConfig
 from kvdefrag.server._executor import TorchSwapExecutor
 from kvdefrag.server.metrics import DURATION_BUCKETS_S, Metrics, serve_metrics
+from kvdefrag.v1 import defrag_pb2 as pb
+from kvdefrag.v1 import defrag_pb2_grpc as pb_grpc
 
 from support.doubles import ScriptedExecutor
 from support.kv import SignedKv
@@ -26,14 +29,14 @@ BLOCK_SIZE = 4
 def make_engine(
     registry: CollectorRegistry, num_blocks: int = 64, **options: Any
 ) -> tuple[Engine, Metrics, SignedKv]:
-    metrics = Metrics(registry)
     kv = SignedKv.create(num_blocks, block_size=BLOCK_SIZE)
     executor = options.pop("executor", None)
-    engine = Engine(
-        kv.kv_caches, BLOCK_SIZE, EngineConfig(**options), observer=metrics, executor=executor
-    )
-    metrics.bind_engine(engine)
-    return engine, metrics, kv
+    engine = Engine(kv.kv_caches, BLOCK_SIZE, EngineConfig(**options), executor=executor)
+    return engine, Metrics(registry, engine), kv
+
+
+def small_engine(num_blocks: int = 16) -> Engine:
+    return Engine(SignedKv.create(num_blocks, block_size=BLOCK_SIZE).kv_caches, BLOCK_SIZE)
 
 
 def value(registry: CollectorRegistry, name: str, **labels: str) -> float | None:
@@ -158,18 +161,29 @@ def test_pool_gauges_follow_the_engine_at_scrape_time(registry: CollectorRegistr
     assert value(registry, "kvdefrag_running_requests") == 1
 
 
-def test_pool_gauges_are_absent_until_an_engine_is_bound(registry: CollectorRegistry) -> None:
-    metrics = Metrics(registry)
-    assert value(registry, "kvdefrag_live_blocks") is None
-    engine = Engine(
-        SignedKv.create(16, block_size=BLOCK_SIZE).kv_caches, BLOCK_SIZE, observer=metrics
-    )
-    metrics.bind_engine(engine)
+def test_one_constructor_registers_everything_and_observes_the_engine(
+    registry: CollectorRegistry,
+) -> None:
+    engine = small_engine()
+    Metrics(registry, engine)  # no other set-up step
     assert value(registry, "kvdefrag_capacity_blocks") == 16
+    assert value(registry, "kvdefrag_live_blocks") == 0
+    assert value(registry, "kvdefrag_steps_total") == 0
+    engine.schedule_defragment()
+    engine.reset()  # an engine event reaches it: the observer is in place
+    assert value(registry, "kvdefrag_healthy") == 1
+
+
+def test_a_refused_registry_leaves_the_engine_unobserved(registry: CollectorRegistry) -> None:
+    engine = small_engine()
+    Metrics(registry, engine)
+    with pytest.raises(ValueError, match="Duplicated timeseries"):
+        Metrics(registry, engine)
+    assert len(engine._observers) == 1  # only the first
 
 
 def test_errors_and_replays_are_counted_by_label(registry: CollectorRegistry) -> None:
-    metrics = Metrics(registry)
+    metrics = Metrics(registry, small_engine())
     metrics.record_error("Step", "INVALID_ARGUMENT")
     metrics.record_error("Step", "INVALID_ARGUMENT")
     metrics.record_error("Resolve", "OUT_OF_RANGE")
@@ -204,14 +218,14 @@ def test_duration_histograms_resolve_sub_millisecond_times(registry: CollectorRe
 
 def test_metrics_use_only_the_injected_registry() -> None:
     first, second = CollectorRegistry(), CollectorRegistry()
-    Metrics(first)
-    Metrics(second).record_replay()  # the same names on another registry: no clash
+    Metrics(first, small_engine())
+    Metrics(second, small_engine()).record_replay()  # the same names elsewhere: no clash
 
     assert first.get_sample_value("kvdefrag_replayed_steps_total") == 0
     assert second.get_sample_value("kvdefrag_replayed_steps_total") == 1
     assert REGISTRY.get_sample_value("kvdefrag_replayed_steps_total") is None
     with pytest.raises(ValueError, match="Duplicated timeseries"):
-        Metrics(first)
+        Metrics(first, small_engine())
 
 
 def test_serve_metrics_exposes_the_registry_over_http(registry: CollectorRegistry) -> None:
@@ -230,22 +244,41 @@ def test_serve_metrics_exposes_the_registry_over_http(registry: CollectorRegistr
     assert 'kvdefrag_defrag_runs_total{result="failed"} 0.0' in text
 
 
-# --- the server's default metrics ------------------------------------------------------
-def test_metrics_endpoint_follows_the_engine(serve: Serve) -> None:
-    handle = serve(metrics_port=0, threshold=0)
+# --- the server's metrics ---------------------------------------------------------------
+def step_through_the_service(address: str, new_blocks: dict[str, list[int]]) -> None:
+    """Step 1 of the epoch over gRPC, as any client sends it; no block is fresh (every
+    one holds data, so compaction copies it)."""
+    request = pb.StepRequest(seq=1, fresh=pb.BlockIds())
+    for request_id, block_ids in new_blocks.items():
+        request.new_blocks.add(request_id=request_id, block_ids=block_ids)
+    with grpc.insecure_channel(address) as channel:
+        pb_grpc.DefragServiceStub(channel).Step(request, timeout=10)
+
+
+def test_metrics_endpoint_follows_the_engine(serve: Serve, registry: CollectorRegistry) -> None:
+    handle = serve(metrics_port=0, threshold=0, registry=registry)
     assert handle.metrics_port is not None
-    handle.engine.step(new_blocks={"req-a": [40, 41]}, fresh=[])
+    # Registered with the engine's pool gauges before any step, no bind step anywhere.
+    assert registry.get_sample_value("kvdefrag_capacity_blocks") == 64
+    step_through_the_service(handle.address, {"req-a": [40, 41]})
     url = f"http://127.0.0.1:{handle.metrics_port}/metrics"
     with urllib.request.urlopen(url, timeout=10) as response:
         text = response.read().decode()
     assert "kvdefrag_steps_total 1.0" in text
     assert 'kvdefrag_moved_blocks_total{direction="one_way"} 2.0' in text
     assert "kvdefrag_live_blocks 2.0" in text
-    assert handle.registry.get_sample_value("kvdefrag_max_live_block_id") == 2.0
+    assert registry.get_sample_value("kvdefrag_max_live_block_id") == 2.0
 
 
-def test_no_metrics_endpoint_unless_asked(serve: Serve) -> None:
-    handle = serve()
+def test_no_metrics_endpoint_unless_asked(serve: Serve, registry: CollectorRegistry) -> None:
+    handle = serve(registry=registry)
     assert handle.metrics_port is None
-    handle.engine.step(new_blocks={"req-a": [3]})
-    assert handle.registry.get_sample_value("kvdefrag_steps_total") == 1.0
+    step_through_the_service(handle.address, {"req-a": [3]})
+    assert registry.get_sample_value("kvdefrag_steps_total") == 1.0
+    assert registry.get_sample_value("kvdefrag_live_blocks") == 1.0
+
+
+def test_a_registry_serves_one_server(serve: Serve, registry: CollectorRegistry) -> None:
+    serve(registry=registry)
+    with pytest.raises(ValueError, match="Duplicated timeseries"):
+        serve(registry=registry)

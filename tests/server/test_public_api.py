@@ -5,7 +5,9 @@ Adding or removing a public name is an API change: update the set here on purpos
 
 from __future__ import annotations
 
-from support.public_api import assert_public_names
+from kvdefrag.server import ServerHandle
+
+from support.public_api import assert_public_members, assert_public_names
 
 SERVER_NAMES = {
     "Engine",
@@ -26,6 +28,25 @@ SERVER_NAMES = {
     "serve_in_process",
 }
 
+# What the worker needs of its running server; the engine stays private, so every change
+# to the served state goes through the servicer (a reset starts a new epoch).
+SERVER_HANDLE_MEMBERS = {
+    "address",
+    "epoch",
+    "kv_lock",
+    "metrics_port",
+    "reset",
+    "resolve",
+    "stats",
+    "stop",
+    "wait",
+    "wait_applied",
+}
+
 
 def test_all_is_pinned_sorted_and_documented() -> None:
     assert_public_names("kvdefrag.server", SERVER_NAMES)
+
+
+def test_server_handle_is_narrow_and_documented() -> None:
+    assert_public_members(ServerHandle, SERVER_HANDLE_MEMBERS)

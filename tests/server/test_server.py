@@ -1,4 +1,5 @@
-"""Where the server listens: unix sockets (0600, stale, taken), TCP, TLS and mTLS."""
+"""``serve_in_process`` and its handle: typed configs in, where the server listens (unix
+sockets: 0600, stale, taken; TCP, TLS and mTLS), and the narrow ``ServerHandle``."""
 
 from __future__ import annotations
 
@@ -6,17 +7,22 @@ import errno
 import os
 import socket
 import stat
+import threading
 from pathlib import Path
 from typing import Any
 
 import grpc
+import numpy as np
 import pytest
 
+from kvdefrag.client import DefragClient, EpochMismatch
 from kvdefrag.common import InvalidArgument
+from kvdefrag.server import EngineConfig, ServiceConfig, load_config, serve_in_process
 from kvdefrag.server._server import parse_address
 from kvdefrag.v1 import defrag_pb2 as pb
 from kvdefrag.v1 import defrag_pb2_grpc as pb_grpc
 
+from support.kv import SignedKv
 from support.server import Serve
 from support.tls import make_certificates
 
@@ -29,6 +35,107 @@ def get_stats(address: str, credentials: grpc.ChannelCredentials | None = None) 
     )
     with channel:
         return pb_grpc.DefragServiceStub(channel).GetStats(pb.GetStatsRequest(), timeout=10)
+
+
+# --- typed configs in -------------------------------------------------------------------
+def test_typed_configs_are_used_as_given_and_no_environment_is_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The edge (command line, vLLM worker) reads these; serve_in_process must not.
+    monkeypatch.setenv("KVDEFRAG_ADDRESS", f"unix:{tmp_path}/elsewhere.sock")
+    monkeypatch.setenv("KVDEFRAG_THRESHOLD", "1000")
+    monkeypatch.setenv("KVDEFRAG_REPLAY_CACHE_SIZE", "64")
+    kv = SignedKv.create(64, block_size=4)
+    address = f"unix:{tmp_path}/kv.sock"
+    with (
+        serve_in_process(
+            kv.kv_caches,
+            kv.block_size,
+            engine_config=EngineConfig(threshold=0),
+            service_config=ServiceConfig(address=address, replay_cache_size=1),
+        ) as handle,
+        grpc.insecure_channel(address) as channel,
+    ):
+        assert handle.address == address and not (tmp_path / "elsewhere.sock").exists()
+        stub = pb_grpc.DefragServiceStub(channel)
+        first = pb.StepRequest(seq=1, fresh=pb.BlockIds())  # b's blocks hold data
+        first.new_blocks.add(request_id="b", block_ids=[40, 41])
+        stub.Step(first, timeout=10)
+        stats = stub.GetStats(pb.GetStatsRequest(), timeout=10).stats
+        assert stats.num_moves == 2  # threshold 0: compacted at once
+        stub.Step(pb.StepRequest(seq=2), timeout=10)
+        with pytest.raises(grpc.RpcError, match="no longer cached"):
+            stub.Step(first, timeout=10)  # one reply kept: seq 1's is gone
+
+
+def test_configs_of_another_type_are_refused_naming_the_argument(tmp_path: Path) -> None:
+    kv = SignedKv.create(16, block_size=4)
+    with pytest.raises(InvalidArgument, match="engine_config must be an EngineConfig, got dict"):
+        serve_in_process(kv.kv_caches, 4, engine_config={"threshold": 0})  # type: ignore[arg-type]
+    with pytest.raises(
+        InvalidArgument, match="service_config must be a ServiceConfig, got EngineConfig"
+    ):
+        serve_in_process(kv.kv_caches, 4, service_config=EngineConfig())  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("options", "environ", "message"),
+    [
+        ({"threshold": -1}, {}, "threshold must be >= 0, got -1"),
+        ({}, {"KVDEFRAG_MAX_MOVES_PER_STEP": "lots"}, "KVDEFRAG_MAX_MOVES_PER_STEP must be int"),
+        ({}, {"KVDEFRAG_REPLAY_CACHE_SIZE": "0"}, "replay_cache_size must be >= 1, got 0"),
+        ({"adress": "unix:/tmp/x.sock"}, {}, "unknown configuration option 'adress'"),
+    ],
+)
+def test_a_bad_option_is_named_where_the_configs_are_built(
+    options: dict[str, Any], environ: dict[str, str], message: str
+) -> None:
+    with pytest.raises(InvalidArgument, match=message):
+        load_config(options, environ)
+
+
+def test_a_server_refused_by_its_configs_leaves_nothing_behind(
+    serve: Serve, tmp_path: Path
+) -> None:
+    with pytest.raises(InvalidArgument, match="max_message_bytes=1024 is too small"):
+        serve(f"unix:{tmp_path}/kv.sock", max_message_bytes=1024)
+    assert not os.listdir(tmp_path)
+
+
+# --- the handle ---------------------------------------------------------------------------
+def test_the_handle_has_no_engine_and_its_reset_starts_a_new_epoch(serve: Serve) -> None:
+    handle = serve()
+    assert not hasattr(handle, "engine")
+    with DefragClient(handle.address, timeout_s=10) as client:
+        client.step(new_blocks={"a": [3, 4]})
+        old_epoch = handle.epoch
+        assert client.epoch == old_epoch and handle.stats().num_live == 2
+
+        new_epoch = handle.reset()
+
+        assert new_epoch == handle.epoch != old_epoch
+        stats = handle.stats()
+        assert (stats.num_live, stats.num_requests, stats.totals.num_steps) == (0, 0, 0)
+        with pytest.raises(EpochMismatch):
+            client.step(new_blocks={"b": [5]})  # its state belongs to the old epoch
+    with DefragClient(handle.address, timeout_s=10) as client:
+        assert client.epoch == new_epoch  # a new session starts over at the new epoch
+        client.step(new_blocks={"b": [5]})
+
+
+def test_the_handle_resolves_the_mapping_the_kv_lock_guards(serve: Serve) -> None:
+    kv_lock = threading.Lock()
+    handle = serve(kv_lock=kv_lock, threshold=0)
+    assert handle.kv_lock is kv_lock
+    with DefragClient(handle.address, timeout_s=10) as client:
+        client.step(new_blocks={"a": [30, 31, 32]})
+        with handle.kv_lock:  # the forward pass: no block moves meanwhile
+            mapping = handle.resolve()
+            assert mapping.tolist() == handle.resolve(np.arange(64)).tolist()
+            assert handle.resolve([30, 31, 32]).tolist() == client.resolve([30, 31, 32])
+            assert sorted(mapping.tolist()) == list(range(64)) and mapping[30] != 30
+    with pytest.raises(InvalidArgument, match="block id 64 is outside"):
+        handle.resolve([64])
 
 
 def test_unix_socket_is_private_and_removed_on_stop(serve: Serve, tmp_path: Path) -> None:

@@ -16,6 +16,7 @@ from typing import Any
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client import CollectorRegistry
 
 from kvdefrag.server import ServerHandle
 from kvdefrag.server._convert import max_step_response_bytes, step_events
@@ -261,7 +262,7 @@ def test_reset_starts_a_new_epoch_and_forgets_everything(harness: Harness) -> No
     assert new_epoch == handle.epoch != old_epoch
     stats = stub.GetStats(pb.GetStatsRequest())
     assert (stats.epoch, stats.next_seq, stats.stats.num_live, stats.digest) == (new_epoch, 1, 0, 0)
-    assert handle.engine.config.prefix_caching
+    assert handle._engine.config.prefix_caching
     expect_error(
         lambda: stub.Step(pb.StepRequest(seq=1, epoch=old_epoch)),
         FAILED_PRECONDITION,
@@ -332,7 +333,7 @@ def test_open_switches_prefix_caching_only_while_nothing_was_applied(harness: Ha
         FAILED_PRECONDITION,
         "SessionConflict",
     )
-    assert "prefix_caching" in details and handle.engine.config.prefix_caching
+    assert "prefix_caching" in details and handle._engine.config.prefix_caching
 
 
 # --- bad input --------------------------------------------------------------------------
@@ -463,7 +464,7 @@ def test_every_live_block_keeps_its_data_through_the_wire(harness: Harness) -> N
         kv.write(fresh, [mirror[logical_id] for logical_id in fresh])  # the forward pass
         live = [logical_id for ids in running.values() for logical_id in ids]
         assert kv.mismatched(live, [mirror[logical_id] for logical_id in live]) == []
-    assert mirror == handle.engine.resolve(list(range(128))).tolist()
+    assert mirror == handle.resolve(list(range(128))).tolist()
     assert stub.GetStats(pb.GetStatsRequest()).stats.num_moves > 0
 
 
@@ -550,26 +551,20 @@ def test_stop_ends_an_idle_stream_instead_of_waiting_for_it(harness: Harness) ->
     assert info.value.code() in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE)
 
 
-class RecordingMetrics:
-    def __init__(self) -> None:
-        self.errors: list[tuple[str, str]] = []
-        self.num_replays = 0
-
-    def record_error(self, method: str, code: str) -> None:
-        self.errors.append((method, code))
-
-    def record_replay(self) -> None:
-        self.num_replays += 1
-
-
-def test_metrics_hook_counts_errors_and_replays(harness: Harness) -> None:
-    metrics = RecordingMetrics()
-    stub = harness.stub(harness.serve(metrics=metrics))
+def test_metrics_count_errors_and_replays(harness: Harness, registry: CollectorRegistry) -> None:
+    stub = harness.stub(harness.serve(registry=registry))
     stub.Step(pb.StepRequest(seq=1))
     stub.Step(pb.StepRequest(seq=1))
     with pytest.raises(grpc.RpcError):
         stub.Step(pb.StepRequest(seq=7))
     with pytest.raises(grpc.RpcError):
         stub.Resolve(pb.ResolveRequest(logical_block_ids=[-1]))
-    assert metrics.num_replays == 1
-    assert metrics.errors == [("Step", "FAILED_PRECONDITION"), ("Resolve", "INVALID_ARGUMENT")]
+    errors = {
+        (sample.labels["method"], sample.labels["code"]): sample.value
+        for family in registry.collect()
+        if family.name == "kvdefrag_errors"
+        for sample in family.samples
+        if sample.name == "kvdefrag_errors_total"
+    }
+    assert registry.get_sample_value("kvdefrag_replayed_steps_total") == 1
+    assert errors == {("Step", "FAILED_PRECONDITION"): 1, ("Resolve", "INVALID_ARGUMENT"): 1}

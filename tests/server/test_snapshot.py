@@ -71,3 +71,34 @@ def test_readers_never_see_a_mapping_that_is_not_a_published_one() -> None:
         stop.set()
         reader.join()
     assert seen and all(mapping in published for mapping in seen)
+
+
+def test_read_all_is_a_private_copy_of_a_published_mapping() -> None:
+    rng = random.Random(3)
+    num_blocks = 4096
+    fwd = list(range(num_blocks))
+    snapshots = MappingSnapshots(num_blocks)
+    published = {tuple(fwd)}
+    stop = threading.Event()
+    seen: list[tuple[int, ...]] = []
+
+    def read_all() -> None:
+        while not stop.is_set():
+            mapping = snapshots.read_all()
+            if len(seen) < 1000:
+                seen.append(tuple(mapping.tolist()))
+
+    reader = threading.Thread(target=read_all)
+    reader.start()
+    try:
+        for _ in range(200):
+            snapshots.publish(fwd, random_swaps(rng, fwd, 64))
+            published.add(tuple(fwd))
+    finally:
+        stop.set()
+        reader.join()
+    assert seen and all(mapping in published for mapping in seen)
+    mapping = snapshots.read_all()
+    assert mapping.tolist() == fwd == snapshots.read(np.arange(num_blocks)).tolist()
+    mapping[1] = 0  # the caller's copy: the published mapping is untouched
+    assert snapshots.read_all().tolist() == fwd

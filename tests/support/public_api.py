@@ -22,3 +22,15 @@ def assert_public_names(module_name: str, names: set[str]) -> None:
         if name.isupper():  # a constant: documented where it is defined
             continue
         assert getattr(module, name).__doc__, f"{module_name}.{name} has no docstring"
+
+
+def assert_public_members(cls: type, names: set[str]) -> None:
+    """Fails unless ``cls`` has exactly the public members ``names``, each documented.
+
+    Adding a public member widens what callers may rely on: the caller pins the set on
+    purpose (and names what must stay private by leaving it out).
+    """
+    public = {name for name in dir(cls) if not name.startswith("_")}
+    assert public == names
+    for name in names:
+        assert getattr(cls, name).__doc__, f"{cls.__qualname__}.{name} has no docstring"

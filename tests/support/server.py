@@ -11,7 +11,8 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any, Protocol
 
-from kvdefrag.server import ServerHandle, serve_in_process
+from kvdefrag.server import ServerHandle, load_config, serve_in_process
+from kvdefrag.server.config import option_names
 
 from support.kv import SignedKv
 
@@ -37,14 +38,24 @@ def running_server(
             block_size=block_size)``, every block signed.
         num_blocks: Blocks of the default caches.
         block_size: Token slots per block of the default caches.
-        **options: Keywords of ``serve_in_process`` (``executor``, ``metrics``,
-            ``threshold``, ``tls_cert_file``, ...).
+        **options: Options of either config (``threshold``, ``tls_cert_file``, ...),
+            built into typed configs here as the command line does (without the
+            environment), and keywords of ``serve_in_process`` (``executor``,
+            ``registry``, ...).
 
     Yields:
         The running server's handle.
     """
     kv = kv if kv is not None else SignedKv.create(num_blocks, block_size=block_size)
-    handle = serve_in_process(kv.kv_caches, kv.block_size, address, **options)
+    config_options = {name: options.pop(name) for name in option_names() if name in options}
+    engine_config, service_config = load_config({**config_options, "address": address}, {})
+    handle = serve_in_process(
+        kv.kv_caches,
+        kv.block_size,
+        engine_config=engine_config,
+        service_config=service_config,
+        **options,
+    )
     try:
         yield handle
     finally:

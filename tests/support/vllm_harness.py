@@ -20,7 +20,6 @@ from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
-import numpy as np
 import torch
 from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
 from vllm.sampling_params import SamplingParams
@@ -33,7 +32,7 @@ from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
-from kvdefrag.server import ServerHandle, serve_in_process
+from kvdefrag.server import EngineConfig, ServerHandle, ServiceConfig, serve_in_process
 from kvdefrag.vllm.common import RUN_DIR_ENV, rank_address
 from kvdefrag.vllm.scheduler import DefragAsyncScheduler, DefragScheduler
 from kvdefrag.vllm.worker import (
@@ -100,8 +99,7 @@ def spy_preemptions(scheduler: Scheduler) -> list[str]:
 
 def translator_for(handle: ServerHandle, num_blocks: int) -> BlockIdTranslator:
     """The translator ``DefragWorkerMixin`` gives a worker of ``handle``'s rank."""
-    all_ids = np.arange(num_blocks)
-    return BlockIdTranslator(lambda: handle.engine.resolve(all_ids))
+    return BlockIdTranslator(handle.resolve)
 
 
 def make_scheduler(
@@ -154,7 +152,10 @@ def serve_rank(socket_path: str, num_blocks: int) -> tuple[Any, torch.Tensor]:
     """One rank's service on a tiny int64 KV cache: one layer, one slot per token."""
     key = torch.zeros(num_blocks * BLOCK_SIZE, 1, dtype=torch.int64)
     handle = serve_in_process(
-        [(key, None)], block_size=BLOCK_SIZE, address=f"unix:{socket_path}", threshold=2
+        [(key, None)],
+        BLOCK_SIZE,
+        engine_config=EngineConfig(threshold=2),
+        service_config=ServiceConfig(address=f"unix:{socket_path}"),
     )
     return handle, key
 
@@ -231,7 +232,7 @@ class SignedWorker:
             return self._execute(output)
         handle, rank = self.service
         wait_for_planned_step(handle, rank, output, timeout_s=60.0)
-        with handle.engine.kv_lock:
+        with handle.kv_lock:
             return self._execute(output)
 
     def _execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
@@ -329,8 +330,8 @@ class SignedWorker:
         if handle is None:
             self._check_cached_free(scheduler, resolve)
             return
-        with handle.engine.kv_lock:
-            self._check_cached_free(scheduler, handle.engine.resolve)
+        with handle.kv_lock:
+            self._check_cached_free(scheduler, handle.resolve)
 
     def _check_cached_free(self, scheduler: Scheduler, resolve: Any) -> None:
         pool = scheduler.kv_cache_manager.block_pool
@@ -452,7 +453,7 @@ class V2SignedWorker(DefragWorkerMixin, V2SignedRunner):
         self.vllm_config = vllm_config
         self.rank = rank
         if handle is not None:
-            self.kvdefrag_attach(handle, num_blocks)
+            self.kvdefrag_attach(handle)
 
     def rank_service(self) -> ServerHandle | None:
         return self.kvdefrag_handle

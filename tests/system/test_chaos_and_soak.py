@@ -142,7 +142,7 @@ def test_chaos_every_step_is_applied_exactly_once_and_no_block_is_corrupted(
             num_failures = run_workload(client, signed, workload, check_every=100)
             proxy.calm()
             client.timeout_s = 10
-            totals = handle.engine.stats().totals
+            totals = handle.stats().totals
             assert totals.num_steps == num_steps == client.next_seq - 1
             assert corrupted_blocks(client, signed, workload, prefix_caching) == []
             assert client.audit().is_consistent
@@ -173,7 +173,7 @@ def test_soak_keeps_every_block_and_memory_flat(serve: Serve, tmp_path: Path) ->
         with DefragClient(handle.address, prefix_caching=True, timeout_s=30) as client:
             workload = SyntheticWorkload(workload_config(num_steps, True, seed=7))
             run_workload(client, signed, workload, check_every=1_000, on_check=on_check)
-            assert handle.engine.stats().totals.num_steps == num_steps
+            assert handle.stats().totals.num_steps == num_steps
     finally:
         handle.stop(1.0)
     assert max(cache_sizes) == replay_cache_size

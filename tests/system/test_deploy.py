@@ -67,9 +67,8 @@ def run_tool(*command: str) -> str:
 def exported_names() -> dict[str, str]:
     """Every sample name a Metrics registry exports, mapped to its metric family."""
     registry = CollectorRegistry()
-    metrics = Metrics(registry)
     key = torch.zeros(16 * 4, 2)
-    metrics.bind_engine(Engine([(key, key.clone())], block_size=4))
+    metrics = Metrics(registry, Engine([(key, key.clone())], block_size=4))
     metrics.record_error("Step", "INVALID_ARGUMENT")
     names = {}
     for family in registry.collect():

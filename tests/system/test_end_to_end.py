@@ -83,9 +83,7 @@ def test_every_live_block_reads_its_own_data_through_the_client(
             holding = sorted(workload.model.holds_data())
             lost = signed.mismatched(holding, client.resolve(holding))
             assert lost == [], f"step {step_number}: blocks lost their data: {lost}"
-            assert client.resolve(range(NUM_BLOCKS)) == (
-                handle.engine.resolve(range(NUM_BLOCKS)).tolist()
-            )
+            assert client.resolve(range(NUM_BLOCKS)) == (handle.resolve(range(NUM_BLOCKS)).tolist())
             assert client.live_requests() == workload.model.requests
         report = client.audit()
         assert report.is_consistent, report.describe()

@@ -38,15 +38,9 @@ def prometheus_binary() -> str:
 
 
 def make_engine(registry: CollectorRegistry, num_blocks: int) -> Engine:
-    metrics = Metrics(registry)
     key = torch.arange(num_blocks * BLOCK_SIZE, dtype=torch.float32).unsqueeze(1)
-    engine = Engine(
-        [(key, key.clone())],
-        config=EngineConfig(threshold=0),
-        block_size=BLOCK_SIZE,
-        observer=metrics,
-    )
-    metrics.bind_engine(engine)
+    engine = Engine([(key, key.clone())], config=EngineConfig(threshold=0), block_size=BLOCK_SIZE)
+    Metrics(registry, engine)
     return engine
 
 

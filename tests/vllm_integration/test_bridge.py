@@ -14,7 +14,6 @@ import itertools
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
-import numpy as np
 import pytest
 import torch
 
@@ -54,8 +53,7 @@ class RowWorker:
         self.service: tuple[ServerHandle, BlockIdTranslator] | None = None
 
     def attach(self, handle: ServerHandle) -> None:
-        all_ids = np.arange(NUM_BLOCKS)
-        self.service = (handle, BlockIdTranslator(lambda: handle.engine.resolve(all_ids)))
+        self.service = (handle, BlockIdTranslator(handle.resolve))
 
     def data(self, physical_id: int) -> torch.Tensor:
         return self.kv[physical_id * BLOCK_SIZE : (physical_id + 1) * BLOCK_SIZE]
@@ -66,7 +64,7 @@ class RowWorker:
         assert self.service is not None
         handle, translator = self.service
         wait_for_planned_step(handle, 0, out, timeout_s=10)
-        with handle.engine.kv_lock:
+        with handle.kv_lock:
             mapping, remap = translator.advance()
             if remap is not None:
                 self.rows = {rid: remap[row].tolist() for rid, row in self.rows.items()}
@@ -237,11 +235,11 @@ def test_translating_workers_keep_every_row_reading_its_own_data(
             assert worker.wrong_blocks(truth, scheduled) == [], f"after step {number}"
             # the rows of every running request follow the moves, scheduled or not
             assert worker.rows == {
-                rid: handles[0].engine.resolve(ids).tolist() for rid, ids in truth.items()
+                rid: handles[0].resolve(ids).tolist() for rid, ids in truth.items()
             }, f"after step {number}"
         bridge.settle()
         assert bridge.totals.num_steps == 7
-        moves = handles[0].engine.stats().totals.num_moves
+        moves = handles[0].stats().totals.num_moves
         assert moves > 0  # blocks did move under the rows
         assert {c.digest for c in clients} == {clients[0].digest}
         for client in clients:

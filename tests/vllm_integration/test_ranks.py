@@ -27,9 +27,9 @@ def test_a_rank_that_answers_late_is_completed_not_stepped_twice(serve: Serve) -
         reply = group.step(StepEvents.build(new_blocks={"b": [50]}))
         assert reply.seq == 2
         for handle in handles:
-            assert handle.engine.stats().totals.num_steps == 2
-            assert handle.engine.list_requests() == {"a": [40, 41], "b": [50]}
-        assert handles[0].engine.digest == handles[1].engine.digest == clients[1].digest
+            assert handle.stats().totals.num_steps == 2
+            assert handle._engine.list_requests() == {"a": [40, 41], "b": [50]}
+        assert handles[0]._engine.digest == handles[1]._engine.digest == clients[1].digest
     finally:
         group.close()
 
@@ -46,7 +46,7 @@ def test_a_submitted_step_is_waited_for_on_each_rank_by_its_stamp(serve: Serve) 
         assert [epoch for epoch, _ in in_flight.stamp.by_rank] == group.epochs
         for handle, (epoch, seq) in zip(handles, in_flight.stamp.by_rank, strict=True):
             handle.wait_applied(epoch, seq, timeout_s=10.0)
-            assert handle.engine.list_requests() == {"a": [40, 41]}  # applied, moves done
+            assert handle._engine.list_requests() == {"a": [40, 41]}  # applied, moves done
         assert in_flight.result().seq == 1
         assert group.submit(StepEvents.build(finished=["a"])).result().seq == 2
     finally:
@@ -92,8 +92,8 @@ def test_a_step_is_checked_once_for_all_ranks_and_keeps_every_mirror(
         assert group.submit(steps[0].checked()).result().seq == 3  # built: no check at all
         assert num_builds[0] == len(steps) + 1  # that one .checked() above
         for client, handle in zip(group.clients, handles, strict=True):
-            assert client.live_requests() == handle.engine.list_requests()
-            assert client.digest == handle.engine.digest == group.primary.digest
+            assert client.live_requests() == handle._engine.list_requests()
+            assert client.digest == handle._engine.digest == group.primary.digest
             assert client.audit().is_consistent
     finally:
         group.close()
@@ -113,6 +113,6 @@ def test_a_step_of_another_type_is_refused_before_any_rank_is_sent_it(serve: Ser
             with pytest.raises(InvalidArgument):
                 group.submit(bad)
         assert [client.next_seq for client in group.clients] == [1, 1]
-        assert [handle.engine.stats().totals.num_steps for handle in handles] == [0, 0]
+        assert [handle.stats().totals.num_steps for handle in handles] == [0, 0]
     finally:
         group.close()

@@ -142,7 +142,7 @@ def test_the_mixin_serves_the_rank_holds_kv_lock_and_stops_on_shutdown(
     held: list[bool] = []
 
     def execute(scheduler_output: Any) -> Any:
-        lock: threading.Lock = handle.engine.kv_lock
+        lock: threading.Lock = handle.kv_lock
         held.append(lock.locked())
         return scheduler_output
 
@@ -153,7 +153,7 @@ def test_the_mixin_serves_the_rank_holds_kv_lock_and_stops_on_shutdown(
     # translated: the client's step placed req-0's fresh 5, 6 at the bottom (1, 2), and
     # free 1, 2 took their slots
     assert output.scheduled_new_reqs[0].block_ids == ([5, 6],)
-    assert not handle.engine.kv_lock.locked()
+    assert not handle.kv_lock.locked()
 
     worker.shutdown()
     assert worker.kvdefrag_handle is None

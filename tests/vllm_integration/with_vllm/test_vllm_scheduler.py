@@ -114,7 +114,7 @@ def test_every_read_finds_its_signature_with_two_ranks(
     totals = scheduler.kvdefrag.totals
     assert not scheduler.has_requests(), f"unfinished after {steps} steps"
     assert scheduler.kvdefrag.ledger.held == {}
-    stats = [handle.engine.stats() for handle, _ in ranks]
+    stats = [handle.stats() for handle, _ in ranks]
     assert stats[0].totals.num_moves > 0, "the workload never made kvdefrag move a block"
     assert stats[0] == stats[1]
     assert totals.num_audits == scheduler._kvdefrag_num_schedules > 100
@@ -211,7 +211,7 @@ def test_async_scheduling_with_translating_workers_reads_every_signature(
         reset_prefix_cache_every=53 if prefix_caching else 0,
     )
     assert not scheduler.has_requests(), f"unfinished after {steps} steps"
-    stats = [handle.engine.stats() for handle, _ in async_ranks]
+    stats = [handle.stats() for handle, _ in async_ranks]
     assert stats[0].totals.num_moves > 0, "the workload never made kvdefrag move a block"
     assert stats[0] == stats[1]
     for worker in workers:
@@ -257,7 +257,7 @@ def test_translating_workers_wait_for_the_step_sent_without_waiting(
     waits_for_a_step_in_flight = []
 
     def counted(self: ServerHandle, epoch: int, seq: int, timeout_s: float) -> None:
-        if self.engine.stats().totals.num_steps < seq:
+        if self.stats().totals.num_steps < seq:
             waits_for_a_step_in_flight.append(seq)
         wait_applied(self, epoch, seq, timeout_s)
 
@@ -452,7 +452,7 @@ def test_new_blocks_to_zero_are_zeroed_at_their_physical_slots(
     monkeypatch.setattr(SignedWorker, "execute", execute)
     _, workers, _ = _run(cls, model_dir, served, prefix_caching=True, zero_new_blocks=True)
     assert len(zeroed) > 100
-    assert served[0][0].engine.stats().totals.num_moves > 0
+    assert served[0][0].stats().totals.num_moves > 0
     for worker in workers:
         assert worker.num_checked > 10_000
         assert worker.num_corrupted == 0

@@ -130,7 +130,7 @@ def test_v2_runner_workers_read_every_signature(
         reset_prefix_cache_every=53 if prefix_caching and is_async else 0,
     )
     assert not scheduler.has_requests(), f"unfinished after {steps} steps"
-    stats = [handle.engine.stats() for handle, _ in ranks]
+    stats = [handle.stats() for handle, _ in ranks]
     assert stats[0].totals.num_moves > 0, "the workload never made kvdefrag move a block"
     assert stats[0] == stats[1]
     assert num_remaps[0] > 0, "no table ever followed a move"

@@ -190,8 +190,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         handle = serve_in_process(
             make_kv_caches(shape),
             shape.block_size,
-            **dataclasses.asdict(options.engine_config),
-            **dataclasses.asdict(options.service_config),
+            engine_config=options.engine_config,
+            service_config=options.service_config,
         )
     except (InvalidArgument, OSError) as err:
         print(f"kvdefrag-server: {err}", file=sys.stderr)

@@ -416,6 +416,11 @@ class Engine:
             start += length
         return resolved
 
+    def mapping(self) -> npt.NDArray[np.int64]:
+        """The whole logical->physical mapping (index: logical id), lock-free: a copy of
+        what the last step published, cheaper than resolving every id."""
+        return self._snapshots.read_all()
+
     def stats(self) -> PoolStats:
         """The pool as of the last step or reset (lock-free)."""
         return self._published.stats

@@ -17,24 +17,27 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Sequence
 from concurrent import futures
 from typing import Any
 
 import grpc
+import numpy as np
+import numpy.typing as npt
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
-from kvdefrag.common import InvalidArgument
+from kvdefrag.common import InvalidArgument, PoolStats
 from kvdefrag.common._exit import call_at_exit
 from kvdefrag.server import _convert, _socket_file
 from kvdefrag.server._engine import Engine, StepObserver, StepResult
 from kvdefrag.server._executor import KvCaches, SwapExecutor
 from kvdefrag.server._limits import MAX_OTHER_STREAMS, MIN_WORKERS, StreamShare, StreamSlots
-from kvdefrag.server._servicer import DefragServicer, ServiceMetrics
+from kvdefrag.server._servicer import DefragServicer
 from kvdefrag.server._socket_file import MAX_SOCKET_PATH_BYTES, SocketFile
 from kvdefrag.server._tls import server_credentials
-from kvdefrag.server.config import ServiceConfig, load_config
+from kvdefrag.server.config import EngineConfig, ServiceConfig
 from kvdefrag.server.metrics import Metrics, MetricsServer, serve_metrics
 
 _LOGGER = logging.getLogger(__name__)
@@ -127,49 +130,85 @@ def grpc_options(config: ServiceConfig) -> list[tuple[str, Any]]:
 
 
 class ServerHandle:
-    """A running service: its address, its engine, and a graceful ``stop``.
+    """A running service, as the worker that started it sees it.
 
-    Attributes:
-        address: Where it listens (with the real port when port 0 was asked for).
-        engine: The engine it serves (for a scheduler in the same process); its
-            ``config`` is the engine configuration in force (a Reset may change it).
-        service_config: The service configuration it was built from.
-        registry: The Prometheus registry of its metrics.
+    Narrow on purpose: the worker holds ``kv_lock`` during its forward pass and reads the
+    mapping (``resolve``), the pool (``stats``) and the step it waits for
+    (``wait_applied``, ``epoch``); it never reaches the engine itself. Every change to
+    the served state goes through the servicer, so a reset (``reset``) always starts a
+    new epoch and no client keeps stepping an engine that changed under it.
+
+    Built by ``serve_in_process``; call ``stop()`` (or use it as a context manager) when
+    the worker shuts down.
     """
 
     def __init__(
         self,
         address: str,
         engine: Engine,
-        config: ServiceConfig,
         server: grpc.Server,
         servicer: DefragServicer,
         health_servicer: Any,
         socket_file: SocketFile | None,
         thread_pool: futures.ThreadPoolExecutor,
-        registry: CollectorRegistry,
         metrics_server: MetricsServer | None,
     ) -> None:
-        self.address = address
-        self.engine = engine
-        self.service_config = config
+        self._address = address
+        # NOTE: private: whoever holds the engine could step or reset it behind the
+        # servicer's back (its epoch would not change). Tests read it for what the
+        # handle does not offer (the request table, the engine config in force).
+        self._engine = engine
         self._server = server
         self._servicer = servicer
         self._health = health_servicer
         self._socket_file = socket_file
         self._thread_pool = thread_pool
-        self.registry = registry
         self._metrics_server = metrics_server
         self._stop_lock = threading.Lock()
         self._stopped = threading.Event()
         self._is_stopped_cleanly = True
         call_at_exit(self._stop_at_exit)
 
+    @property
+    def address(self) -> str:
+        """Where it listens (with the real port when port 0 was asked for)."""
+        return self._address
+
+    @property
+    def kv_lock(self) -> threading.Lock:
+        """The lock the worker holds during its forward pass: no block moves meanwhile.
+
+        The engine takes it to move KV data and publish the new mapping, so ``resolve``
+        and ``stats`` read under it see the mapping the KV data is in.
+        """
+        return self._engine.kv_lock
+
+    def resolve(
+        self, logical_ids: Sequence[int] | npt.ArrayLike | None = None
+    ) -> npt.NDArray[np.int64]:
+        """Maps logical block ids to physical ids, lock-free, as of the last step.
+
+        Args:
+            logical_ids: Ids in ``[0, num_blocks)``, any shape; None: the whole mapping
+                (index ``i`` holds the physical id of logical id ``i``), a copy taken
+                without checking or gathering ids, for a worker that reads it every pass.
+
+        Raises:
+            InvalidArgument: An id is not an integer or is out of range.
+        """
+        if logical_ids is None:
+            return self._engine.mapping()
+        return self._engine.resolve(logical_ids)
+
+    def stats(self) -> PoolStats:
+        """The pool as of the last step or reset (lock-free)."""
+        return self._engine.stats()
+
     def wait_applied(self, epoch: int, seq: int, timeout_s: float) -> None:
         """Returns once the service has applied step ``seq`` of ``epoch``.
 
         For a worker told of a step that its scheduler sent without waiting for the reply
-        (``kvdefrag.client.vllm``): call it before taking ``engine.kv_lock`` (the step may
+        (``kvdefrag.client.vllm``): call it before taking ``kv_lock`` (the step may
         need the lock to move KV data).
 
         Raises:
@@ -188,6 +227,21 @@ class ServerHandle:
     def epoch(self) -> int:
         """The server's current epoch."""
         return self._servicer.epoch
+
+    def reset(self, *, prefix_caching: bool | None = None) -> int:
+        """Resets the served engine through the servicer, as the Reset RPC does.
+
+        Forgets every request, restores the identity mapping and starts a new epoch
+        (healthy again): a client of the old epoch gets ``EpochMismatch`` at its next
+        step. The KV data stays where it is.
+
+        Args:
+            prefix_caching: The mode of the new epoch; None keeps the current one.
+
+        Returns:
+            The new epoch.
+        """
+        return self._servicer.reset(prefix_caching=prefix_caching)
 
     def stop(self, grace_s: float | None = 5.0) -> bool:
         """Stops serving: health NOT_SERVING first, then in-flight steps finish.
@@ -250,9 +304,9 @@ class ServerHandle:
 class _HealthReporter:
     """The one owner of ``grpc.health.v1`` status: an engine observer.
 
-    NOT_SERVING after a failed KV move, whichever path the step came through (the
-    servicer or ``handle.engine.step()``); SERVING again after a reset. Once the server
-    stops, the health servicer's graceful shutdown keeps every name NOT_SERVING.
+    NOT_SERVING after a failed KV move, whichever RPC the step came through; SERVING
+    again after a reset (the Reset RPC or ``ServerHandle.reset``). Once the server stops,
+    the health servicer's graceful shutdown keeps every name NOT_SERVING.
     """
 
     def __init__(self, health_servicer: Any) -> None:
@@ -322,55 +376,63 @@ def _add_port(
 def serve_in_process(
     kv_caches: KvCaches,
     block_size: int,
-    address: str | None = None,
     *,
+    engine_config: EngineConfig | None = None,
+    service_config: ServiceConfig | None = None,
     executor: SwapExecutor | None = None,
     stream: Any = None,
     kv_lock: threading.Lock | None = None,
     observer: StepObserver | None = None,
-    metrics: ServiceMetrics | None = None,
     registry: CollectorRegistry | None = None,
     max_workers: int = 8,
-    **config: Any,
 ) -> ServerHandle:
     """Starts the kvdefrag service in background threads of the calling process.
+
+    The configs come in typed and are used as given: this reads no environment. Whoever
+    starts the server (the command line, the vLLM worker) builds them once, with
+    ``load_config`` from its flags and ``KVDEFRAG_*`` variables.
 
     Args:
         kv_caches: The worker's per-layer ``(key, value)`` KV tensors.
         block_size: Token slots per block.
-        address: ``unix:/abs/path.sock`` or ``HOST:PORT``; None: config/env/default.
+        engine_config: The engine's knobs; None: ``EngineConfig()``.
+        service_config: Where it listens and how (``address``, TLS, limits,
+            ``metrics_port``); None: ``ServiceConfig()``.
         executor: A swap executor to use instead of the one built for the caches.
         stream: CUDA/HPU: the stream of the worker's forward pass.
         kv_lock: CPU: the lock the worker holds during its forward pass.
-        observer: Told about every step (engine metrics); default: a ``Metrics``.
-        metrics: Told about errors and replayed steps; default: the same ``Metrics``.
-        registry: Where the default ``Metrics`` registers (a new registry if None);
-            served on ``/metrics`` when ``metrics_port`` is set.
+        observer: Also told about every step, besides the server's metrics and health.
+        registry: Where the server's ``Metrics`` register, once the engine exists (a new
+            registry if None); served on ``/metrics`` when ``metrics_port`` is set.
         max_workers: gRPC handler threads (a stream holds one while it is open), at
             least 7: streams get a bounded share, unary calls the rest (``_limits``).
-        **config: Fields of ``EngineConfig`` (threshold, max_moves_per_step,
-            pad_buckets, enable_placement, prefix_caching) and of ``ServiceConfig``
-            (insecure, tls_*, max_message_bytes, replay_cache_size, metrics_port,
-            metrics_host); they override ``KVDEFRAG_*`` variables.
 
     Returns:
         The running server's handle; call ``stop()`` when the worker shuts down.
 
     Raises:
-        InvalidArgument: A bad option or address, a non-loopback TCP address without
-            TLS or ``insecure``, or a ``max_message_bytes`` too small for a step's reply.
+        InvalidArgument: A config that is not of its type, a bad address, a
+            non-loopback TCP address without TLS or ``insecure``, or a
+            ``max_message_bytes`` too small for a step's reply.
         OSError: The address is taken (``errno.EADDRINUSE``).
+        ValueError: ``registry`` already holds kvdefrag's metrics.
     """
-    engine_config, service_config = load_config({**config, "address": address})
+    engine_config = engine_config if engine_config is not None else EngineConfig()
+    service_config = service_config if service_config is not None else ServiceConfig()
+    for name, value, cls, article in (
+        ("engine_config", engine_config, EngineConfig, "an"),
+        ("service_config", service_config, ServiceConfig, "a"),
+    ):
+        if not isinstance(value, cls):
+            raise InvalidArgument(
+                f"{name} must be {article} {cls.__name__}, got {type(value).__name__} (build "
+                "both configs with load_config from options and KVDEFRAG_* variables)"
+            )
     if max_workers < MIN_WORKERS:
         raise InvalidArgument(
             f"max_workers must be >= {MIN_WORKERS} (the writer, the streams' shares and room "
             f"for unary calls), got {max_workers}"
         )
-    registry = registry if registry is not None else CollectorRegistry()
-    default_metrics = Metrics(registry)
-    observer = observer if observer is not None else default_metrics
-    metrics = metrics if metrics is not None else default_metrics
     engine = Engine(
         kv_caches,
         block_size,
@@ -380,6 +442,7 @@ def serve_in_process(
         kv_lock=kv_lock,
         observer=observer,
     )
+    metrics = Metrics(registry if registry is not None else CollectorRegistry(), engine)
     servicer = DefragServicer(engine, service_config, metrics=metrics)
     listen_address = parse_address(service_config.address)
     thread_pool = futures.ThreadPoolExecutor(
@@ -403,13 +466,12 @@ def serve_in_process(
     reflection.enable_server_reflection(
         (_convert.SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
-    default_metrics.bind_engine(engine)
     metrics_server: MetricsServer | None = None
     try:
         bound_address, socket_file = _listen(server, listen_address, service_config)
         if service_config.metrics_port is not None:
             metrics_server = serve_metrics(
-                registry, service_config.metrics_port, service_config.metrics_host
+                metrics.registry, service_config.metrics_port, service_config.metrics_host
             )
     except BaseException:
         server.stop(None)
@@ -421,12 +483,10 @@ def serve_in_process(
     return ServerHandle(
         bound_address,
         engine,
-        service_config,
         server,
         servicer,
         health_servicer,
         socket_file,
         thread_pool,
-        registry,
         metrics_server,
     )

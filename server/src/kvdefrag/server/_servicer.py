@@ -541,14 +541,31 @@ class DefragServicer:
         return _convert.defragment_response()
 
     def _reset(self, request: Message) -> Message:
+        epoch = self.reset(epoch=request.epoch, prefix_caching=request.prefix_caching)
+        return _convert.reset_response(epoch)
+
+    def reset(self, *, epoch: int = 0, prefix_caching: bool | None = None) -> int:
+        """Resets the engine and starts a new epoch: the one way to reset a served engine.
+
+        The Reset RPC and ``ServerHandle.reset`` both come here, so every reset changes
+        the epoch: a client of the old epoch gets ``EpochMismatch`` at its next step.
+
+        Args:
+            epoch: The epoch being reset; 0 resets whatever is current.
+            prefix_caching: The mode of the new epoch; None keeps the current one.
+
+        Returns:
+            The new epoch.
+
+        Raises:
+            EpochMismatch: ``epoch`` is not 0 and not the current epoch.
+        """
         with self._lock:
-            if request.epoch and request.epoch != self._epoch:
-                raise EpochMismatch(
-                    f"reset.epoch {request.epoch} is not the server epoch {self._epoch}"
-                )
+            if epoch and epoch != self._epoch:
+                raise EpochMismatch(f"reset.epoch {epoch} is not the server epoch {self._epoch}")
             self._reset_version += 1
             try:
-                self._engine.reset(prefix_caching=request.prefix_caching)
+                self._engine.reset(prefix_caching=prefix_caching)
                 self._epoch = new_epoch(self._epoch)
                 self._next_seq = 1
                 self._replies.clear()
@@ -556,8 +573,9 @@ class DefragServicer:
                 self._reset_version += 1
                 self._seq_changed.notify_all()
             epoch = self._epoch
-        _LOGGER.info("reset: new epoch %d (prefix_caching=%s)", epoch, request.prefix_caching)
-        return _convert.reset_response(epoch)
+            is_prefix_caching = self._engine.config.prefix_caching
+        _LOGGER.info("reset: new epoch %d (prefix_caching=%s)", epoch, is_prefix_caching)
+        return epoch
 
     # --- errors -----------------------------------------------------------------------
     def _check_size(self, method: str, response: Message) -> Message:

@@ -69,3 +69,13 @@ class MappingSnapshots:
             physical_ids: npt.NDArray[np.int64] = self._buffers[current][logical_ids]
             if count % 2 == 0 and self._write_counts[current] == count:
                 return physical_ids
+
+    def read_all(self) -> npt.NDArray[np.int64]:
+        """The whole mapping as of the last publish (a copy: index ``i`` holds the
+        physical id of logical id ``i``); never waits."""
+        while True:
+            current = self._current
+            count = self._write_counts[current]
+            mapping = self._buffers[current].copy()
+            if count % 2 == 0 and self._write_counts[current] == count:
+                return mapping

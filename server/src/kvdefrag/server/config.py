@@ -1,9 +1,10 @@
 """kvdefrag's configuration, split by owner: ``EngineConfig`` and ``ServiceConfig``.
 
-Both are frozen dataclasses holding the only copy of each default. The CLI flags, the
-``KVDEFRAG_<FIELD>`` environment variables and the keywords of ``serve_in_process`` all
-go through ``load_config``, which builds the pair (flags/keywords > env > defaults).
-This is the only module that reads the environment.
+Both are frozen dataclasses holding the only copy of each default. ``load_config`` builds
+the pair from explicit options and the ``KVDEFRAG_<FIELD>`` environment variables
+(options > env > defaults), once, where a server is started: the command line
+(``__main__``) and the vLLM worker. ``serve_in_process`` takes the pair typed and parses
+nothing again. This is the only module that reads the environment.
 """
 
 from __future__ import annotations

@@ -6,9 +6,10 @@ Two kinds of metric, fed two ways::
     servicer ──record_error/_replay()──▶ counters
     Prometheus scrape ──collect()──────▶ engine.stats() ──▶ pool gauges  (read when asked)
 
-The pool gauges are never stored: they are read from the bound engine at scrape time, so
-they cannot go stale and cost nothing between scrapes. Nothing here touches
-prometheus_client's global registry.
+A ``Metrics`` is built once its engine exists and is complete from then on: it registers
+every metric and subscribes to the engine's steps in its constructor. The pool gauges are
+never stored: they are read from that engine at scrape time, so they cannot go stale and
+cost nothing between scrapes. Nothing here touches prometheus_client's global registry.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from kvdefrag.common import PoolStats
-from kvdefrag.server._engine import StepResult
+from kvdefrag.server._engine import StepObserver, StepResult
 
 # 50 µs .. 10 s in 1-2-5 steps: a swap of a few blocks or an idle step takes well under a
 # millisecond, a full 512-block pass on a large model tens of milliseconds.
@@ -31,10 +32,12 @@ DURATION_BUCKETS_S = (
 )  # fmt: skip
 
 
-class StatsSource(Protocol):
-    """What the pool gauges read (an ``Engine``)."""
+class ObservedEngine(Protocol):
+    """What ``Metrics`` watches (an ``Engine``): its steps, and its pool when scraped."""
 
     def stats(self) -> PoolStats: ...
+
+    def add_observer(self, observer: StepObserver) -> None: ...
 
 
 # name, help, how to read it from a stats snapshot
@@ -62,12 +65,9 @@ _POOL_GAUGES: tuple[tuple[str, str, Callable[[PoolStats], float]], ...] = (
 
 
 class _PoolCollector:
-    """Reads the pool gauges from the bound engine whenever the registry is collected."""
+    """Reads the pool gauges from its engine whenever the registry is collected."""
 
-    def __init__(self) -> None:
-        self._engine: StatsSource | None = None
-
-    def bind(self, engine: StatsSource) -> None:
+    def __init__(self, engine: ObservedEngine) -> None:
         self._engine = engine
 
     def describe(self) -> list[Metric]:
@@ -75,34 +75,47 @@ class _PoolCollector:
         return [GaugeMetricFamily(name, doc) for name, doc, _ in _POOL_GAUGES]
 
     def collect(self) -> list[Metric]:
-        engine = self._engine
-        if engine is None:
-            return []
-        stats = engine.stats()  # one consistent snapshot for every gauge
+        stats = self._engine.stats()  # one consistent snapshot for every gauge
         return [GaugeMetricFamily(name, doc, value=read(stats)) for name, doc, read in _POOL_GAUGES]
 
 
 class Metrics:
-    """Every kvdefrag metric, registered on one injected registry.
+    """Every kvdefrag metric of one engine, registered on one injected registry.
 
-    Implements the engine's ``StepObserver`` protocol: pass it as ``Engine(observer=...)``
-    and call ``bind_engine(engine)`` so the pool gauges can read ``engine.stats()``.
-    Counters only grow (an engine reset does not clear them, as Prometheus expects).
+    Built once the engine exists, in one step: the constructor registers every metric on
+    ``registry`` and adds itself to the engine's observers (it implements
+    ``StepObserver``), so the counters follow every later step and the pool gauges read
+    ``engine.stats()`` at scrape time. It also takes the servicer's error and replay
+    events (``record_error``, ``record_replay``). Counters only grow (an engine reset does
+    not clear them, as Prometheus expects).
+
+    Args:
+        registry: Where every metric is registered (never prometheus_client's global one
+            unless passed).
+        engine: The engine whose steps are counted and whose pool the gauges show.
+
+    Raises:
+        ValueError: ``registry`` already holds kvdefrag's metrics (one ``Metrics`` per
+            registry); the engine is then left without this observer.
 
     Example:
+        >>> import torch
         >>> from prometheus_client import CollectorRegistry
+        >>> from kvdefrag.server import Engine
+        >>> engine = Engine([(torch.zeros(64 * 16, 8), torch.zeros(64 * 16, 8))], block_size=16)
         >>> registry = CollectorRegistry()
-        >>> metrics = Metrics(registry)
+        >>> metrics = Metrics(registry, engine)
+        >>> registry.get_sample_value("kvdefrag_capacity_blocks")  # read from the engine
+        64
         >>> metrics.record_error("Step", "INVALID_ARGUMENT")
         >>> registry.get_sample_value(
         ...     "kvdefrag_errors_total", {"method": "Step", "code": "INVALID_ARGUMENT"})
         1.0
     """
 
-    def __init__(self, registry: CollectorRegistry) -> None:
+    def __init__(self, registry: CollectorRegistry, engine: ObservedEngine) -> None:
         self.registry = registry
-        self._pool = _PoolCollector()
-        registry.register(self._pool)
+        registry.register(_PoolCollector(engine))
 
         def counter(name: str, documentation: str, labels: tuple[str, ...] = ()) -> Counter:
             return Counter(name, documentation, labels, registry=registry)
@@ -163,10 +176,9 @@ class Metrics:
         self._runs_failed = self._defrag_runs.labels(result="failed")
         self._moved_one_way = self._moved_blocks.labels(direction="one_way")
         self._moved_two_way = self._moved_blocks.labels(direction="two_way")
-
-    def bind_engine(self, engine: StatsSource) -> None:
-        """Makes the pool gauges read ``engine.stats()`` at scrape time (rebinding is fine)."""
-        self._pool.bind(engine)
+        # NOTE: last, once every metric is registered: a registry that refuses one
+        # (duplicate names) leaves the engine without a half-built observer.
+        engine.add_observer(self)
 
     # --- StepObserver -----------------------------------------------------------------
     def on_step(self, result: StepResult, duration_s: float) -> None:
@@ -235,7 +247,7 @@ def serve_metrics(registry: CollectorRegistry, port: int, host: str = "127.0.0.1
     """Serves ``registry`` on ``http://host:port/metrics`` from a daemon thread.
 
     Args:
-        registry: The registry a ``Metrics`` was built on.
+        registry: The registry a ``Metrics`` registered on.
         port: TCP port; 0 picks a free one (read it from the result's ``port``).
         host: Listen address; loopback by default. Use ``0.0.0.0`` in a container or pod
             so Prometheus can reach it.

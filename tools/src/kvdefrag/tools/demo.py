@@ -33,7 +33,7 @@ import torch
 from kvdefrag.client import DefragClient, DefragError, PoolStats
 from kvdefrag.client.record import StepRecorder
 from kvdefrag.common import InvalidArgument
-from kvdefrag.server import EngineConfig, SwapExecutor, serve_in_process
+from kvdefrag.server import EngineConfig, ServiceConfig, SwapExecutor, serve_in_process
 from kvdefrag.tools._demo_worker import KvSignatures, LogicalPool, make_kv_caches
 from kvdefrag.tools._report import (
     ModeReport,
@@ -195,14 +195,12 @@ def run_mode(
         handle = serve_in_process(
             kv_caches,
             options.block_size,
-            address=f"unix:{socket_dir}/kvdefrag.sock",
-            **dataclasses.asdict(
-                dataclasses.replace(options.engine, prefix_caching=prefix_caching)
-            ),
+            engine_config=dataclasses.replace(options.engine, prefix_caching=prefix_caching),
+            service_config=ServiceConfig(address=f"unix:{socket_dir}/kvdefrag.sock"),
             executor=executor,
         )
         try:
-            kv = KvSignatures(kv_caches, options.block_size, handle.engine.kv_lock)
+            kv = KvSignatures(kv_caches, options.block_size, handle.kv_lock)
             with DefragClient(
                 handle.address, prefix_caching=prefix_caching, client_name=f"kvdefrag-demo-{mode}"
             ) as client:

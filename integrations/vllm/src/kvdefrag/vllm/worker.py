@@ -37,6 +37,7 @@ import numpy.typing as npt
 import torch
 
 from kvdefrag.server import ServerHandle, serve_in_process
+from kvdefrag.server.config import load_config
 from kvdefrag.vllm._kv_binding import bind_vllm_kv_caches
 from kvdefrag.vllm._runner_rows import (
     BlockIdTranslator,
@@ -125,9 +126,9 @@ class DefragWorkerMixin:
         """Lets vLLM allocate the KV caches, then binds them and starts the service."""
         super().initialize_from_config(kv_cache_config)  # type: ignore[misc]
         handle = self._start_kvdefrag(kv_cache_config)
-        self.kvdefrag_attach(handle, int(kv_cache_config.num_blocks))
+        self.kvdefrag_attach(handle)
 
-    def kvdefrag_attach(self, handle: ServerHandle, num_blocks: int) -> None:
+    def kvdefrag_attach(self, handle: ServerHandle) -> None:
         """Puts a serving rank's engine in front of ``execute_model``.
 
         ``initialize_from_config`` calls it once the service listens: it sets up the
@@ -136,8 +137,7 @@ class DefragWorkerMixin:
         vllm_config = getattr(self, "vllm_config", None)
         self.kvdefrag_step_wait_s = step_wait_s()
         self.kvdefrag_is_v2_runner = uses_v2_model_runner(vllm_config)
-        all_ids = np.arange(num_blocks, dtype=np.int64)
-        self.kvdefrag_translator = BlockIdTranslator(lambda: handle.engine.resolve(all_ids))
+        self.kvdefrag_translator = BlockIdTranslator(handle.resolve)
         self.kvdefrag_handle = handle
 
     def execute_model(self, scheduler_output: Any) -> Any:
@@ -159,7 +159,7 @@ class DefragWorkerMixin:
                 scheduler_output,
                 self.kvdefrag_step_wait_s,
             )
-        with handle.engine.kv_lock:
+        with handle.kv_lock:
             if translator is not None:
                 mapping, remap = translator.advance()
                 if remap is not None:
@@ -208,7 +208,15 @@ class DefragWorkerMixin:
         address = self.kvdefrag_address()
         device = kv_caches[0][0].device
         stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
-        handle = serve_in_process(kv_caches, block_size, address=address, stream=stream)
+        # NOTE: the KVDEFRAG_* settings are read here, once, as the command line does.
+        engine_config, service_config = load_config({"address": address})
+        handle = serve_in_process(
+            kv_caches,
+            block_size,
+            engine_config=engine_config,
+            service_config=service_config,
+            stream=stream,
+        )
         try:
             addresses = _gather_addresses(address, int(worker.parallel_config.world_size))
             if worker.rank == 0:
