@@ -17,10 +17,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvdefrag.server import ServerHandle
+from kvdefrag.server import Move, ServerHandle
 from kvdefrag.server._convert import max_step_response_bytes, step_events
 from kvdefrag.server._executor import TorchSwapExecutor
-from kvdefrag.server._policy import Move
 from kvdefrag.v1 import defrag_pb2 as pb
 from kvdefrag.v1 import defrag_pb2_grpc as pb_grpc
 

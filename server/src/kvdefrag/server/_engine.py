@@ -37,8 +37,8 @@ from kvdefrag.common import (
 )
 from kvdefrag.common.errors import quote
 from kvdefrag.server import _policy
-from kvdefrag.server._executor import KvCaches, MoveReport, SwapExecutor, make_executor
-from kvdefrag.server._policy import MoveBatch
+from kvdefrag.server._executor import KvCaches, SwapExecutor, make_executor
+from kvdefrag.server._moves import MoveBatch, MoveReport
 from kvdefrag.server._snapshot import MappingSnapshots
 from kvdefrag.server._tracker import BlockTracker
 from kvdefrag.server._validate import validate_step

@@ -14,7 +14,6 @@ backend (``_executor_hpu``) imports ``habana_frameworks``, and only when it is c
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import importlib
 import itertools
 import threading
@@ -27,7 +26,7 @@ import numpy.typing as npt
 import torch
 
 from kvdefrag.common import InvalidArgument
-from kvdefrag.server._policy import Move, MoveBatch
+from kvdefrag.server._moves import Move, MoveBatch, MoveReport
 
 KvCaches = Sequence[tuple[torch.Tensor, torch.Tensor | None]]
 Rows = npt.NDArray[np.uint8]
@@ -54,21 +53,6 @@ _STAGING_BYTES_PER_THREAD = 2 << 20
 # Index kernels cost per element: moving a block as a few wide integers instead of many
 # half floats is cheaper, and integer copies are bit-exact whatever the KV dtype.
 _WIDE_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8)
-
-
-@dataclasses.dataclass(frozen=True)
-class MoveReport:
-    """What one executed batch did.
-
-    Attributes:
-        num_moves: Real moves executed.
-        num_padded: Pad pairs added to reach a static batch size (static-shape backends).
-        num_bytes: Bytes written to the KV tensors by real moves.
-    """
-
-    num_moves: int
-    num_padded: int
-    num_bytes: int
 
 
 class SwapExecutor(Protocol):

@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from kvdefrag.server._executor import KvCaches, MoveReport, bind_kv_caches, pad_to_bucket
-from kvdefrag.server._policy import Move, MoveBatch
+from kvdefrag.server._executor import KvCaches, bind_kv_caches, pad_to_bucket
+from kvdefrag.server._moves import Move, MoveBatch, MoveReport
 from kvdefrag.server.config import DEFAULT_PAD_BUCKETS
 
 
