@@ -7,7 +7,7 @@ import numpy as np
 
 from kvdefrag.common import pair_digest
 from kvdefrag.common.digest import pair_digest_array, pair_digests
-from kvdefrag.server._policy import plan_compaction
+from kvdefrag.server._policy import plan_compaction, plan_placement
 from kvdefrag.server._snapshot import MappingSnapshots
 from kvdefrag.server._tracker import BlockTracker, _SlotSet
 from kvdefrag.server.config import EngineConfig
@@ -94,10 +94,13 @@ def test_blocks_made_live_unmixed_enter_the_digest_once_where_placement_leaves_t
             fresh = rng.sample(free[len(free) // 2 :], batch)  # high: placement moves them
             lists = {"new": fresh}
             newly_live = deferred.append_requests(lists, mix_digests=False)
-            num_placed, _ = deferred.place_fresh_blocks(fresh, mix_digests=False)
+            placed_ids, targets = plan_placement(deferred, fresh)
+            deferred.place_blocks(placed_ids, targets, mix_digests=False)
             deferred.mix_live_digests(newly_live)
             at_once.append_requests(lists)
-            assert at_once.place_fresh_blocks(fresh)[0] == num_placed > 0
+            assert plan_placement(at_once, fresh) == (placed_ids, targets)
+            at_once.place_blocks(placed_ids, targets)
+            assert placed_ids
             assert deferred.fwd == at_once.fwd
             live = [block for block in range(1, 2048) if deferred.refs[block]]
             expected = 0

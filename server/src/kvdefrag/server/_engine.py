@@ -326,9 +326,10 @@ class Engine:
 
     def _place(self, fresh: list[int], touched: list[int]) -> int:
         """Re-points each fresh block to the slot the policy picks (no copy)."""
-        num_placed, changed = _policy.place_fresh(self._tracker, fresh, mix_digests=False)
-        touched += changed
-        return num_placed
+        tracker = self._tracker
+        logical_ids, physical_ids = _policy.plan_placement(tracker, fresh)
+        touched += tracker.place_blocks(logical_ids, physical_ids, mix_digests=False)
+        return len(logical_ids)
 
     def _compact(self, touched: list[int]) -> tuple[MoveBatch, MoveReport, float]:
         tracker = self._tracker

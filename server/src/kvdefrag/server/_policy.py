@@ -1,7 +1,9 @@
 """The compaction policy: when to compact, where fresh blocks go, which blocks move.
 
-Everything kvdefrag decides about packing reads in this module; the tracker keeps the
-state it asks about, and the engine carries the decisions out.
+Everything kvdefrag decides about packing is decided in this module, from the tracker's
+queries (``highest_live_slots``, ``lowest_free_slots``, ``lowest_expendable_slots``,
+``are_cached_slots``, ``fwd``); the tracker keeps the state and applies the decisions
+(``place_blocks``, ``move_live_blocks``), and the engine carries them out in between.
 
 * **Trigger.** A step compacts when the holes below the highest live slot
   (``max_live - num_live``) exceed ``threshold``, or when a pass was scheduled.
@@ -18,12 +20,17 @@ state it asks about, and the engine carries the decisions out.
   with the source (two-way); otherwise the source is copied one way.
 
 Deterministic: the same tracker state and config give the same decisions (no hashing,
-no set iteration), so every rank of a tensor-parallel worker plans identically.
+no set iteration), so every rank of a tensor-parallel worker plans identically. Planning
+changes nothing: a plan is committed by the tracker, or dropped.
 """
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Iterable
+
+import numpy as np
+import numpy.typing as npt
 
 from kvdefrag.server._moves import MoveBatch
 from kvdefrag.server._tracker import BlockTracker
@@ -35,25 +42,99 @@ def should_compact(tracker: BlockTracker, config: EngineConfig, *, is_forced: bo
     return is_forced or tracker.max_live - tracker.num_live > config.threshold
 
 
-def place_fresh(
-    tracker: BlockTracker, fresh_ids: Iterable[int], *, mix_digests: bool = True
-) -> tuple[int, list[int]]:
-    """Re-points each fresh block, in order, to the lowest expendable slot below it.
+def plan_placement(tracker: BlockTracker, fresh_ids: Iterable[int]) -> tuple[list[int], list[int]]:
+    """Picks, for each fresh block in order (repeats ignored), the lowest expendable slot
+    if it lies below the block's own; commit with ``BlockTracker.place_blocks``.
 
-    ``mix_digests``: as ``BlockTracker.place_fresh_blocks``.
+    A slot a block vacates is expendable from then on, so a later block of the batch may
+    take it when it is the lowest.
 
     Returns:
-        How many blocks were re-pointed, and every logical id whose slot changed.
+        The logical ids to re-point, and the slot each goes to, position by position.
+
+    NOTE: one pass: the candidates are read once (as many as there are fresh blocks, below
+    the highest of their slots), a sentinel past the last one stands for "none left", and
+    the vacated slots are a min-heap that ``heapreplace`` pops and pushes in one call.
+    No placement changes the slot of a later block: targets are expendable, and fresh
+    blocks are live.
     """
-    return tracker.place_fresh_blocks(dict.fromkeys(fresh_ids), mix_digests=mix_digests)
+    fwd = tracker.fwd
+    logical_ids = list(dict.fromkeys(fresh_ids))
+    if not logical_ids:
+        return [], []
+    physical_ids = [fwd[logical_id] for logical_id in logical_ids]
+    candidates: list[int] = tracker.lowest_expendable_slots(
+        len(logical_ids), max(physical_ids)
+    ).tolist()
+    candidates.append(tracker.num_blocks)  # past the last: above every slot, never taken
+    next_candidate = 0
+    vacated: list[int] = []  # a min-heap of the slots vacated so far (expendable too)
+    placed_ids: list[int] = []
+    targets: list[int] = []
+    for logical_id, physical_id in zip(logical_ids, physical_ids, strict=True):
+        target = candidates[next_candidate]
+        if vacated and vacated[0] < target:  # a slot vacated earlier in this batch
+            target = vacated[0]
+            if target > physical_id:
+                continue
+            heapq.heapreplace(vacated, physical_id)
+        else:
+            if target > physical_id:
+                continue
+            next_candidate += 1
+            heapq.heappush(vacated, physical_id)
+        placed_ids.append(logical_id)
+        targets.append(target)
+    return placed_ids, targets
 
 
 def plan_compaction(tracker: BlockTracker, config: EngineConfig) -> MoveBatch:
     """Pairs the highest live slots with the lowest free slots below them (nothing
-    changes until the caller commits them with ``BlockTracker.move_live_blocks``)."""
-    src_ids, dst_ids = tracker.compaction_pairs(config.max_moves_per_step)
+    changes until the caller commits them with ``BlockTracker.move_live_blocks``).
+
+    The i-th highest live slot goes to the i-th lowest free slot (never the null slot),
+    while the free one is below, at most ``max_moves_per_step`` pairs; with prefix
+    caching, cached destinations then give way to empty ones (``_prefer_empty``).
+    """
+    max_pairs = config.max_moves_per_step
+    if max_pairs <= 0:
+        return MoveBatch([], [])
+    src = tracker.highest_live_slots(max_pairs + 1)  # one more: the highest that stays
+    if not len(src):
+        return MoveBatch([], [])
+    dst = tracker.lowest_free_slots(min(len(src), max_pairs), below=int(src[0]))
+    num_pairs = int(np.count_nonzero(dst < src[: len(dst)]))  # a prefix: src falls, dst rises
+    dst = dst[:num_pairs]
+    src_ids: list[int] = src[:num_pairs].tolist()
     # A free destination holds data only when it is cached (prefix caching).
     if not tracker.prefix_caching:
-        return MoveBatch(src_ids, dst_ids)
-    cached, bwd = tracker.cached, tracker.bwd
-    return MoveBatch(src_ids, dst_ids, [cached[bwd[dst]] for dst in dst_ids])
+        return MoveBatch(src_ids, dst.tolist())
+    if num_pairs and num_pairs < len(src):
+        dst = _prefer_empty(tracker, dst, stays=int(src[num_pairs]))
+    return MoveBatch(src_ids, dst.tolist(), tracker.are_cached_slots(dst).tolist())
+
+
+def _prefer_empty(
+    tracker: BlockTracker, dst: npt.NDArray[np.intp], stays: int
+) -> npt.NDArray[np.intp]:
+    """Swaps cached destinations, highest first, for empty slots in ``(dst[-1], stays)``.
+
+    A cached destination costs a swap (twice the transfers of a one-way copy). Every
+    destination stays below ``stays`` (a live slot that does not move) and so below every
+    source: the same sources leave the top, and the highest live slot after the moves is
+    unchanged.
+
+    Returns:
+        The destinations, ascending.
+    """
+    is_cached = tracker.are_cached_slots(dst)
+    num_cached = int(np.count_nonzero(is_cached))
+    if not num_cached or stays <= int(dst[-1]) + 1:
+        return dst
+    empty = tracker.lowest_expendable_slots(num_cached + len(dst), stays)
+    empty = empty[empty > dst[-1]][:num_cached]
+    if not len(empty):
+        return dst
+    keep = np.ones(len(dst), dtype=np.bool_)
+    keep[np.flatnonzero(is_cached)[::-1][: len(empty)]] = False
+    return np.sort(np.concatenate([dst[keep], empty]))
