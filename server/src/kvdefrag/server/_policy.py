@@ -96,9 +96,7 @@ def plan_compaction(tracker: BlockTracker, config: EngineConfig) -> MoveBatch:
     while the free one is below, at most ``max_moves_per_step`` pairs; with prefix
     caching, cached destinations then give way to empty ones (``_prefer_empty``).
     """
-    max_pairs = config.max_moves_per_step
-    if max_pairs <= 0:
-        return MoveBatch([], [])
+    max_pairs = config.max_moves_per_step  # >= 1 (EngineConfig checks it)
     src = tracker.highest_live_slots(max_pairs + 1)  # one more: the highest that stays
     if not len(src):
         return MoveBatch([], [])
