@@ -16,7 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvdefrag.common import EngineUnhealthy
 from kvdefrag.server import Engine, EngineConfig, Move
-from kvdefrag.server._executor import TorchSwapExecutor
+from kvdefrag.server._executor_cpu import CpuSwapExecutor
 
 from support.kv import SignedKv
 from support.server import Serve
@@ -28,7 +28,7 @@ class BreakableExecutor:
     """A real CPU executor that raises once ``is_broken`` is set."""
 
     def __init__(self, kv: SignedKv) -> None:
-        self._inner = TorchSwapExecutor(kv.kv_caches, kv.block_size)
+        self._inner = CpuSwapExecutor(kv.kv_caches, kv.block_size)
         self.num_blocks = self._inner.num_blocks
         self.is_broken = False
 

@@ -14,7 +14,8 @@ from prometheus_client import REGISTRY, CollectorRegistry
 
 from kvdefrag.common import EngineUnhealthy
 from kvdefrag.server import Engine, EngineConfig, Move, MoveReport
-from kvdefrag.server._executor import TorchSwapExecutor, pad_to_bucket
+from kvdefrag.server._executor import pad_to_bucket
+from kvdefrag.server._executor_cpu import CpuSwapExecutor
 from kvdefrag.server.metrics import DURATION_BUCKETS_S, Metrics, serve_metrics
 
 from support.kv import SignedKv
@@ -131,7 +132,7 @@ def test_move_failure_is_counted_and_turns_healthy_gauge_off(
 class PaddingExecutor:
     """Pads every batch to a bucket with the null pair, as static-shape backends do."""
 
-    def __init__(self, inner: TorchSwapExecutor, buckets: Sequence[int]) -> None:
+    def __init__(self, inner: CpuSwapExecutor, buckets: Sequence[int]) -> None:
         self.num_blocks = inner.num_blocks
         self._inner = inner
         self._buckets = buckets
@@ -150,7 +151,7 @@ class PaddingExecutor:
 
 def test_padded_slots_are_counted(registry: CollectorRegistry) -> None:
     kv = SignedKv.create(64, block_size=BLOCK_SIZE)
-    executor = PaddingExecutor(TorchSwapExecutor(kv.kv_caches, BLOCK_SIZE), (8, 16))
+    executor = PaddingExecutor(CpuSwapExecutor(kv.kv_caches, BLOCK_SIZE), (8, 16))
     engine, _, _ = make_engine(registry, threshold=0, executor=executor)
     engine.step(new_blocks={"far": [40, 41, 42]}, fresh=[])
 

@@ -19,7 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvdefrag.server import Move, ServerHandle
 from kvdefrag.server._convert import max_step_response_bytes, step_events
-from kvdefrag.server._executor import TorchSwapExecutor
+from kvdefrag.server._executor_cpu import CpuSwapExecutor
 from kvdefrag.v1 import defrag_pb2 as pb
 from kvdefrag.v1 import defrag_pb2_grpc as pb_grpc
 
@@ -471,7 +471,7 @@ class FlakyExecutor:
     """A real CPU executor that fails on demand, or waits for a go-ahead."""
 
     def __init__(self, kv: SignedKv) -> None:
-        self._inner = TorchSwapExecutor(kv.kv_caches, kv.block_size)
+        self._inner = CpuSwapExecutor(kv.kv_caches, kv.block_size)
         self.num_blocks = self._inner.num_blocks
         self.is_failing = False
         self.entered = threading.Event()
