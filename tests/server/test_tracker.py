@@ -107,3 +107,43 @@ def test_blocks_made_live_unmixed_enter_the_digest_once_where_placement_leaves_t
             for logical_id in live:
                 expected ^= pair_digest(logical_id, deferred.fwd[logical_id])
             assert deferred.digest == at_once.digest == expected
+
+
+def assert_slot_sets_match_the_blocks(tracker: BlockTracker) -> None:
+    """The live and expendable sets (masks and chunk counts) against a plain scan."""
+    refs, cached, bwd = tracker.refs, tracker.cached, tracker.bwd
+    slots = range(tracker.num_blocks)
+    live = [slot for slot in slots if refs[bwd[slot]]]
+    expendable = [slot for slot in slots if slot and not refs[bwd[slot]] and not cached[bwd[slot]]]
+    for slot_set, members in ((tracker._live, live), (tracker._expendable, expendable)):
+        assert np.flatnonzero(slot_set.mask).tolist() == members
+        counts = np.bincount(
+            np.asarray(members, dtype=np.intp) >> 10, minlength=len(slot_set.counts)
+        )
+        assert slot_set.counts.tolist() == counts.tolist()
+
+
+def test_placements_and_moves_keep_both_slot_sets_exact() -> None:
+    # Batches below and above the scalar-update limit, with targets that an earlier block of
+    # the same batch vacated, on pools of several chunks; then a compaction of the result.
+    rng = random.Random(13)
+    num_vacated_targets = 0
+    for prefix_caching in (False, True):
+        for batch in (5, 12, 60):
+            tracker = BlockTracker(3000, prefix_caching)
+            held = rng.sample(range(1, 3000), 1500)
+            tracker.append_requests({f"r{i}": [block] for i, block in enumerate(held)})
+            tracker.drop_requests([f"r{i}" for i in range(0, 1500, 3)])
+            free = [block for block in range(1, 3000) if not tracker.refs[block]]
+            fresh = rng.sample(free, batch)
+            tracker.append_requests({"new": fresh})
+            placed_ids, targets = plan_placement(tracker, fresh)
+            vacated = {tracker.fwd[logical_id] for logical_id in placed_ids}
+            num_vacated_targets += len(vacated & set(targets))
+            tracker.place_blocks(placed_ids, targets)
+            assert_slot_sets_match_the_blocks(tracker)
+            moves = plan_compaction(tracker, EngineConfig(max_moves_per_step=100))
+            assert moves
+            tracker.move_live_blocks(moves.src_ids, moves.dst_ids)
+            assert_slot_sets_match_the_blocks(tracker)
+    assert num_vacated_targets > 0

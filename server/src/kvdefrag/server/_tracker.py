@@ -93,9 +93,9 @@ class _SlotSet:
     def exchange(
         self, leaving: npt.NDArray[np.intp], joining: npt.NDArray[np.intp]
     ) -> npt.NDArray[np.int64]:
-        """Removes ``leaving`` (slots in the set) and adds ``joining`` (slots not in it,
-        none of them leaving); returns the change of each chunk's count (for a set that
-        changes the other way, ``exchange_back``)."""
+        """Removes ``leaving`` (slots in the set), then adds ``joining`` (slots not in it,
+        or leaving too: those stay in); returns the change of each chunk's count (for a set
+        that changes the other way, ``exchange_back``)."""
         mask = self.mask
         mask[leaving] = False
         mask[joining] = True
@@ -107,15 +107,17 @@ class _SlotSet:
 
     def exchange_back(
         self,
-        leaving: npt.NDArray[np.intp],
-        joining: npt.NDArray[np.intp],
+        left: npt.NDArray[np.intp],
+        joined: npt.NDArray[np.intp],
         delta: npt.NDArray[np.int64],
     ) -> None:
-        """``exchange(leaving, joining)`` whose chunk changes are ``-delta`` (the other
-        set's, computed once)."""
+        """The other side of ``exchange(left, joined)`` (which returned ``delta``): the
+        slots that left the other set join this one (not in it), then those that joined the
+        other set leave this one (in it, or joining: those end out), so the chunk changes
+        are ``-delta``, computed once."""
         mask = self.mask
-        mask[leaving] = False
-        mask[joining] = True
+        mask[left] = True
+        mask[joined] = False
         self.counts -= delta
 
     def highest(self, max_slots: int) -> npt.NDArray[np.intp]:
@@ -291,10 +293,19 @@ class BlockTracker:
             changed += (logical_id, displaced_id)
             vacated_slots.append(physical_id)
         # NOTE: vacated first: a slot vacated early in the batch may be a later target.
-        self._live.remove(vacated_slots)
-        self._live.add(physical_ids)
-        self._expendable.add(vacated_slots)
-        self._expendable.remove(physical_ids)
+        # Beyond a few slots, each list is converted to an array once and the chunk counts
+        # computed once for both sets (64 placements in an 8k pool: ~42 -> ~37 µs in all).
+        num_placed = len(logical_ids)
+        if num_placed <= _MAX_SCALAR_UPDATES:
+            self._live.remove(vacated_slots)
+            self._live.add(physical_ids)
+            self._expendable.add(vacated_slots)
+            self._expendable.remove(physical_ids)
+        else:
+            vacated = np.fromiter(vacated_slots, np.intp, num_placed)
+            targets = np.fromiter(physical_ids, np.intp, num_placed)
+            delta = self._live.exchange(vacated, targets)
+            self._expendable.exchange_back(vacated, targets, delta)
         if mix_digests:
             self._update_live_digests(logical_ids, physical_ids)
         self._remapped += changed
@@ -325,7 +336,7 @@ class BlockTracker:
         delta = self._live.exchange(src_slots, dst_slots)
         # A free block that is not cached leaves an expendable slot (dst) for another (src).
         if not self.prefix_caching:  # no free block is cached
-            self._expendable.exchange_back(dst_slots, src_slots, delta)
+            self._expendable.exchange_back(src_slots, dst_slots, delta)
         else:
             uncached = [index for index, freed_id in enumerate(freed_ids) if not cached[freed_id]]
             if uncached:
