@@ -13,7 +13,9 @@ import torch
 
 from kvdefrag.common import EngineUnhealthy, InvalidArgument, StepEvents, mapping_digest
 from kvdefrag.server import Engine, EngineConfig, Move, MoveReport, make_executor
-from kvdefrag.server._executor import CpuSwapExecutor, pad_to_bucket
+from kvdefrag.server._executor import pad_to_bucket
+from kvdefrag.server._executor_cpu import CpuSwapExecutor
+from kvdefrag.server._executor_cuda import CudaSwapExecutor
 
 from support.doubles import INJECTED_FAILURE, ScriptedExecutor
 from support.kv import SignedKv, make_kv_caches
@@ -175,6 +177,27 @@ def test_cpu_tensors_get_the_cpu_row_executor() -> None:
     assert executor.num_blocks == 8
 
 
+def test_the_cuda_mover_refuses_tensors_off_cuda() -> None:
+    with pytest.raises(InvalidArgument, match="CUDA tensors"):
+        CudaSwapExecutor(make_kv_caches(8, block_size=BLOCK_SIZE), BLOCK_SIZE)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=str)
+def test_cuda_tensors_get_the_cuda_mover_which_moves_as_the_cpu_one(dtype: torch.dtype) -> None:
+    kv = SignedKv.create(16, block_size=BLOCK_SIZE, dtype=dtype, mla=True)
+    on_cuda = [(key.to("cuda"), None) for key, _ in kv.kv_caches]
+    stream = torch.cuda.Stream()
+    executor = make_executor(on_cuda, BLOCK_SIZE, stream=stream)
+    assert isinstance(executor, CudaSwapExecutor)
+    moves = [Move(9, 1, False), Move(12, 3, True), Move(7, 2, False), Move(15, 4, True)]
+    assert executor.execute(moves) == make_executor(kv.kv_caches, BLOCK_SIZE).execute(moves)
+    stream.synchronize()
+    assert kv.mismatched([9, 7, 12, 3, 15, 4], [1, 2, 3, 12, 4, 15]) == []
+    for (key, _), (cuda_key, _) in zip(kv.kv_caches, on_cuda, strict=True):
+        assert torch.equal(cuda_key.cpu().view(torch.uint8), key.view(torch.uint8))
+
+
 def test_an_unknown_device_type_is_refused() -> None:
     caches = [(torch.empty(8 * BLOCK_SIZE, 2, 4, device="meta"), None)]
     with pytest.raises(InvalidArgument, match="'meta'") as info:
@@ -182,7 +205,7 @@ def test_an_unknown_device_type_is_refused() -> None:
     assert "cpu" in str(info.value) and "hpu" in str(info.value)
 
 
-def test_the_hpu_backend_is_not_imported_for_cpu_tensors() -> None:
+def test_only_the_cpu_backend_is_imported_for_cpu_tensors() -> None:
     script = textwrap.dedent(
         """
         import sys
@@ -193,7 +216,8 @@ def test_the_hpu_backend_is_not_imported_for_cpu_tensors() -> None:
         engine.step(new_blocks={"a": [5, 9]}, fresh=[])
         assert engine.stats().totals.num_moves == 2
         print(sorted(m for m in sys.modules
-                     if m.startswith("habana_frameworks") or m.endswith("_executor_hpu")))
+                     if m.startswith("habana_frameworks")
+                     or m.endswith(("_executor_hpu", "_executor_cuda"))))
         """
     )
     completed = subprocess.run(

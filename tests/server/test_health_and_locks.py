@@ -15,7 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvdefrag.common import EngineUnhealthy
 from kvdefrag.server import Engine, EngineConfig
-from kvdefrag.server._executor import TorchSwapExecutor
+from kvdefrag.server._executor_cpu import CpuSwapExecutor
 
 from support.doubles import ScriptedExecutor
 from support.kv import SignedKv
@@ -32,7 +32,7 @@ def health_status(address: str) -> Any:
 
 def test_a_move_failure_turns_health_off_until_the_handle_resets(serve: Serve) -> None:
     kv = SignedKv.create(64, block_size=BLOCK_SIZE)
-    executor = ScriptedExecutor.around(TorchSwapExecutor(kv.kv_caches, kv.block_size))
+    executor = ScriptedExecutor.around(CpuSwapExecutor(kv.kv_caches, kv.block_size))
     handle = serve(kv=kv, threshold=0, executor=executor)
     engine = handle._engine  # the scheduler in the worker's process: no servicer involved
     engine.step(new_blocks={"a": list(range(1, 9)), "b": list(range(9, 17))})

@@ -14,7 +14,7 @@ from prometheus_client import REGISTRY, CollectorRegistry
 
 from kvdefrag.common import EngineUnhealthy
 from kvdefrag.server import Engine, EngineConfig
-from kvdefrag.server._executor import TorchSwapExecutor
+from kvdefrag.server._executor_cpu import CpuSwapExecutor
 from kvdefrag.server.metrics import DURATION_BUCKETS_S, Metrics, serve_metrics
 from kvdefrag.v1 import defrag_pb2 as pb
 from kvdefrag.v1 import defrag_pb2_grpc as pb_grpc
@@ -130,7 +130,7 @@ def test_move_failure_is_counted_and_turns_healthy_gauge_off(
 
 def test_padded_slots_are_counted(registry: CollectorRegistry) -> None:
     kv = SignedKv.create(64, block_size=BLOCK_SIZE)
-    executor = ScriptedExecutor.around(TorchSwapExecutor(kv.kv_caches, BLOCK_SIZE))
+    executor = ScriptedExecutor.around(CpuSwapExecutor(kv.kv_caches, BLOCK_SIZE))
     executor.pad_to((8, 16))  # as static-shape backends do
     engine, _, _ = make_engine(registry, threshold=0, executor=executor)
     engine.step(new_blocks={"far": [40, 41, 42]}, fresh=[])

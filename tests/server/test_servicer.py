@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry
 
 from kvdefrag.server import ServerHandle
 from kvdefrag.server._convert import max_step_response_bytes, step_events
-from kvdefrag.server._executor import TorchSwapExecutor
+from kvdefrag.server._executor_cpu import CpuSwapExecutor
 from kvdefrag.v1 import defrag_pb2 as pb
 from kvdefrag.v1 import defrag_pb2_grpc as pb_grpc
 
@@ -471,7 +471,7 @@ def test_every_live_block_keeps_its_data_through_the_wire(harness: Harness) -> N
 # --- executor failure, health, shutdown -------------------------------------------------
 def scripted_torch_executor(kv: SignedKv) -> ScriptedExecutor:
     """The real torch executor of ``kv``, with scripted faults."""
-    return ScriptedExecutor.around(TorchSwapExecutor(kv.kv_caches, kv.block_size))
+    return ScriptedExecutor.around(CpuSwapExecutor(kv.kv_caches, kv.block_size))
 
 
 def fragment(stub: pb_grpc.DefragServiceStub) -> Any:

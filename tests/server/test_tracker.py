@@ -7,7 +7,7 @@ import numpy as np
 
 from kvdefrag.common import pair_digest
 from kvdefrag.common.digest import pair_digest_array, pair_digests
-from kvdefrag.server._policy import plan_compaction
+from kvdefrag.server._policy import plan_compaction, plan_placement
 from kvdefrag.server._snapshot import MappingSnapshots
 from kvdefrag.server._tracker import BlockTracker, _SlotSet
 from kvdefrag.server.config import EngineConfig
@@ -94,13 +94,56 @@ def test_blocks_made_live_unmixed_enter_the_digest_once_where_placement_leaves_t
             fresh = rng.sample(free[len(free) // 2 :], batch)  # high: placement moves them
             lists = {"new": fresh}
             newly_live = deferred.append_requests(lists, mix_digests=False)
-            num_placed, _ = deferred.place_fresh_blocks(fresh, mix_digests=False)
+            placed_ids, targets = plan_placement(deferred, fresh)
+            deferred.place_blocks(placed_ids, targets, mix_digests=False)
             deferred.mix_live_digests(newly_live)
             at_once.append_requests(lists)
-            assert at_once.place_fresh_blocks(fresh)[0] == num_placed > 0
+            assert plan_placement(at_once, fresh) == (placed_ids, targets)
+            at_once.place_blocks(placed_ids, targets)
+            assert placed_ids
             assert deferred.fwd == at_once.fwd
             live = [block for block in range(1, 2048) if deferred.refs[block]]
             expected = 0
             for logical_id in live:
                 expected ^= pair_digest(logical_id, deferred.fwd[logical_id])
             assert deferred.digest == at_once.digest == expected
+
+
+def assert_slot_sets_match_the_blocks(tracker: BlockTracker) -> None:
+    """The live and expendable sets (masks and chunk counts) against a plain scan."""
+    refs, cached, bwd = tracker.refs, tracker.cached, tracker.bwd
+    slots = range(tracker.num_blocks)
+    live = [slot for slot in slots if refs[bwd[slot]]]
+    expendable = [slot for slot in slots if slot and not refs[bwd[slot]] and not cached[bwd[slot]]]
+    for slot_set, members in ((tracker._live, live), (tracker._expendable, expendable)):
+        assert np.flatnonzero(slot_set.mask).tolist() == members
+        counts = np.bincount(
+            np.asarray(members, dtype=np.intp) >> 10, minlength=len(slot_set.counts)
+        )
+        assert slot_set.counts.tolist() == counts.tolist()
+
+
+def test_placements_and_moves_keep_both_slot_sets_exact() -> None:
+    # Batches below and above the scalar-update limit, with targets that an earlier block of
+    # the same batch vacated, on pools of several chunks; then a compaction of the result.
+    rng = random.Random(13)
+    num_vacated_targets = 0
+    for prefix_caching in (False, True):
+        for batch in (5, 12, 60):
+            tracker = BlockTracker(3000, prefix_caching)
+            held = rng.sample(range(1, 3000), 1500)
+            tracker.append_requests({f"r{i}": [block] for i, block in enumerate(held)})
+            tracker.drop_requests([f"r{i}" for i in range(0, 1500, 3)])
+            free = [block for block in range(1, 3000) if not tracker.refs[block]]
+            fresh = rng.sample(free, batch)
+            tracker.append_requests({"new": fresh})
+            placed_ids, targets = plan_placement(tracker, fresh)
+            vacated = {tracker.fwd[logical_id] for logical_id in placed_ids}
+            num_vacated_targets += len(vacated & set(targets))
+            tracker.place_blocks(placed_ids, targets)
+            assert_slot_sets_match_the_blocks(tracker)
+            moves = plan_compaction(tracker, EngineConfig(max_moves_per_step=100))
+            assert moves
+            tracker.move_live_blocks(moves.src_ids, moves.dst_ids)
+            assert_slot_sets_match_the_blocks(tracker)
+    assert num_vacated_targets > 0

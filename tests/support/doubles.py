@@ -28,7 +28,8 @@ from typing import Any
 import numpy as np
 
 from kvdefrag.server import Move, MoveReport, SwapExecutor
-from kvdefrag.server._executor import CpuSwapExecutor, pad_to_bucket
+from kvdefrag.server._executor import pad_to_bucket
+from kvdefrag.server._executor_cpu import CpuSwapExecutor
 
 from support.kv import SignedKv
 

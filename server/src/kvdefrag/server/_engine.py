@@ -38,8 +38,8 @@ from kvdefrag.common import (
 from kvdefrag.common.errors import quote
 from kvdefrag.common.events import step_call_events
 from kvdefrag.server import _policy
-from kvdefrag.server._executor import KvCaches, MoveReport, SwapExecutor, make_executor
-from kvdefrag.server._policy import MoveBatch
+from kvdefrag.server._executor import KvCaches, SwapExecutor, make_executor
+from kvdefrag.server._moves import MoveBatch, MoveReport
 from kvdefrag.server._snapshot import MappingSnapshots
 from kvdefrag.server._tracker import BlockTracker
 from kvdefrag.server._validate import validate_step
@@ -348,9 +348,10 @@ class Engine:
 
     def _place(self, fresh: list[int], touched: list[int]) -> int:
         """Re-points each fresh block to the slot the policy picks (no copy)."""
-        num_placed, changed = _policy.place_fresh(self._tracker, fresh, mix_digests=False)
-        touched += changed
-        return num_placed
+        tracker = self._tracker
+        logical_ids, physical_ids = _policy.plan_placement(tracker, fresh)
+        touched += tracker.place_blocks(logical_ids, physical_ids, mix_digests=False)
+        return len(logical_ids)
 
     def _compact(self, touched: list[int]) -> tuple[MoveBatch, MoveReport, float]:
         tracker = self._tracker

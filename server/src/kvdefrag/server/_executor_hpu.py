@@ -6,7 +6,8 @@ graphs want static shapes, so every batch is padded to a bucket with the null pa
 compiled inside a worker step.
 
 NOTE: this backend cannot run on the CPU/CUDA machines kvdefrag is developed on; its
-logic mirrors the torch backend and the padding helper is tested there.
+logic mirrors the CUDA backend (``_executor_cuda``), and it is tested on CPU tensors with
+a stand-in ``habana_frameworks``.
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ from typing import Any
 
 import torch
 
-from kvdefrag.server._executor import KvCaches, MoveReport, bind_kv_caches, pad_to_bucket
-from kvdefrag.server._policy import Move, MoveBatch
+from kvdefrag.server._executor import KvCaches, bind_kv_caches, pad_to_bucket
+from kvdefrag.server._moves import Move, MoveBatch, MoveReport
 from kvdefrag.server.config import DEFAULT_PAD_BUCKETS
 
 

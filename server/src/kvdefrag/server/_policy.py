@@ -1,7 +1,9 @@
 """The compaction policy: when to compact, where fresh blocks go, which blocks move.
 
-Everything kvdefrag decides about packing reads in this module; the tracker keeps the
-state it asks about, and the engine carries the decisions out.
+Everything kvdefrag decides about packing is decided in this module, from the tracker's
+queries (``highest_live_slots``, ``lowest_free_slots``, ``lowest_expendable_slots``,
+``are_cached_slots``, ``fwd``); the tracker keeps the state and applies the decisions
+(``place_blocks``, ``move_live_blocks``), and the engine carries them out in between.
 
 * **Trigger.** A step compacts when the holes below the highest live slot
   (``max_live - num_live``) exceed ``threshold``, or when a pass was scheduled.
@@ -18,32 +20,21 @@ state it asks about, and the engine carries the decisions out.
   with the source (two-way); otherwise the source is copied one way.
 
 Deterministic: the same tracker state and config give the same decisions (no hashing,
-no set iteration), so every rank of a tensor-parallel worker plans identically.
+no set iteration), so every rank of a tensor-parallel worker plans identically. Planning
+changes nothing: a plan is committed by the tracker, or dropped.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
-from itertools import compress, repeat
-from typing import NamedTuple, overload
+import heapq
+from collections.abc import Iterable
 
+import numpy as np
+import numpy.typing as npt
+
+from kvdefrag.server._moves import MoveBatch
 from kvdefrag.server._tracker import BlockTracker
 from kvdefrag.server.config import EngineConfig
-
-
-class Move(NamedTuple):
-    """One block move in physical space.
-
-    Attributes:
-        src_physical_id: A live slot high in the pool.
-        dst_physical_id: A free slot below it.
-        is_two_way: The destination holds cached data, so the two slots swap contents;
-            otherwise the source is copied one way and the destination's content dropped.
-    """
-
-    src_physical_id: int
-    dst_physical_id: int
-    is_two_way: bool
 
 
 def should_compact(tracker: BlockTracker, config: EngineConfig, *, is_forced: bool) -> bool:
@@ -51,115 +42,97 @@ def should_compact(tracker: BlockTracker, config: EngineConfig, *, is_forced: bo
     return is_forced or tracker.max_live - tracker.num_live > config.threshold
 
 
-def place_fresh(
-    tracker: BlockTracker, fresh_ids: Iterable[int], *, mix_digests: bool = True
-) -> tuple[int, list[int]]:
-    """Re-points each fresh block, in order, to the lowest expendable slot below it.
+def plan_placement(tracker: BlockTracker, fresh_ids: Iterable[int]) -> tuple[list[int], list[int]]:
+    """Picks, for each fresh block in order (repeats ignored), the lowest expendable slot
+    if it lies below the block's own; commit with ``BlockTracker.place_blocks``.
 
-    ``mix_digests``: as ``BlockTracker.place_fresh_blocks``.
+    A slot a block vacates is expendable from then on, so a later block of the batch may
+    take it when it is the lowest.
 
     Returns:
-        How many blocks were re-pointed, and every logical id whose slot changed.
+        The logical ids to re-point, and the slot each goes to, position by position.
+
+    NOTE: one pass: the candidates are read once (as many as there are fresh blocks, below
+    the highest of their slots), a sentinel past the last one stands for "none left", and
+    the vacated slots are a min-heap that ``heapreplace`` pops and pushes in one call.
+    No placement changes the slot of a later block: targets are expendable, and fresh
+    blocks are live.
     """
-    return tracker.place_fresh_blocks(dict.fromkeys(fresh_ids), mix_digests=mix_digests)
-
-
-class MoveBatch(Sequence[Move]):
-    """A step's moves as three columns, and the sequence of ``Move`` they stand for.
-
-    The engine and the executors read the columns; a ``Move`` is built only when one is
-    read (iterating, indexing), so a step of 512 moves builds none on the hot path
-    (~0.18 µs each: ~90 µs for 512, a tenth of such a step's bookkeeping).
-    Equal to a tuple or list of the same moves.
-
-    Attributes:
-        src_ids: The source slot of each move.
-        dst_ids: The destination slot of each move, position by position.
-        is_two_way: Whether each move is a swap (the destination holds cached data).
-        num_two_way: How many moves are swaps.
-    """
-
-    __slots__ = ("dst_ids", "is_two_way", "num_two_way", "src_ids")
-
-    def __init__(
-        self, src_ids: list[int], dst_ids: list[int], is_two_way: list[bool] | None = None
-    ) -> None:
-        """Takes the columns as they are (not copied); ``is_two_way`` None: all one way."""
-        if is_two_way is None:
-            is_two_way = [False] * len(src_ids)
-        assert len(src_ids) == len(dst_ids) == len(is_two_way), "columns of one length"
-        self.src_ids = src_ids
-        self.dst_ids = dst_ids
-        self.is_two_way = is_two_way
-        self.num_two_way: int = sum(is_two_way)
-
-    @classmethod
-    def of(cls, moves: Iterable[Move]) -> MoveBatch:
-        """The batch of ``moves`` (itself when it already is one)."""
-        if isinstance(moves, MoveBatch):
-            return moves
-        moves = list(moves)
-        return cls(
-            [move.src_physical_id for move in moves],
-            [move.dst_physical_id for move in moves],
-            [bool(move.is_two_way) for move in moves],
-        )
-
-    def pairs(self, *, two_way: bool) -> list[tuple[int, int]]:
-        """The (source, destination) slots of the swaps, or of the one-way moves."""
-        num_selected = self.num_two_way if two_way else len(self.src_ids) - self.num_two_way
-        if not num_selected:
-            return []
-        if num_selected == len(self.src_ids):
-            return list(zip(self.src_ids, self.dst_ids, strict=True))
-        selected = self.is_two_way if two_way else [not flag for flag in self.is_two_way]
-        return list(compress(zip(self.src_ids, self.dst_ids, strict=True), selected))
-
-    def __len__(self) -> int:
-        return len(self.src_ids)
-
-    @overload
-    def __getitem__(self, index: int) -> Move: ...
-
-    @overload
-    def __getitem__(self, index: slice) -> MoveBatch: ...
-
-    def __getitem__(self, index: int | slice) -> Move | MoveBatch:
-        if isinstance(index, slice):
-            return MoveBatch(self.src_ids[index], self.dst_ids[index], self.is_two_way[index])
-        return Move(self.src_ids[index], self.dst_ids[index], self.is_two_way[index])
-
-    def __iter__(self) -> Iterator[Move]:
-        # NOTE: tuple.__new__ builds each Move in C (Move(...) runs a Python __new__).
-        return map(
-            tuple.__new__,
-            repeat(Move),
-            zip(self.src_ids, self.dst_ids, self.is_two_way, strict=True),
-        )
-
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, MoveBatch):
-            return (self.src_ids, self.dst_ids, self.is_two_way) == (
-                other.src_ids,
-                other.dst_ids,
-                other.is_two_way,
-            )
-        if isinstance(other, (tuple, list)):
-            return tuple(self) == tuple(other)
-        return NotImplemented
-
-    __hash__ = None  # type: ignore[assignment]  # the columns are lists
-
-    def __repr__(self) -> str:
-        return f"MoveBatch({list(self)!r})"
+    fwd = tracker.fwd
+    logical_ids = list(dict.fromkeys(fresh_ids))
+    if not logical_ids:
+        return [], []
+    physical_ids = [fwd[logical_id] for logical_id in logical_ids]
+    candidates: list[int] = tracker.lowest_expendable_slots(
+        len(logical_ids), max(physical_ids)
+    ).tolist()
+    candidates.append(tracker.num_blocks)  # past the last: above every slot, never taken
+    next_candidate = 0
+    vacated: list[int] = []  # a min-heap of the slots vacated so far (expendable too)
+    placed_ids: list[int] = []
+    targets: list[int] = []
+    for logical_id, physical_id in zip(logical_ids, physical_ids, strict=True):
+        target = candidates[next_candidate]
+        if vacated and vacated[0] < target:  # a slot vacated earlier in this batch
+            target = vacated[0]
+            if target > physical_id:
+                continue
+            heapq.heapreplace(vacated, physical_id)
+        else:
+            if target > physical_id:
+                continue
+            next_candidate += 1
+            heapq.heappush(vacated, physical_id)
+        placed_ids.append(logical_id)
+        targets.append(target)
+    return placed_ids, targets
 
 
 def plan_compaction(tracker: BlockTracker, config: EngineConfig) -> MoveBatch:
     """Pairs the highest live slots with the lowest free slots below them (nothing
-    changes until the caller commits them with ``BlockTracker.move_live_blocks``)."""
-    src_ids, dst_ids = tracker.compaction_pairs(config.max_moves_per_step)
+    changes until the caller commits them with ``BlockTracker.move_live_blocks``).
+
+    The i-th highest live slot goes to the i-th lowest free slot (never the null slot),
+    while the free one is below, at most ``max_moves_per_step`` pairs; with prefix
+    caching, cached destinations then give way to empty ones (``_prefer_empty``).
+    """
+    max_pairs = config.max_moves_per_step  # >= 1 (EngineConfig checks it)
+    src = tracker.highest_live_slots(max_pairs + 1)  # one more: the highest that stays
+    if not len(src):
+        return MoveBatch([], [])
+    dst = tracker.lowest_free_slots(min(len(src), max_pairs), below=int(src[0]))
+    num_pairs = int(np.count_nonzero(dst < src[: len(dst)]))  # a prefix: src falls, dst rises
+    dst = dst[:num_pairs]
+    src_ids: list[int] = src[:num_pairs].tolist()
     # A free destination holds data only when it is cached (prefix caching).
     if not tracker.prefix_caching:
-        return MoveBatch(src_ids, dst_ids)
-    cached, bwd = tracker.cached, tracker.bwd
-    return MoveBatch(src_ids, dst_ids, [cached[bwd[dst]] for dst in dst_ids])
+        return MoveBatch(src_ids, dst.tolist())
+    if num_pairs and num_pairs < len(src):
+        dst = _prefer_empty(tracker, dst, stays=int(src[num_pairs]))
+    return MoveBatch(src_ids, dst.tolist(), tracker.are_cached_slots(dst).tolist())
+
+
+def _prefer_empty(
+    tracker: BlockTracker, dst: npt.NDArray[np.intp], stays: int
+) -> npt.NDArray[np.intp]:
+    """Swaps cached destinations, highest first, for empty slots in ``(dst[-1], stays)``.
+
+    A cached destination costs a swap (twice the transfers of a one-way copy). Every
+    destination stays below ``stays`` (a live slot that does not move) and so below every
+    source: the same sources leave the top, and the highest live slot after the moves is
+    unchanged.
+
+    Returns:
+        The destinations, ascending.
+    """
+    is_cached = tracker.are_cached_slots(dst)
+    num_cached = int(np.count_nonzero(is_cached))
+    if not num_cached or stays <= int(dst[-1]) + 1:
+        return dst
+    empty = tracker.lowest_expendable_slots(num_cached + len(dst), stays)
+    empty = empty[empty > dst[-1]][:num_cached]
+    if not len(empty):
+        return dst
+    keep = np.ones(len(dst), dtype=np.bool_)
+    keep[np.flatnonzero(is_cached)[::-1][: len(empty)]] = False
+    return np.sort(np.concatenate([dst[keep], empty]))

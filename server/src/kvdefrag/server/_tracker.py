@@ -2,6 +2,11 @@
 
 Pure Python + numpy; no torch, no grpc. The engine is its only owner.
 
+The tracker keeps state and decides nothing: it answers the policy's queries (the
+highest live slots, the lowest free or expendable slots, which free slots are cached)
+and applies what the policy decided (``place_blocks``, ``move_live_blocks``), keeping
+every invariant below.
+
 Two id spaces meet here::
 
     logical id  (what the scheduler allocated)  --fwd-->  physical id (slot in the KV tensors)
@@ -26,7 +31,6 @@ vectorised, lock-free resolve (``_snapshot``).
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Iterable, Mapping
 
 import numpy as np
@@ -89,9 +93,9 @@ class _SlotSet:
     def exchange(
         self, leaving: npt.NDArray[np.intp], joining: npt.NDArray[np.intp]
     ) -> npt.NDArray[np.int64]:
-        """Removes ``leaving`` (slots in the set) and adds ``joining`` (slots not in it,
-        none of them leaving); returns the change of each chunk's count (for a set that
-        changes the other way, ``exchange_back``)."""
+        """Removes ``leaving`` (slots in the set), then adds ``joining`` (slots not in it,
+        or leaving too: those stay in); returns the change of each chunk's count (for a set
+        that changes the other way, ``exchange_back``)."""
         mask = self.mask
         mask[leaving] = False
         mask[joining] = True
@@ -103,15 +107,17 @@ class _SlotSet:
 
     def exchange_back(
         self,
-        leaving: npt.NDArray[np.intp],
-        joining: npt.NDArray[np.intp],
+        left: npt.NDArray[np.intp],
+        joined: npt.NDArray[np.intp],
         delta: npt.NDArray[np.int64],
     ) -> None:
-        """``exchange(leaving, joining)`` whose chunk changes are ``-delta`` (the other
-        set's, computed once)."""
+        """The other side of ``exchange(left, joined)`` (which returned ``delta``): the
+        slots that left the other set join this one (not in it), then those that joined the
+        other set leave this one (in it, or joining: those end out), so the chunk changes
+        are ``-delta``, computed once."""
         mask = self.mask
-        mask[leaving] = False
-        mask[joining] = True
+        mask[left] = True
+        mask[joined] = False
         self.counts -= delta
 
     def highest(self, max_slots: int) -> npt.NDArray[np.intp]:
@@ -214,50 +220,28 @@ class BlockTracker:
         """Highest live physical id, 0 when nothing is live."""
         return self._live.max()
 
-    def compaction_pairs(self, max_pairs: int) -> tuple[list[int], list[int]]:
-        """Pairs the highest live slots with the lowest free slots below them.
+    def highest_live_slots(self, max_slots: int) -> npt.NDArray[np.intp]:
+        """Up to ``max_slots`` live slots, highest first."""
+        return self._live.highest(max_slots)
 
-        With prefix caching, a destination holding cached data costs a swap (twice the
-        transfers of a one-way copy), so a cached destination gives way to a free slot
-        that holds nothing when one lies between the destinations and the highest live
-        slot that stays: the same sources leave the top and the pool ends as packed.
+    def lowest_free_slots(self, max_slots: int, below: int) -> npt.NDArray[np.intp]:
+        """Up to ``max_slots`` free slots (cached or not) below ``below``, lowest first;
+        never the null slot."""
+        return self._live.lowest(max_slots, below, is_in=False)
 
-        Returns:
-            The source (live) and destination (free, never the null slot) slots, pair by
-            pair: the i-th highest live slot with the i-th lowest free slot, while the
-            free one is below, at most ``max_pairs`` pairs. Nothing changes.
+    def lowest_expendable_slots(self, max_slots: int, below: int) -> npt.NDArray[np.intp]:
+        """Up to ``max_slots`` expendable slots (free, holding nothing to keep) below
+        ``below``, lowest first."""
+        return self._expendable.lowest(max_slots, below, is_in=True)
+
+    def are_cached_slots(self, physical_ids: npt.NDArray[np.intp]) -> npt.NDArray[np.bool_]:
+        """Whether each of ``physical_ids`` (free slots, never the null slot) holds cached
+        data (prefix caching).
+
+        NOTE: read from the expendable set (one numpy call): a free slot other than the
+        null one is expendable exactly when it is not cached.
         """
-        if max_pairs <= 0:
-            return [], []
-        src = self._live.highest(max_pairs + 1)  # one more: the highest that stays
-        if not len(src):
-            return [], []
-        dst = self._live.lowest(min(len(src), max_pairs), int(src[0]), is_in=False)
-        num_pairs = int(np.count_nonzero(dst < src[: len(dst)]))  # a prefix: src falls, dst rises
-        dst = dst[:num_pairs]
-        if self.prefix_caching and num_pairs and num_pairs < len(src):
-            dst = self._prefer_empty(dst, stays=int(src[num_pairs]))
-        src_ids: list[int] = src[:num_pairs].tolist()
-        dst_ids: list[int] = dst.tolist()
-        return src_ids, dst_ids
-
-    def _prefer_empty(self, dst: npt.NDArray[np.intp], stays: int) -> npt.NDArray[np.intp]:
-        """Swaps cached destinations, highest first, for empty slots in ``(dst[-1], stays)``.
-
-        Every destination stays below ``stays`` (a live slot that does not move) and so
-        below every source; the highest live slot after the moves is unchanged.
-        """
-        is_cached = ~self._expendable.mask[dst]
-        num_cached = int(np.count_nonzero(is_cached))
-        if not num_cached or stays <= int(dst[-1]) + 1:
-            return dst
-        empty = self._expendable.lowest(num_cached + len(dst), stays, is_in=True)
-        empty = empty[empty > dst[-1]][:num_cached]
-        if not len(empty):
-            return dst
-        keep = np.ones(len(dst), dtype=np.bool_)
-        keep[np.flatnonzero(is_cached)[::-1][: len(empty)]] = False
-        return np.sort(np.concatenate([dst[keep], empty]))
+        return ~self._expendable.mask[physical_ids]
 
     # --- mutations --------------------------------------------------------------------
     def acquire(self, logical_id: int) -> bool:
@@ -275,73 +259,61 @@ class BlockTracker:
             self.cached[logical_id] = False
             self._expendable.add([self.fwd[logical_id]])
 
-    def place_fresh_blocks(
-        self, logical_ids: Iterable[int], *, mix_digests: bool = True
-    ) -> tuple[int, list[int]]:
-        """Re-points each block of ``logical_ids`` (live, listed once), in order, to the
-        lowest expendable slot if that is below its own; the expendable block takes the
-        vacated slot (the mapping only, no copy).
+    def place_blocks(
+        self, logical_ids: list[int], physical_ids: list[int], *, mix_digests: bool = True
+    ) -> list[int]:
+        """Commits a placement: each live block ``logical_ids[i]``, in order, is re-pointed
+        to the expendable slot ``physical_ids[i]``, and the expendable block there takes
+        the vacated slot (the mapping only, no copy). A target may be a slot vacated
+        earlier in the same batch (expendable from then on).
 
         ``mix_digests=False``: the blocks became live with their digests unmixed
         (``append_requests(..., mix_digests=False)``); ``mix_live_digests`` mixes them in
         where placement leaves them.
 
         Returns:
-            How many blocks were re-pointed, and every logical id whose slot changed.
-
-        NOTE: the rule of ``_policy.place_fresh`` in one loop: the lowest expendable slots
-        are read once, and a vacated slot is expendable at once, so a later block of the
-        batch may take it.
+            Every logical id whose slot changed.
         """
-        fwd, bwd, refs = self.fwd, self.bwd, self.refs
-        logical_ids = list(logical_ids)
         if not logical_ids:
-            return 0, []
-        highest = max([fwd[logical_id] for logical_id in logical_ids])
-        candidates: list[int] = self._expendable.lowest(
-            len(logical_ids), highest, is_in=True
-        ).tolist()
-        candidates.append(self.num_blocks)  # past the last: above every slot, never taken
-        next_candidate = 0
-        vacated: list[int] = []  # a min-heap of the slots vacated so far (expendable too)
-        placed_ids: list[int] = []
-        targets: list[int] = []
-        vacated_slots: list[int] = []
+            return []
+        fwd, bwd, refs, cached = self.fwd, self.bwd, self.refs, self.cached
         changed: list[int] = []
-        for logical_id in logical_ids:
+        vacated_slots: list[int] = []
+        for logical_id, target in zip(logical_ids, physical_ids, strict=True):
             physical_id = fwd[logical_id]
-            assert refs[logical_id], f"placement of logical block {logical_id}, which is not live"
-            target = candidates[next_candidate]
-            if vacated and vacated[0] < target:  # a slot vacated earlier in this batch
-                target = vacated[0]
-                if target > physical_id:
-                    continue
-                heapq.heapreplace(vacated, physical_id)
-            else:
-                if target > physical_id:
-                    continue
-                next_candidate += 1
-                heapq.heappush(vacated, physical_id)
             displaced_id = bwd[target]  # expendable: no reference, no digest
+            assert (
+                refs[logical_id] and target and not (refs[displaced_id] or cached[displaced_id])
+            ), (
+                f"placement of logical block {logical_id} onto slot {target}: the block "
+                "must be live and the slot expendable"
+            )
             fwd[logical_id], fwd[displaced_id] = target, physical_id
             bwd[target], bwd[physical_id] = logical_id, displaced_id
             changed += (logical_id, displaced_id)
-            placed_ids.append(logical_id)
-            targets.append(target)
             vacated_slots.append(physical_id)
         # NOTE: vacated first: a slot vacated early in the batch may be a later target.
-        self._live.remove(vacated_slots)
-        self._live.add(targets)
-        self._expendable.add(vacated_slots)
-        self._expendable.remove(targets)
+        # Beyond a few slots, each list is converted to an array once and the chunk counts
+        # computed once for both sets (64 placements in an 8k pool: ~42 -> ~37 µs in all).
+        num_placed = len(logical_ids)
+        if num_placed <= _MAX_SCALAR_UPDATES:
+            self._live.remove(vacated_slots)
+            self._live.add(physical_ids)
+            self._expendable.add(vacated_slots)
+            self._expendable.remove(physical_ids)
+        else:
+            vacated = np.fromiter(vacated_slots, np.intp, num_placed)
+            targets = np.fromiter(physical_ids, np.intp, num_placed)
+            delta = self._live.exchange(vacated, targets)
+            self._expendable.exchange_back(vacated, targets, delta)
         if mix_digests:
-            self._update_live_digests(placed_ids, targets)
+            self._update_live_digests(logical_ids, physical_ids)
         self._remapped += changed
-        return len(placed_ids), changed
+        return changed
 
     def move_live_blocks(self, src_ids: list[int], dst_ids: list[int]) -> list[int]:
         """Commits a compaction batch: live ``src_ids[i]`` and free ``dst_ids[i]`` trade
-        logical ids (the pairs of ``compaction_pairs``).
+        logical ids (the pairs of ``_policy.plan_compaction``).
 
         Returns:
             Every logical id whose slot changed.
@@ -364,7 +336,7 @@ class BlockTracker:
         delta = self._live.exchange(src_slots, dst_slots)
         # A free block that is not cached leaves an expendable slot (dst) for another (src).
         if not self.prefix_caching:  # no free block is cached
-            self._expendable.exchange_back(dst_slots, src_slots, delta)
+            self._expendable.exchange_back(src_slots, dst_slots, delta)
         else:
             uncached = [index for index, freed_id in enumerate(freed_ids) if not cached[freed_id]]
             if uncached:
@@ -459,7 +431,7 @@ class BlockTracker:
         the caller passes them to ``mix_live_digests``: a step mixes them in once, after
         placement has re-pointed most of them, not at their first slot and again at their
         new one. Until then, nothing may read ``digest``, and only
-        ``place_fresh_blocks(..., mix_digests=False)`` may move those blocks.
+        ``place_blocks(..., mix_digests=False)`` may move those blocks.
         """
         requests, refs = self.requests, self.refs
         became_live: list[int] = []
