@@ -35,6 +35,7 @@ SERVER_HANDLE_MEMBERS = {
     "epoch",
     "kv_lock",
     "metrics_port",
+    "moves_since",
     "reset",
     "resolve",
     "stats",

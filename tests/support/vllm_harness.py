@@ -99,7 +99,7 @@ def spy_preemptions(scheduler: Scheduler) -> list[str]:
 
 def translator_for(handle: ServerHandle, num_blocks: int) -> BlockIdTranslator:
     """The translator ``DefragWorkerMixin`` gives a worker of ``handle``'s rank."""
-    return BlockIdTranslator(handle.resolve)
+    return BlockIdTranslator(handle, num_blocks)
 
 
 def make_scheduler(

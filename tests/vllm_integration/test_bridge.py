@@ -53,7 +53,7 @@ class RowWorker:
         self.service: tuple[ServerHandle, BlockIdTranslator] | None = None
 
     def attach(self, handle: ServerHandle) -> None:
-        self.service = (handle, BlockIdTranslator(handle.resolve))
+        self.service = (handle, BlockIdTranslator(handle, NUM_BLOCKS))
 
     def data(self, physical_id: int) -> torch.Tensor:
         return self.kv[physical_id * BLOCK_SIZE : (physical_id + 1) * BLOCK_SIZE]

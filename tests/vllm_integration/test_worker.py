@@ -16,7 +16,9 @@ import pytest
 import torch
 
 from kvdefrag.client import DefragClient
-from kvdefrag.server import Move, make_executor
+from kvdefrag.common import StepEvents
+from kvdefrag.server import Engine, EngineConfig, Move, MoveBatch, make_executor
+from kvdefrag.vllm._runner_rows import Remap
 from kvdefrag.vllm.worker import (
     BlockIdTranslator,
     DefragWorkerMixin,
@@ -211,15 +213,44 @@ def _v1_runner(rows: list[list[int]]) -> Any:
     )
 
 
+class FakeMoveLog:
+    """A rank's service as the translator reads it: a mapping and a log of compactions."""
+
+    def __init__(self) -> None:
+        self.mapping = np.arange(NUM_BLOCKS)
+        self.batches: list[MoveBatch] = []
+        self.num_resolved = 0
+        self.is_truncated = False
+
+    def resolve(self, logical_ids: Any) -> Any:
+        self.num_resolved += len(logical_ids)
+        return self.mapping[logical_ids]
+
+    def moves_since(self, version: int | None) -> tuple[int, list[MoveBatch]] | None:
+        now = len(self.batches)
+        if version is None:
+            return now, []
+        if self.is_truncated:
+            return None
+        return now, self.batches[version:]
+
+    def compact(self, mapping: list[int], *moves: tuple[int, int, bool]) -> None:
+        self.mapping = np.array(mapping)
+        self.batches.append(
+            MoveBatch([m[0] for m in moves], [m[1] for m in moves], [m[2] for m in moves])
+        )
+
+
 def test_the_runners_rows_follow_the_blocks_that_moved() -> None:
-    current = np.arange(NUM_BLOCKS)
-    translator = BlockIdTranslator(lambda: current.copy())
+    service = FakeMoveLog()
+    translator = BlockIdTranslator(service, NUM_BLOCKS)
     assert translator.advance()[1] is None
     runner = _v1_runner([[1, 2, 3], [4]])
     # the engine swapped the data of physical 1 and 6, and moved 4 to 5 (5 was free)
-    current = np.array([0, 6, 2, 3, 5, 4, 1, 7])
-    mapping, remap = translator.advance()
-    assert remap is not None and mapping.tolist() == current.tolist()
+    service.compact([0, 6, 2, 3, 5, 4, 1, 7], (1, 6, True), (4, 5, False))
+    resolve, remap = translator.advance()
+    assert remap is not None and resolve(np.array([1, 4])).tolist() == [6, 5]
+    assert sorted(remap.old_ids.tolist()) == [1, 4, 6]
     remap_v1_runner_rows(runner, remap)
     assert runner.requests["r0"].block_ids == ([6, 2, 3],)
     assert runner.requests["r1"].block_ids == ([5],)
@@ -227,6 +258,72 @@ def test_the_runners_rows_follow_the_blocks_that_moved() -> None:
     assert table[0, :3].tolist() == [6, 2, 3] and table[1, :1].tolist() == [5]
     assert table[2:].sum() == 0  # unused rows and the null block stay 0
     assert translator.advance()[1] is None
+
+
+def test_moves_over_several_compactions_compose() -> None:
+    """Data that moved twice between two passes is followed to where it is now; a slot
+    whose data moved away one way is not where anything went."""
+    service = FakeMoveLog()
+    translator = BlockIdTranslator(service, NUM_BLOCKS)
+    service.compact(list(range(NUM_BLOCKS)), (7, 3, False), (5, 1, True))
+    service.compact(list(range(NUM_BLOCKS)), (3, 2, False), (1, 6, True))
+    _, remap = translator.advance()
+    assert remap is not None
+    # 7 -> 3 -> 2; 5 -> 1 -> 6; 1 -> 5 (swapped with 5), then 6 -> 1 (swapped with 1)
+    assert {old: int(remap.table[old]) for old in remap.old_ids.tolist()} == {
+        7: 2,
+        5: 6,
+        1: 5,
+        6: 1,
+    }
+    assert remap.table[3] == 3 and remap.table[4] == 4
+    # the next pass starts from the identity again
+    service.compact(list(range(NUM_BLOCKS)), (2, 4, False))
+    _, remap = translator.advance()
+    assert remap is not None and remap.old_ids.tolist() == [2] and remap.table[7] == 7
+
+
+def test_a_translator_that_lost_track_stops_the_pass() -> None:
+    service = FakeMoveLog()
+    translator = BlockIdTranslator(service, NUM_BLOCKS)
+    service.is_truncated = True
+    service.compact(list(range(NUM_BLOCKS)), (2, 4, False))
+    with pytest.raises(RuntimeError, match="rows cannot follow the KV data any more"):
+        translator.advance()
+
+
+def test_an_outputs_ids_are_resolved_in_one_lookup() -> None:
+    service = FakeMoveLog()
+    service.mapping = np.array([0, 6, 2, 3, 5, 4, 1, 7])
+    output = _output()
+    calls = []
+
+    def resolve(logical_ids: Any) -> Any:
+        calls.append(logical_ids.tolist())
+        return service.resolve(logical_ids)
+
+    translate_scheduler_output(output, resolve)
+
+    assert calls == [[1, 2, 3, 3, 1, 4]]
+    assert output.scheduled_new_reqs[0].block_ids == ([6, 2],)
+    assert output.scheduled_cached_reqs.new_block_ids == [None, ([3],)]
+    assert output.new_block_ids_to_zero == [3]
+    assert output.kv_cache_block_copies == [(6, 5)]
+
+
+def test_the_engines_log_gives_what_moved_since_a_version() -> None:
+    kv = [(torch.zeros(NUM_BLOCKS * BLOCK_SIZE, 2), None)]
+    engine = Engine(kv, BLOCK_SIZE, EngineConfig(threshold=0))
+    version, batches = engine.moves_since(None) or (None, None)
+    assert batches == []
+    engine.step(StepEvents.build(new_blocks={"a": [5, 6]}, fresh=[]))  # live high: moves
+    found = engine.moves_since(version)
+    assert found is not None
+    now, batches = found
+    assert now == version + 1 and len(batches) == 1 and len(batches[0]) == 2
+    assert engine.moves_since(now) == (now, [])
+    engine.reset()
+    assert engine.moves_since(now) is None  # a reset: the rows cannot follow
 
 
 def _v2_runner(rows: list[list[int]], num_groups: int = 1) -> Any:
@@ -243,7 +340,7 @@ def test_the_v2_runners_table_follows_the_blocks_that_moved_on_its_device() -> N
     table = runner.block_tables.block_tables[0].gpu
     before = table.data_ptr()
     # the engine swapped the data of physical 1 and 6, and moved 4 to 5 (5 was free)
-    remap_v2_runner_rows(runner, np.array([0, 6, 2, 3, 5, 4, 1, 7]))
+    remap_v2_runner_rows(runner, Remap(np.array([0, 6, 2, 3, 5, 4, 1, 7]), np.array([1, 4, 6])))
     assert table.data_ptr() == before and table.dtype == torch.int32  # rewritten in place
     assert table[0, :3].tolist() == [6, 2, 3]
     assert table[1, :1].tolist() == [5]
@@ -301,9 +398,9 @@ def test_the_mixin_translates_and_remaps_the_v2_runners_table(
     worker = _V2Worker(rank=0, runner=runner)
     worker.initialize_from_config(_kv_cache_config())
     assert worker.kvdefrag_is_v2_runner and worker.kvdefrag_translator is not None
-    current = np.arange(NUM_BLOCKS)
-    worker.kvdefrag_translator = BlockIdTranslator(lambda: current.copy())
-    current = np.array([0, 6, 2, 3, 5, 4, 1, 7])
+    service = FakeMoveLog()
+    worker.kvdefrag_translator = BlockIdTranslator(service, NUM_BLOCKS)
+    service.compact([0, 6, 2, 3, 5, 4, 1, 7], (1, 6, True), (4, 5, False))
     output = _output()
     assert worker.execute_model(output) is output
     table = runner.block_tables.block_tables[0].gpu
@@ -347,6 +444,7 @@ def test_worker_exports_are_pinned() -> None:
         {
             "BlockIdTranslator",
             "DefragWorkerMixin",
+            "Remap",
             "bind_vllm_kv_caches",
             "check_v2_runner",
             "remap_v1_runner_rows",

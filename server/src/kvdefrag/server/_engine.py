@@ -14,6 +14,7 @@ the engine refuses further steps until ``reset()``.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import logging
@@ -46,6 +47,10 @@ from kvdefrag.server._validate import validate_step
 from kvdefrag.server.config import EngineConfig
 
 _LOGGER = logging.getLogger(__name__)
+
+MOVE_LOG_LENGTH = 4096
+"""Compactions ``Engine.moves_since`` can replay: a worker runs a pass per step, and a
+step commits at most one compaction, so a worker never falls this far behind."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,6 +187,12 @@ class Engine:
         self._generation = 0
         self._snapshots = MappingSnapshots(self.num_blocks)
         self._published = self._publish_locked()
+        # Compactions committed, by number, for workers whose rows follow moved data
+        # (``moves_since``); the number never restarts, a reset only skips one.
+        self._num_compactions = 0
+        self._move_log: collections.deque[tuple[int, MoveBatch]] = collections.deque(
+            maxlen=MOVE_LOG_LENGTH
+        )
 
     def add_observer(self, observer: StepObserver) -> None:
         """Adds an observer told about every later step, move failure and reset."""
@@ -380,6 +391,8 @@ class Engine:
             # NOTE: published before kv_lock is released: a worker that takes kv_lock
             # next must resolve to where the data now is.
             self._published = self._publish_locked()
+            self._num_compactions += 1
+            self._move_log.append((self._num_compactions, moves))
         return moves, report, swap_s
 
     def _publish_locked(self, *, stats: PoolStats | None = None) -> _Published:
@@ -392,6 +405,29 @@ class Engine:
         return _Published(digest=tracker.digest, stats=stats)
 
     # --- reads ------------------------------------------------------------------------
+    def moves_since(self, version: int | None) -> tuple[int, list[MoveBatch]] | None:
+        """The compactions committed after compaction number ``version``, oldest first.
+
+        For a worker whose persistent rows name physical ids: it follows the data that
+        moved since its previous pass in O(blocks moved), not O(pool). Call it holding
+        ``kv_lock`` (compactions commit under it).
+
+        Args:
+            version: The number this returned last time; None to learn the current one.
+
+        Returns:
+            ``(version now, the batches)``; None when the log no longer reaches back to
+            ``version`` (more than ``MOVE_LOG_LENGTH`` compactions, or a reset, came in
+            between): the rows can no longer be followed.
+        """
+        now = self._num_compactions
+        if version is None or version == now:
+            return now, []
+        log = self._move_log
+        if version > now or not log or log[0][0] > version + 1:
+            return None
+        return now, [batch for number, batch in log if number > version]
+
     def resolve(self, logical_ids: Sequence[int] | npt.ArrayLike) -> npt.NDArray[np.int64]:
         """Maps logical ids to physical ids (vectorised, lock-free).
 
@@ -544,4 +580,7 @@ class Engine:
             self._generation += 1
             self._snapshots = MappingSnapshots(self.num_blocks)
             self._published = self._publish_locked()
+            with self.kv_lock:
+                self._num_compactions += 1  # a reader from before must not follow moves
+                self._move_log.clear()
         self._notify("on_reset")

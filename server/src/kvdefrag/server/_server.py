@@ -34,6 +34,7 @@ from kvdefrag.server import _convert, _socket_file
 from kvdefrag.server._engine import Engine, StepObserver, StepResult
 from kvdefrag.server._executor import KvCaches, SwapExecutor
 from kvdefrag.server._limits import MAX_OTHER_STREAMS, MIN_WORKERS, StreamShare, StreamSlots
+from kvdefrag.server._moves import MoveBatch
 from kvdefrag.server._servicer import DefragServicer
 from kvdefrag.server._socket_file import MAX_SOCKET_PATH_BYTES, SocketFile
 from kvdefrag.server._tls import server_credentials
@@ -199,6 +200,11 @@ class ServerHandle:
         if logical_ids is None:
             return self._engine.mapping()
         return self._engine.resolve(logical_ids)
+
+    def moves_since(self, version: int | None) -> tuple[int, list[MoveBatch]] | None:
+        """The compactions (KV data moved) since compaction number ``version``; call it
+        holding ``kv_lock``. See ``Engine.moves_since``."""
+        return self._engine.moves_since(version)
 
     def stats(self) -> PoolStats:
         """The pool as of the last step or reset (lock-free)."""

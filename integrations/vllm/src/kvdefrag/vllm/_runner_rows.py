@@ -1,44 +1,80 @@
-"""A worker's persistent rows, kept physical when the worker translates block ids.
+"""A worker's persistent rows, kept physical while kvdefrag moves blocks under them.
 
 vLLM's runners keep each running request's block row between steps and only append to
-it; when kvdefrag moves blocks under a worker that translates, those rows must follow:
-``BlockIdTranslator`` says how physical ids moved since the previous pass, and
-``remap_v1_runner_rows`` / ``remap_v2_runner_rows`` rewrite the runner's rows with it.
+it; when kvdefrag moves blocks, those rows must follow: ``BlockIdTranslator`` says how
+physical ids moved since the previous pass (from the service's log of compactions, in
+time proportional to the blocks moved), and ``remap_v1_runner_rows`` /
+``remap_v2_runner_rows`` rewrite the runner's rows with it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
 import torch
 
 from kvdefrag.common import NULL_BLOCK_ID
+from kvdefrag.server import MoveBatch
 
 
-def remap_v1_runner_rows(model_runner: Any, remap: npt.NDArray[np.int64]) -> None:
+class Remap:
+    """How physical ids moved since a worker's previous pass.
+
+    ``table[old] = new`` for every physical id (ids that did not move map to themselves);
+    ``old_ids`` are the ids that moved. Valid until the translator's next ``advance``
+    (the table is the translator's own, patched for this pass only).
+    """
+
+    def __init__(self, table: npt.NDArray[np.int64], old_ids: npt.NDArray[np.int64]) -> None:
+        self.table = table
+        self.old_ids = old_ids
+
+    def __getitem__(self, physical_ids: Any) -> npt.NDArray[np.int64]:
+        """``table[physical_ids]``."""
+        remapped: npt.NDArray[np.int64] = self.table[np.asarray(physical_ids, dtype=np.int64)]
+        return remapped
+
+
+def remap_v1_runner_rows(model_runner: Any, remap: Remap) -> None:
     """Rewrites the V1 runner's persistent rows after blocks moved: ``remap[old] = new``.
 
-    Both copies vLLM 0.33's ``GPUModelRunner`` (and the CPU runner built on it) keeps: each
-    request's ``block_ids`` lists (rows of requests outside the batch come back from
-    these) and the block tables of the persistent batch, committed to the device at
-    every step.
+    Both copies vLLM 0.33's ``GPUModelRunner`` (and the CPU runner built on it) keeps: the
+    block tables of the persistent batch (``input_batch.block_table``, committed to the
+    device at every step) and each request's ``block_ids`` lists (rows of requests outside
+    the batch come back from these). Cost: one gather over the batch's rows in use, then
+    only the lists of requests that name a moved block.
     """
-    for state in model_runner.requests.values():
-        for group in state.block_ids:
-            if group:
-                group[:] = remap[np.asarray(group, dtype=np.int64)].tolist()
-    for table in model_runner.input_batch.block_table.block_tables:
-        in_use = np.flatnonzero(table.num_blocks_per_row)
+    batch = model_runner.input_batch
+    affected: set[str] = set()
+    row_to_request = getattr(batch, "req_ids", None)
+    for table in batch.block_table.block_tables:
+        lengths = table.num_blocks_per_row
+        in_use = np.flatnonzero(lengths)
         if in_use.size == 0:
             continue
-        rows = table.block_table.np[: int(in_use[-1]) + 1]
-        rows[...] = remap[rows]
+        num_rows = int(in_use[-1]) + 1
+        num_columns = int(lengths[:num_rows].max())
+        rows = table.block_table.np[:num_rows, :num_columns]
+        remapped = remap.table[rows]
+        changed = np.flatnonzero((remapped != rows).any(axis=1))
+        rows[...] = remapped
+        if row_to_request is None:
+            continue
+        affected.update(str(row_to_request[row]) for row in changed.tolist() if row_to_request[row])
+    in_batch = getattr(batch, "req_id_to_index", None)
+    moved = set(remap.old_ids.tolist())
+    for request_id, state in model_runner.requests.items():
+        if in_batch is not None and request_id in in_batch and request_id not in affected:
+            continue  # its row in the batch names no moved block, nor does its list
+        for group in state.block_ids:
+            if group and not moved.isdisjoint(group):
+                group[:] = remap[group].tolist()
 
 
-def remap_v2_runner_rows(model_runner: Any, remap: npt.NDArray[np.int64]) -> None:
+def remap_v2_runner_rows(model_runner: Any, remap: Remap) -> None:
     """Rewrites the V2 runner's persistent block table after blocks moved: ``remap[old] = new``.
 
     vLLM 0.33's V2 runner (``vllm/v1/worker/gpu/model_runner.py``) keeps one row per
@@ -46,21 +82,20 @@ def remap_v2_runner_rows(model_runner: Any, remap: npt.NDArray[np.int64]) -> Non
     ``[max_num_reqs, max_num_blocks]`` tensor on the runner's device; new requests
     overwrite their row, cached requests only append to it. The whole table is rewritten
     on its own device, in stream order before the forward pass: entries past a row's
-    length, and rows of free slots, hold stale ids or the null block, and since ``remap``
-    is a permutation of every block id they stay harmless (the null block 0 never moves,
-    so zeros stay zeros). Staged writes are applied inside ``execute_model``, so none is
-    pending when this runs (before it).
+    length, and rows of free slots, hold stale ids or the null block, which no pass reads
+    (the null block 0 never moves, so zeros stay zeros). Staged writes are applied inside
+    ``execute_model``, so none is pending when this runs (before it).
 
     Args:
         model_runner: A runner ``check_v2_runner`` accepts.
-        remap: ``remap[old_physical] = new_physical`` for every block id.
+        remap: ``remap.table[old_physical] = new_physical`` for every block id.
     """
     assert remap[NULL_BLOCK_ID] == NULL_BLOCK_ID, (
         f"kvdefrag moved the null block to {int(remap[NULL_BLOCK_ID])}"
     )
     for staged in model_runner.block_tables.block_tables:
         table: torch.Tensor = staged.gpu
-        lookup = torch.as_tensor(remap, dtype=torch.int64, device=table.device)
+        lookup = torch.as_tensor(remap.table, dtype=torch.int64, device=table.device)
         table.copy_(lookup[table.long()].to(table.dtype))
 
 
@@ -105,24 +140,80 @@ def check_v2_runner(model_runner: Any) -> None:
         )
 
 
-class BlockIdTranslator:
-    """Keeps a worker's block ids physical when the worker, not the scheduler, translates.
+class MoveLog(Protocol):
+    """What a translator reads of its rank's service (``ServerHandle``)."""
 
-    Each ``advance`` (called holding ``kv_lock``, before a forward pass) returns the
-    mapping the KV data is in now and how physical ids moved since the previous call, so
-    the persistent rows can follow and the incoming output be translated with one mapping.
+    def resolve(self, logical_ids: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]: ...
+
+    def moves_since(self, version: int | None) -> tuple[int, list[MoveBatch]] | None: ...
+
+
+class BlockIdTranslator:
+    """Keeps a worker's block ids physical: what moved since its previous pass, and the
+    physical ids of what an output names.
+
+    Each ``advance`` (called holding ``kv_lock``, before a forward pass) returns how to
+    resolve logical ids now and how physical ids moved since the previous call, so the
+    persistent rows can follow. Both cost what changed: the compactions since the last
+    pass (``ServerHandle.moves_since``) and the ids an output names, never the pool.
+
+    Invariant: between calls ``_table`` is the identity.
     """
 
-    def __init__(self, mapping: Callable[[], npt.NDArray[np.int64]]) -> None:
-        self._mapping = mapping
-        self._last: npt.NDArray[np.int64] = mapping()
+    def __init__(self, service: MoveLog, num_blocks: int) -> None:
+        self._service = service
+        started = service.moves_since(None)
+        assert started is not None, "moves_since(None) always answers"
+        self._version = started[0]
+        self._table = np.arange(num_blocks, dtype=np.int64)
+        self._patched = np.empty(0, dtype=np.int64)
 
-    def advance(self) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64] | None]:
-        """Returns ``(mapping, remap)``; ``remap`` is None when nothing moved since last time."""
-        current: npt.NDArray[np.int64] = self._mapping()
-        last, self._last = self._last, current
-        if np.array_equal(last, current):
-            return current, None
-        remap = np.empty_like(current)
-        remap[last] = current
-        return current, remap
+    def advance(
+        self,
+    ) -> tuple[Callable[[npt.NDArray[np.int64]], npt.NDArray[np.int64]], Remap | None]:
+        """Returns ``(resolve, remap)``; ``remap`` is None when no data moved since last time.
+
+        Raises:
+            RuntimeError: The service's log no longer reaches the previous pass (it was
+                reset, or more compactions than it keeps came in between): the rows
+                cannot follow; restart vLLM.
+        """
+        table = self._table
+        table[self._patched] = self._patched  # the identity again
+        self._patched = np.empty(0, dtype=np.int64)
+        found = self._service.moves_since(self._version)
+        if found is None:
+            raise RuntimeError(
+                "kvdefrag: this worker's rows cannot follow the KV data any more: its "
+                "service was reset, or compacted more often than it keeps a record of, "
+                "since the worker's previous pass; restart vLLM"
+            )
+        self._version, batches = found
+        if not batches:
+            return self._service.resolve, None
+        old_ids, new_ids = _compose(batches)
+        table[old_ids] = new_ids
+        self._patched = old_ids
+        return self._service.resolve, Remap(table, old_ids)
+
+
+def _compose(batches: list[MoveBatch]) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+    """Where the data of each slot went over ``batches`` (in order; the moves within one
+    batch happen at once): ``(old slots, their new slots)``, moved ones only."""
+    origin: dict[int, int | None] = {}  # slot now -> slot its data came from (None: garbage)
+    for batch in batches:
+        updates: dict[int, int | None] = {}
+        for src, dst, is_two_way in zip(
+            batch.src_ids, batch.dst_ids, batch.is_two_way, strict=True
+        ):
+            updates[dst] = origin.get(src, src)
+            updates[src] = origin.get(dst, dst) if is_two_way else None
+        origin.update(updates)
+    pairs = sorted(
+        (came_from, slot)
+        for slot, came_from in origin.items()
+        if came_from is not None and came_from != slot
+    )
+    old_ids = np.fromiter((old for old, _ in pairs), np.int64, len(pairs))
+    new_ids = np.fromiter((new for _, new in pairs), np.int64, len(pairs))
+    return old_ids, new_ids

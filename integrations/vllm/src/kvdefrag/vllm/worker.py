@@ -26,10 +26,11 @@ Importing this module does not import vLLM; looking up a worker class (``DefragW
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import os
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -41,6 +42,7 @@ from kvdefrag.server.config import load_config
 from kvdefrag.vllm._kv_binding import bind_vllm_kv_caches
 from kvdefrag.vllm._runner_rows import (
     BlockIdTranslator,
+    Remap,
     check_v2_runner,
     remap_v1_runner_rows,
     remap_v2_runner_rows,
@@ -60,6 +62,7 @@ from kvdefrag.vllm.common import (
 __all__ = [
     "BlockIdTranslator",
     "DefragWorkerMixin",
+    "Remap",
     "bind_vllm_kv_caches",
     "check_v2_runner",
     "remap_v1_runner_rows",
@@ -73,18 +76,43 @@ logger = logging.getLogger(__name__)
 _STOP_GRACE_S = 1.0
 
 
-def translate_scheduler_output(output: Any, mapping: npt.NDArray[np.int64]) -> None:
+def translate_scheduler_output(
+    output: Any,
+    mapping: npt.NDArray[np.int64] | Callable[[npt.NDArray[np.int64]], npt.NDArray[np.int64]],
+) -> None:
     """Rewrites, in place, every block id a ``SchedulerOutput`` names from logical to
-    physical, with ``mapping[logical_id] = physical_id`` (``common.map_block_ids`` lists
-    the fields: under the V2 runner resumed requests come as new ones, whole rows)."""
+    physical (``common.map_block_ids`` lists the fields: under the V2 runner resumed
+    requests come as new ones, whole rows).
 
-    def to_physical(logical_ids: Sequence[int]) -> list[int]:
-        if not logical_ids:
-            return []
-        physical_ids: list[int] = mapping[np.asarray(logical_ids, dtype=np.int64)].tolist()
-        return physical_ids
+    Args:
+        output: The ``SchedulerOutput``.
+        mapping: ``mapping[logical_id] = physical_id`` as an array, or a function that
+            resolves an array of logical ids (``ServerHandle.resolve``): called once,
+            with every id the output names.
+    """
+    named: list[Sequence[int]] = []
 
-    map_block_ids(output, to_physical)
+    def collect(logical_ids: Sequence[int]) -> list[int]:
+        named.append(logical_ids)
+        return list(logical_ids)
+
+    # NOTE: two walks of the same fields in the same order: the first gathers every id,
+    # one lookup resolves them all, the second hands each list its share.
+    map_block_ids(output, collect)
+    lengths = [len(logical_ids) for logical_ids in named]
+    flat = np.fromiter(itertools.chain.from_iterable(named), np.int64, sum(lengths))
+    physical = (mapping[flat] if isinstance(mapping, np.ndarray) else mapping(flat)).tolist()
+    shares = iter(lengths)
+    start = 0
+
+    def hand_out(logical_ids: Sequence[int]) -> list[int]:
+        nonlocal start
+        length = next(shares)
+        start += length
+        share: list[int] = physical[start - length : start]
+        return share
+
+    map_block_ids(output, hand_out)
 
 
 def wait_for_planned_step(handle: ServerHandle, rank: int, output: Any, timeout_s: float) -> None:
@@ -126,9 +154,9 @@ class DefragWorkerMixin:
         """Lets vLLM allocate the KV caches, then binds them and starts the service."""
         super().initialize_from_config(kv_cache_config)  # type: ignore[misc]
         handle = self._start_kvdefrag(kv_cache_config)
-        self.kvdefrag_attach(handle)
+        self.kvdefrag_attach(handle, int(kv_cache_config.num_blocks))
 
-    def kvdefrag_attach(self, handle: ServerHandle) -> None:
+    def kvdefrag_attach(self, handle: ServerHandle, num_blocks: int) -> None:
         """Puts a serving rank's engine in front of ``execute_model``.
 
         ``initialize_from_config`` calls it once the service listens: it sets up the
@@ -137,7 +165,7 @@ class DefragWorkerMixin:
         vllm_config = getattr(self, "vllm_config", None)
         self.kvdefrag_step_wait_s = step_wait_s()
         self.kvdefrag_is_v2_runner = uses_v2_model_runner(vllm_config)
-        self.kvdefrag_translator = BlockIdTranslator(handle.resolve)
+        self.kvdefrag_translator = BlockIdTranslator(handle, num_blocks)
         self.kvdefrag_handle = handle
 
     def execute_model(self, scheduler_output: Any) -> Any:
