@@ -35,7 +35,7 @@ from support.tls import make_certificates
 
 pytestmark = pytest.mark.slow
 
-ENGINE_RUN = Path(__file__).resolve().parents[2] / "bench" / "vllm_cpu" / "engine_run.py"
+ENGINE_RUN = Path(__file__).resolve().parents[3] / "bench" / "vllm_cpu" / "engine_run.py"
 NUM_REQUESTS = 96
 MODES = ("plain", "defrag", "corrupt", "unfollowed_rows")
 
