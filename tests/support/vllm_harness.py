@@ -102,6 +102,14 @@ def translator_for(handle: ServerHandle, num_blocks: int) -> BlockIdTranslator:
     return BlockIdTranslator(handle, num_blocks)
 
 
+def translating_workers(ranks: list[Any], num_blocks: int) -> list[SignedWorker]:
+    """One worker per ``(handle, kv)`` rank, each running as ``DefragWorkerMixin`` does."""
+    return [
+        SignedWorker(kv, translator_for(handle, num_blocks), service=(handle, rank))
+        for rank, (handle, kv) in enumerate(ranks)
+    ]
+
+
 def make_scheduler(
     cls: type[Scheduler],
     model_dir: str,

@@ -288,7 +288,9 @@ def test_a_translator_that_lost_track_stops_the_pass() -> None:
     translator = BlockIdTranslator(service, NUM_BLOCKS)
     service.is_truncated = True
     service.compact(list(range(NUM_BLOCKS)), (2, 4, False))
-    with pytest.raises(RuntimeError, match="rows cannot follow the KV data any more"):
+    with pytest.raises(
+        RuntimeError, match="rows cannot follow the KV data any more: its service compacted"
+    ):
         translator.advance()
 
 
@@ -322,8 +324,12 @@ def test_the_engines_log_gives_what_moved_since_a_version() -> None:
     now, batches = found
     assert now == version + 1 and len(batches) == 1 and len(batches[0]) == 2
     assert engine.moves_since(now) == (now, [])
-    engine.reset()
-    assert engine.moves_since(now) is None  # a reset: the rows cannot follow
+    engine.reset()  # the scheduler's session opens with one, after the worker attached
+    after_reset = engine.moves_since(version)
+    assert after_reset is not None and after_reset[1] == []  # what came before is not followed
+    engine.step(StepEvents.build(new_blocks={"b": [7]}, fresh=[]))
+    found = engine.moves_since(version)
+    assert found is not None and len(found[1]) == 1  # only what moved since the reset
 
 
 def _v2_runner(rows: list[list[int]], num_groups: int = 1) -> Any:

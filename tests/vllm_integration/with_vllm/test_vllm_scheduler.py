@@ -39,6 +39,7 @@ from support.vllm_harness import (
     run_loop,
     serve_two_ranks,
     spy_preemptions,
+    translating_workers,
     translator_for,
 )
 
@@ -128,10 +129,7 @@ def test_preemption_happens_in_the_small_pool(model_dir: str, ranks: list[Any]) 
         TwoRankScheduler, model_dir, num_blocks=NUM_BLOCKS, prefix_caching=False
     )
     preempted = spy_preemptions(scheduler)
-    workers = [
-        SignedWorker(kv, translator_for(handle, NUM_BLOCKS), service=(handle, rank))
-        for rank, (handle, kv) in enumerate(ranks)
-    ]
+    workers = translating_workers(ranks, NUM_BLOCKS)
     run_loop(
         scheduler,
         workers,
@@ -363,10 +361,7 @@ def test_the_scheduler_side_reads_what_changed_not_the_pool(
                 assert per_step[-1] <= num_freed
 
             bridge.apply = counted
-            workers = [
-                SignedWorker(kv, translator_for(handle, num_blocks), service=(handle, rank))
-                for rank, (handle, kv) in enumerate(pool_ranks)
-            ]
+            workers = translating_workers(pool_ranks, num_blocks)
             run_loop(
                 scheduler,
                 workers,

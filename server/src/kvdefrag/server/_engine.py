@@ -188,8 +188,10 @@ class Engine:
         self._snapshots = MappingSnapshots(self.num_blocks)
         self._published = self._publish_locked()
         # Compactions committed, by number, for workers whose rows follow moved data
-        # (``moves_since``); the number never restarts, a reset only skips one.
+        # (``moves_since``); the number never restarts, a reset skips one and starts the
+        # log over from it.
         self._num_compactions = 0
+        self._reset_version = 0
         self._move_log: collections.deque[tuple[int, MoveBatch]] = collections.deque(
             maxlen=MOVE_LOG_LENGTH
         )
@@ -412,19 +414,26 @@ class Engine:
         moved since its previous pass in O(blocks moved), not O(pool). Call it holding
         ``kv_lock`` (compactions commit under it).
 
+        A reset starts the log over: what moved before it is not reported. A worker's
+        rows from before a reset are not followed across it: every pass planned before
+        the reset fails first, on the epoch its step stamp names (``wait_applied``).
+
         Args:
             version: The number this returned last time; None to learn the current one.
 
         Returns:
             ``(version now, the batches)``; None when the log no longer reaches back to
-            ``version`` (more than ``MOVE_LOG_LENGTH`` compactions, or a reset, came in
-            between): the rows can no longer be followed.
+            ``version`` (more than ``MOVE_LOG_LENGTH`` compactions came in between): the
+            rows can no longer be followed.
         """
         now = self._num_compactions
-        if version is None or version == now:
+        if version is None or version >= now:
             return now, []
+        version = max(version, self._reset_version)
         log = self._move_log
-        if version > now or not log or log[0][0] > version + 1:
+        if version == now:
+            return now, []
+        if not log or log[0][0] > version + 1:
             return None
         return now, [batch for number, batch in log if number > version]
 
@@ -581,6 +590,7 @@ class Engine:
             self._snapshots = MappingSnapshots(self.num_blocks)
             self._published = self._publish_locked()
             with self.kv_lock:
-                self._num_compactions += 1  # a reader from before must not follow moves
+                self._num_compactions += 1
+                self._reset_version = self._num_compactions
                 self._move_log.clear()
         self._notify("on_reset")

@@ -174,9 +174,9 @@ class BlockIdTranslator:
         """Returns ``(resolve, remap)``; ``remap`` is None when no data moved since last time.
 
         Raises:
-            RuntimeError: The service's log no longer reaches the previous pass (it was
-                reset, or more compactions than it keeps came in between): the rows
-                cannot follow; restart vLLM.
+            RuntimeError: The service's log no longer reaches the previous pass (more
+                compactions than it keeps came in between): the rows cannot follow;
+                restart vLLM.
         """
         table = self._table
         table[self._patched] = self._patched  # the identity again
@@ -185,8 +185,8 @@ class BlockIdTranslator:
         if found is None:
             raise RuntimeError(
                 "kvdefrag: this worker's rows cannot follow the KV data any more: its "
-                "service was reset, or compacted more often than it keeps a record of, "
-                "since the worker's previous pass; restart vLLM"
+                "service compacted more often than it keeps a record of since the "
+                "worker's previous pass; restart vLLM"
             )
         self._version, batches = found
         if not batches:
