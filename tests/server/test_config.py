@@ -1,9 +1,12 @@
 """Configuration errors are clear InvalidArguments naming the option."""
 
+import re
+
 import pytest
 
 from kvdefrag.common import InvalidArgument
 from kvdefrag.server import EngineConfig, ServiceConfig, load_config
+from kvdefrag.server.config import exponential_decode_buckets
 
 
 @pytest.mark.parametrize(
@@ -49,3 +52,45 @@ def test_environment_is_below_explicit_options() -> None:
         load_config({}, {"KVDEFRAG_THRESHOLD": "many"})
     with pytest.raises(InvalidArgument, match="unknown configuration option 'treshold'"):
         load_config({"treshold": 8}, {})
+
+
+@pytest.mark.parametrize("buckets", [(256, 128), (128, 128), (0, 128), (True, 128), (1.5, 128)])
+def test_bad_decode_buckets_name_the_option_and_value(buckets: tuple[object, ...]) -> None:
+    message = f"decode_buckets must be strictly increasing positive block counts, got {buckets}"
+    with pytest.raises(InvalidArgument, match=re.escape(message)):
+        EngineConfig(decode_buckets=buckets)  # type: ignore[arg-type]
+
+
+def test_decode_buckets_default_to_none_and_come_from_the_environment() -> None:
+    assert EngineConfig().decode_buckets == ()
+    config, _ = load_config({}, {"KVDEFRAG_DECODE_BUCKETS": "1, 128,256,4096"})
+    assert config.decode_buckets == (1, 128, 256, 4096)
+    config, _ = load_config({}, {"KVDEFRAG_DECODE_BUCKETS": ""})
+    assert config.decode_buckets == ()
+    assert EngineConfig(decode_buckets=[8, 16]).decode_buckets == (8, 16)  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgument, match="KVDEFRAG_DECODE_BUCKETS must be tuple"):
+        load_config({}, {"KVDEFRAG_DECODE_BUCKETS": "128,lots"})
+    with pytest.raises(InvalidArgument, match="decode_buckets must be strictly increasing"):
+        load_config({}, {"KVDEFRAG_DECODE_BUCKETS": "256,128"})
+
+
+def test_exponential_decode_buckets_restate_vllm_gaudis_defaults() -> None:
+    # min 1, step 128, max 4096, ceil(log2(4096)) + 1 = 13 points rounded up to 128.
+    assert exponential_decode_buckets(4096, step=128) == (
+        1, 128, 256, 384, 512, 640, 768, 1024, 1408, 1792, 2304, 3072, 4096,
+    )  # fmt: skip
+    for num_blocks, step in [(10_000, 256), (2_000, 64), (100, 1), (2, 128)]:
+        buckets = exponential_decode_buckets(num_blocks, step)
+        assert buckets[0] == 1 and buckets[-1] == num_blocks
+        assert list(buckets) == sorted(set(buckets))
+        assert all(b % step == 0 for b in buckets[1:-1])
+        EngineConfig(decode_buckets=buckets)  # a valid option value
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [((1, 128), "num_blocks must be an int >= 2, got 1"), ((4096, 0), "step must be an int >= 1")],
+)
+def test_exponential_decode_buckets_refuse_bad_sizes(args: tuple[int, int], message: str) -> None:
+    with pytest.raises(InvalidArgument, match=message):
+        exponential_decode_buckets(*args)

@@ -403,6 +403,27 @@ def test_move_cap_and_convergence_over_several_steps() -> None:
     assert h.engine.stats().totals.num_moves == 10
 
 
+def test_decode_buckets_compact_only_when_the_bucket_drops() -> None:
+    h = Harness(decode_buckets=(8, 16, 32))  # the threshold is not used
+    h.step(new_blocks=one_block_requests(1, 12))  # reads 13 blocks: bucket 16
+    result = h.step(finished=["r2", "r3", "r4"])  # 9 live need 10 slots: still 16
+    assert result.moves == ()
+    assert result.stats.holes == 3
+    result = h.step(finished=["r5", "r6"])  # 7 live fit in 8 slots: bucket 8
+    assert result.moves == (
+        Move(12, 2, False),
+        Move(11, 3, False),
+        Move(10, 4, False),
+        Move(9, 5, False),
+        Move(8, 6, False),
+    )
+    assert (result.stats.max_live, result.stats.holes) == (7, 0)
+    result = h.step(new_blocks={"r13": [13]})  # fresh, placed at 8: 9 blocks, bucket 16
+    assert (result.moves, result.stats.max_live) == ((), 8)
+    result = h.step(finished=["r1"])  # 7 live again: slot 8's block goes down to 1
+    assert result.moves == (Move(8, 1, False),)
+
+
 def test_moves_go_down_and_pair_highest_live_with_lowest_free() -> None:
     h = Harness(threshold=1, max_moves_per_step=2)
     h.step(new_blocks={"a": [1, 2, 3], "b": [4, 5, 6], "c": [7, 8]})

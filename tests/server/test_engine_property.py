@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 
 from kvdefrag.common import InvalidArgument
 from kvdefrag.server import Engine, EngineConfig
+from kvdefrag.server.config import decode_bucket
 
 from support.kv import SignedKv
 from support.reference_model import (
@@ -276,7 +277,15 @@ class Run:
         forced: bool,
     ) -> None:
         """Rebuilds the mapping between placement and compaction and checks both."""
-        model, num_blocks = self.model, self.num_blocks
+        placed, slot_owner = self.check_placement(result, before, after, fresh)
+        self.check_compaction(result, placed, slot_owner, forced)
+
+    def check_placement(
+        self, result: Any, before: np.ndarray, after: np.ndarray, fresh: list[int]
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Checks placement; returns the mapping after it (logical -> physical) and the
+        slot owners after the step with the moves undone (physical -> logical)."""
+        model = self.model
         slot_owner = np.argsort(after)  # physical -> logical after the step
         for move in result.moves:
             src, dst = move.src_physical_id, move.dst_physical_id
@@ -297,9 +306,14 @@ class Run:
             assert result.num_placed == 0
         elif fresh and expendable_slots:
             assert max(placed[i] for i in fresh) < min(expendable_slots)
+        return placed, slot_owner
 
-        # Compaction: triggered exactly above the threshold (or forced), pairing the
-        # highest live slots with the lowest free ones, downward only, capped.
+    def check_compaction(
+        self, result: Any, placed: np.ndarray, slot_owner: np.ndarray, forced: bool
+    ) -> None:
+        """Compaction: triggered exactly above the threshold (or forced), pairing the
+        highest live slots with the lowest free ones, downward only, capped."""
+        model, num_blocks = self.model, self.num_blocks
         live_slots = sorted((int(placed[i]) for i in model.live()), reverse=True)
         holes = (live_slots[0] - len(live_slots)) if live_slots else 0
         triggered = (holes > self.threshold or forced) and holes > 0
@@ -351,3 +365,75 @@ def test_engine_matches_reference_model(prefix_caching: bool) -> None:
         assert totals["two_way"] < totals["moves"]  # and some one-way moves too
     else:
         assert totals["two_way"] == 0
+
+
+class BucketRun(Run):
+    """A ``Run`` whose engine has decode buckets: bucket-aware compaction (a scheduled pass
+    still packs as the threshold policy does)."""
+
+    def __init__(self, data: st.DataObject, prefix_caching: bool, totals: Counter[str]) -> None:
+        super().__init__(data, prefix_caching, totals)
+        self.buckets = tuple(
+            data.draw(
+                st.lists(st.integers(1, self.num_blocks + 4), min_size=1, max_size=4, unique=True),
+                label="decode_buckets",
+            )
+        )
+        self.buckets = tuple(sorted(self.buckets))
+        config = dataclasses.replace(self.engine.config, decode_buckets=self.buckets)
+        self.engine = Engine(self.kv.kv_caches, BLOCK_SIZE, config=config)
+
+    def check_compaction(
+        self, result: Any, placed: np.ndarray, slot_owner: np.ndarray, forced: bool
+    ) -> None:
+        """Compaction happens exactly when at most ``max_moves`` moves can bring the
+        highest live id + 1 into a lower bucket; then into the lowest such bucket, moving
+        only the live blocks at or above its size, into the lowest free slots below it."""
+        if forced:
+            super().check_compaction(result, placed, slot_owner, forced)
+            return
+        num_blocks, buckets = self.num_blocks, self.buckets
+        live_slots = sorted((int(placed[i]) for i in self.model.live()), reverse=True)
+        if not live_slots:
+            assert not result.moves
+            return
+        now = decode_bucket(buckets, live_slots[0] + 1, num_blocks)
+        candidates = set(buckets) | ({num_blocks} if num_blocks > buckets[-1] else set())
+        reachable = [
+            size
+            for size in candidates
+            if len(live_slots) + 1 <= size < now
+            and sum(slot >= size for slot in live_slots) <= self.max_moves
+        ]
+        if not reachable:
+            assert not result.moves
+            self.totals["bucket_kept"] += live_slots[0] + 1 - len(live_slots) > 1
+            return
+        target = min(reachable)
+        sources = [slot for slot in live_slots if slot >= target]
+        free_slots = sorted(set(range(1, target)) - set(live_slots))
+        expected = list(zip(sources, free_slots, strict=False))
+        if self.prefix_caching:
+            expected = self.prefer_empty(expected, target, slot_owner)
+        assert [(m.src_physical_id, m.dst_physical_id) for m in result.moves] == expected
+        assert decode_bucket(buckets, result.stats.max_live + 1, num_blocks) == target
+        self.totals["bucket_lowered"] += 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("prefix_caching", [False, True], ids=["no-prefix", "prefix"])
+def test_engine_with_decode_buckets_compacts_only_to_lower_the_bucket(
+    prefix_caching: bool,
+) -> None:
+    totals: Counter[str] = Counter()
+
+    @settings(PROPERTY_SETTINGS, max_examples=EXAMPLES_PER_MODE // 2)
+    @given(data=st.data())
+    def run_sequence(data: st.DataObject) -> None:
+        run = BucketRun(data, prefix_caching, totals)
+        for _ in range(data.draw(st.integers(1, 30), label="num_steps")):
+            run.run_step()
+
+    run_sequence()
+    assert totals["bucket_lowered"] > 0 and totals["bucket_kept"] > 0, dict(totals)
+    assert totals["forced"] > 0 and totals["moves"] > 0, dict(totals)

@@ -37,7 +37,8 @@ def test_every_flag_reaches_its_field() -> None:
     argv = [
         "--num-layers", "3", "--num-blocks", "128", "--block-size", "8", "--num-kv-heads", "2",
         "--head-size", "32", "--dtype", "bfloat16", "--threshold", "5",
-        "--max-moves-per-step", "16", "--pad-buckets", "8,16", "--no-placement",
+        "--max-moves-per-step", "16", "--pad-buckets", "8,16", "--decode-buckets", "64,128",
+        "--no-placement",
         "--prefix-caching", "--address", "10.0.0.1:7000", "--metrics-port", "9464",
         "--insecure", "--tls-cert", "c.pem", "--tls-key", "k.pem", "--tls-client-ca", "ca.pem",
         "--max-message-bytes", "65536", "--replay-cache-size", "8", "--grace-s", "1.5",
@@ -50,6 +51,7 @@ def test_every_flag_reaches_its_field() -> None:
         pad_buckets=(8, 16),
         enable_placement=False,
         prefix_caching=True,
+        decode_buckets=(64, 128),
     )
     assert options.service_config == ServiceConfig(
         address="10.0.0.1:7000",
@@ -66,7 +68,13 @@ def test_every_flag_reaches_its_field() -> None:
 
 @pytest.mark.parametrize(
     "argv",
-    [["--threshold", "-1"], ["--num-blocks", "0"], ["--pad-buckets", "16,8"], ["--dtype", "x"]],
+    [
+        ["--threshold", "-1"],
+        ["--num-blocks", "0"],
+        ["--pad-buckets", "16,8"],
+        ["--dtype", "x"],
+        ["--decode-buckets", "128,64"],
+    ],
 )
 def test_bad_flags_exit_with_usage_error(
     argv: list[str], capsys: pytest.CaptureFixture[str]

@@ -15,7 +15,7 @@ import pytest
 from kvdefrag.server import Move, MoveBatch
 from kvdefrag.server._policy import plan_compaction, plan_placement, should_compact
 from kvdefrag.server._tracker import BlockTracker
-from kvdefrag.server.config import EngineConfig
+from kvdefrag.server.config import EngineConfig, decode_bucket
 
 NUM_BLOCKS = 16
 
@@ -42,6 +42,25 @@ def compaction(tracker: BlockTracker, max_moves: int = 512) -> list[Move]:
     moves = plan_compaction(tracker, EngineConfig(max_moves_per_step=max_moves))
     assert isinstance(moves, MoveBatch)
     return list(moves)
+
+
+def bucket_compaction(
+    tracker: BlockTracker, buckets: tuple[int, ...], max_moves: int = 512
+) -> list[Move]:
+    """What a bucket-aware step plans: nothing unless ``should_compact`` says so."""
+    config = EngineConfig(threshold=0, max_moves_per_step=max_moves, decode_buckets=buckets)
+    moves = plan_compaction(tracker, config)
+    if not should_compact(tracker, config, is_forced=False):
+        assert not moves, "the trigger is necessary: no plan without it"
+    return list(moves)
+
+
+def bucket_after(tracker: BlockTracker, buckets: tuple[int, ...], moves: list[Move]) -> int:
+    """Commits ``moves`` and returns the decode bucket of ``max_live + 1`` after them."""
+    tracker.move_live_blocks(
+        [move.src_physical_id for move in moves], [move.dst_physical_id for move in moves]
+    )
+    return decode_bucket(buckets, tracker.max_live + 1, NUM_BLOCKS)
 
 
 def fresh(tracker: BlockTracker, logical_ids: list[int]) -> tuple[list[int], list[int]]:
@@ -186,3 +205,91 @@ def test_the_tracker_commits_a_placement_as_planned() -> None:
     assert sorted(set(changed)) == [5, 6, 10]
     assert fresh(tracker, []) == ([], [])
     assert plan_placement(tracker, [6, 10]) == ([], [])  # placed: nothing lower is left
+
+
+# --- bucket-aware compaction (decode_buckets) ---------------------------------------------
+def test_a_decode_bucket_is_the_smallest_that_holds_the_blocks_else_the_pool() -> None:
+    assert [decode_bucket((4, 8), n, 16) for n in (1, 4, 5, 8, 9, 16)] == [4, 4, 8, 8, 16, 16]
+
+
+def test_buckets_compact_when_the_moves_lower_the_bucket() -> None:
+    tracker = pool(live=[1, 2, 9])  # reads 10 blocks: bucket 16; packed, 4 fit bucket 4
+    moves = bucket_compaction(tracker, (4, 8, 16))
+    assert moves == [Move(9, 3, False)]
+    assert bucket_after(tracker, (4, 8, 16), moves) == 4
+
+
+def test_buckets_ignore_holes_that_do_not_change_the_bucket() -> None:
+    # 3 holes below 7 (the threshold policy at 0 would move 7 -> 3 and 6 -> 4), but packed
+    # the 4 live blocks still need 5 slots: bucket 8 either way.
+    tracker = pool(live=[1, 2, 6, 7])
+    assert compaction(tracker) == [Move(7, 3, False), Move(6, 4, False)]
+    config = EngineConfig(threshold=0, decode_buckets=(4, 8, 16))
+    assert not should_compact(tracker, config, is_forced=False)
+    assert bucket_compaction(tracker, (4, 8, 16)) == []
+
+
+def test_buckets_move_only_the_blocks_above_the_lower_bucket() -> None:
+    # Bucket 8 holds the 3 live blocks; 5 already sits inside it and stays (the threshold
+    # pass would also move it down to 3).
+    tracker = pool(live=[1, 5, 13])
+    assert compaction(tracker) == [Move(13, 2, False), Move(5, 3, False)]
+    assert bucket_compaction(tracker, (8, 16)) == [Move(13, 2, False)]
+
+
+def test_buckets_aim_at_the_lowest_bucket_within_reach() -> None:
+    # 3 live blocks fit bucket 4, not just 8: both blocks above 3 move.
+    tracker = pool(live=[1, 6, 13])
+    moves = bucket_compaction(tracker, (4, 8, 16))
+    assert moves == [Move(13, 2, False), Move(6, 3, False)]
+    assert bucket_after(tracker, (4, 8, 16), moves) == 4
+
+
+def test_capped_moves_that_cannot_reach_a_lower_bucket_do_nothing() -> None:
+    # Packed, 6 slots fit bucket 8, but 3 blocks sit at 8 or above: a cap of 2 leaves 12
+    # in place, still in bucket 16, so nothing moves.
+    tracker = pool(live=[1, 2, 12, 13, 14])
+    config = EngineConfig(max_moves_per_step=2, decode_buckets=(8, 16))
+    assert should_compact(tracker, config, is_forced=False)
+    assert bucket_compaction(tracker, (8, 16), max_moves=2) == []
+    assert bucket_compaction(tracker, (8, 16), max_moves=3) == [
+        Move(14, 3, False),
+        Move(13, 4, False),
+        Move(12, 5, False),
+    ]
+
+
+def test_a_cap_that_reaches_an_intermediate_bucket_goes_there() -> None:
+    # Packed, 6 slots fit bucket 8, out of reach with a cap of 1 (13 stays). Moving 14
+    # alone leaves 14 blocks to read (0..13): bucket 14, below 16, so that one move runs.
+    tracker = pool(live=[1, 2, 3, 13, 14])
+    moves = bucket_compaction(tracker, (8, 14, 16), max_moves=1)
+    assert moves == [Move(14, 4, False)]
+    assert bucket_after(tracker, (8, 14, 16), moves) == 14
+
+
+def test_above_the_last_bucket_the_pool_is_the_bucket() -> None:
+    tracker = pool(live=[1, 12])  # 13 blocks: past bucket 8, so the pool's 16
+    assert bucket_compaction(tracker, (8,)) == [Move(12, 2, False)]
+
+
+def test_a_bucket_pass_prefers_an_empty_destination_below_the_bucket() -> None:
+    tracker = pool(live=[1, 13], cached=[2])
+    assert bucket_compaction(tracker, (8, 16)) == [Move(13, 3, False)]
+    # No empty slot below bucket 8 (2-7 live or cached): the cached one is swapped.
+    tracker = pool(live=[1, 2, 3, 4, 5, 13], cached=[6, 7])
+    assert bucket_compaction(tracker, (8, 16)) == [Move(13, 6, True)]
+
+
+def test_a_scheduled_pass_with_buckets_packs_like_the_threshold_policy() -> None:
+    tracker = pool(live=[1, 2, 6, 7])
+    config = EngineConfig(decode_buckets=(4, 8, 16))
+    assert should_compact(tracker, config, is_forced=True)
+    assert list(plan_compaction(tracker, config, is_forced=True)) == compaction(tracker)
+
+
+def test_buckets_never_trigger_on_an_empty_or_packed_pool() -> None:
+    config = EngineConfig(threshold=0, decode_buckets=(4, 8, 16))
+    for tracker in (pool(live=[]), pool(live=[1, 2, 3, 4, 5])):
+        assert not should_compact(tracker, config, is_forced=False)
+        assert list(plan_compaction(tracker, config)) == []

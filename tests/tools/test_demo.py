@@ -5,6 +5,7 @@ Also the worker's signature checks and the event-derived live set it relies on.
 
 from __future__ import annotations
 
+import argparse
 import io
 import re
 import subprocess
@@ -16,6 +17,7 @@ import pytest
 import torch
 
 from kvdefrag.common import StepEvents
+from kvdefrag.server import EngineConfig
 from kvdefrag.tools import demo
 from kvdefrag.tools._demo_worker import KvSignatures, LogicalPool, make_kv_caches
 from kvdefrag.tools._report import format_report
@@ -167,6 +169,20 @@ def test_bad_options_are_refused_naming_the_option() -> None:
 
     assert done.returncode == 2
     assert "num_blocks must be >= 64, got 10" in done.stderr
+
+
+def test_engine_flags_reach_the_engine_config_and_its_summary_line() -> None:
+    parser = argparse.ArgumentParser()
+    demo.add_engine_arguments(parser)
+    config = demo.engine_config_from_args(parser.parse_args([]))
+    assert config == EngineConfig()
+    assert demo.engine_settings(config) == "threshold 32, up to 512 moves/step, placement on"
+    args = parser.parse_args(["--decode-buckets", "1,128,256", "--max-moves-per-step", "64"])
+    config = demo.engine_config_from_args(args)
+    assert config.decode_buckets == (1, 128, 256)
+    assert demo.engine_settings(config) == (
+        "decode buckets 1,128,256, up to 64 moves/step, placement on"
+    )
 
 
 # --- the worker's signatures ---------------------------------------------------------

@@ -126,6 +126,27 @@ def test_cached_frees_go_to_the_tail_and_are_evicted_last_block_first() -> None:
     assert pool.lookup("a") == 1
 
 
+def test_fifo_frees_go_to_the_tail_cached_or_not() -> None:
+    # Earlier vLLM v1 appended every freed block: a freed id is reused after all others.
+    pool = BlockPool(8, enable_caching=True, free_order="fifo")
+    blocks, _ = pool.allocate(3)
+    pool.cache(2, "b")
+
+    assert pool.free(reversed(blocks)) == [3, 2, 1]
+
+    assert list(pool.free_queue) == [4, 5, 6, 7, 3, 2, 1]
+    assert pool.allocate(5)[0] == [4, 5, 6, 7, 3]
+
+
+def test_free_order_defaults_to_vllm_0_33_and_is_checked() -> None:
+    assert BlockPool(4, enable_caching=False).free_order == "lifo"
+    assert WorkloadConfig().free_order == "lifo"
+    with pytest.raises(InvalidArgument, match="free_order must be one of lifo, fifo, got 'lru'"):
+        BlockPool(4, enable_caching=False, free_order="lru")
+    with pytest.raises(InvalidArgument, match="free_order"):
+        WorkloadConfig(free_order="LIFO")
+
+
 def test_prefix_hit_on_a_free_block_takes_it_out_of_the_queue() -> None:
     pool = BlockPool(6, enable_caching=True)
     blocks, _ = pool.allocate(2)
@@ -151,9 +172,12 @@ def test_shared_block_is_free_only_after_its_last_reference() -> None:
 
 
 # --- the scheduler --------------------------------------------------------------------
+@pytest.mark.parametrize("free_order", ["lifo", "fifo"])
 @pytest.mark.parametrize("prefix_caching", [False, True])
-def test_never_hands_out_a_live_block(prefix_caching: bool) -> None:
-    workload = SyntheticWorkload(small_config(enable_prefix_caching=prefix_caching))
+def test_never_hands_out_a_live_block(prefix_caching: bool, free_order: str) -> None:
+    workload = SyntheticWorkload(
+        small_config(enable_prefix_caching=prefix_caching, free_order=free_order)
+    )
     model = LiveModel()
 
     for step in workload:

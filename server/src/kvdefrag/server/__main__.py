@@ -90,6 +90,10 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--max-moves-per-step", type=int)
     engine.add_argument("--pad-buckets", type=_buckets, help="e.g. 8,16,32,64")
     engine.add_argument(
+        "--decode-buckets", type=_buckets,
+        help="decode graph sizes in blocks, e.g. 1,128,256,384: compact only to lower the bucket",
+    )  # fmt: skip
+    engine.add_argument(
         "--no-placement", dest="enable_placement", action="store_const", const=False,
         help="do not re-point fresh blocks to low free slots",
     )  # fmt: skip

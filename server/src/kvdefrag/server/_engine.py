@@ -294,7 +294,8 @@ class Engine:
                 _LOGGER.exception("step observer failed in %s", event)
 
     def schedule_defragment(self) -> None:
-        """Makes the next step compact the pool whatever the threshold.
+        """Makes the next step compact the pool whatever the threshold (or, with decode
+        buckets, whether or not the bucket drops): a full pass, as the threshold policy's.
 
         NOTE: a forced pass runs inside the next step, never on its own: KV data may
         only move between forward passes, and the scheduler must learn the new mapping
@@ -368,10 +369,11 @@ class Engine:
 
     def _compact(self, touched: list[int]) -> tuple[MoveBatch, MoveReport, float]:
         tracker = self._tracker
-        if not _policy.should_compact(tracker, self.config, is_forced=self._force_defrag):
+        is_forced = self._force_defrag
+        if not _policy.should_compact(tracker, self.config, is_forced=is_forced):
             return MoveBatch([], []), MoveReport(0, 0, 0), 0.0
         self._force_defrag = False
-        moves = _policy.plan_compaction(tracker, self.config)
+        moves = _policy.plan_compaction(tracker, self.config, is_forced=is_forced)
         if not moves:
             return MoveBatch([], []), MoveReport(0, 0, 0), 0.0
         started = time.perf_counter()

@@ -7,6 +7,11 @@ queries (``highest_live_slots``, ``lowest_free_slots``, ``lowest_expendable_slot
 
 * **Trigger.** A step compacts when the holes below the highest live slot
   (``max_live - num_live``) exceed ``threshold``, or when a pass was scheduled.
+  With ``decode_buckets`` set (a backend whose decode reads the first
+  ``decode_bucket(max_live + 1)`` blocks: Gaudi's contiguous paged attention), the
+  threshold is not used: a step compacts only when moves within ``max_moves_per_step``
+  bring ``max_live + 1`` into a lower bucket (*bucket-aware* compaction); holes inside
+  the bucket cost nothing and stay.
 * **Placement.** A fresh block (allocated this step, holding no data yet) is re-pointed
   to the lowest *expendable* slot below it: free and not holding cached data. Only the
   mapping changes; nothing is copied.
@@ -16,6 +21,10 @@ queries (``highest_live_slots``, ``lowest_free_slots``, ``lowest_expendable_slot
   When the cap stops the pass early, a cached destination gives way to an empty slot
   that still lies below the highest live slot that stays (a copy instead of a swap, the
   pool as packed).
+* **Bucket-aware pairing.** With buckets, the pass aims at the lowest bucket that can
+  hold every live block and every live block the cap leaves in place, and moves only the
+  live blocks at or above that bucket's size, into the lowest free slots (all below it).
+  A scheduled pass packs as the threshold policy does.
 * **Move kind.** A destination that holds cached data (prefix caching) swaps contents
   with the source (two-way); otherwise the source is copied one way.
 
@@ -34,12 +43,26 @@ import numpy.typing as npt
 
 from kvdefrag.server._moves import MoveBatch
 from kvdefrag.server._tracker import BlockTracker
-from kvdefrag.server.config import EngineConfig
+from kvdefrag.server.config import EngineConfig, decode_bucket
 
 
 def should_compact(tracker: BlockTracker, config: EngineConfig, *, is_forced: bool) -> bool:
-    """The trigger: holes above the threshold, or a pass scheduled by the operator."""
-    return is_forced or tracker.max_live - tracker.num_live > config.threshold
+    """The trigger: a pass scheduled by the operator; otherwise holes above the threshold
+    or, with ``decode_buckets``, live blocks that packed would fit a lower bucket.
+
+    With buckets this is necessary, not sufficient: ``plan_compaction`` plans nothing when
+    the move cap cannot reach a lower bucket.
+    """
+    if is_forced:
+        return True
+    buckets = config.decode_buckets
+    if not buckets:
+        return tracker.max_live - tracker.num_live > config.threshold
+    # Packed, the live blocks and the null block fill slots 0..num_live.
+    num_blocks = tracker.num_blocks
+    return decode_bucket(buckets, tracker.num_live + 1, num_blocks) < decode_bucket(
+        buckets, tracker.max_live + 1, num_blocks
+    )
 
 
 def plan_placement(tracker: BlockTracker, fresh_ids: Iterable[int]) -> tuple[list[int], list[int]]:
@@ -88,14 +111,20 @@ def plan_placement(tracker: BlockTracker, fresh_ids: Iterable[int]) -> tuple[lis
     return placed_ids, targets
 
 
-def plan_compaction(tracker: BlockTracker, config: EngineConfig) -> MoveBatch:
+def plan_compaction(
+    tracker: BlockTracker, config: EngineConfig, *, is_forced: bool = False
+) -> MoveBatch:
     """Pairs the highest live slots with the lowest free slots below them (nothing
     changes until the caller commits them with ``BlockTracker.move_live_blocks``).
 
     The i-th highest live slot goes to the i-th lowest free slot (never the null slot),
     while the free one is below, at most ``max_moves_per_step`` pairs; with prefix
-    caching, cached destinations then give way to empty ones (``_prefer_empty``).
+    caching, cached destinations then give way to empty ones (``_prefer_empty``). With
+    ``decode_buckets`` and no scheduled pass (``is_forced``), only the pairs that lower
+    the decode bucket (``_plan_bucket_compaction``).
     """
+    if config.decode_buckets and not is_forced:
+        return _plan_bucket_compaction(tracker, config)
     max_pairs = config.max_moves_per_step  # >= 1 (EngineConfig checks it)
     src = tracker.highest_live_slots(max_pairs + 1)  # one more: the highest that stays
     if not len(src):
@@ -112,15 +141,49 @@ def plan_compaction(tracker: BlockTracker, config: EngineConfig) -> MoveBatch:
     return MoveBatch(src_ids, dst.tolist(), tracker.are_cached_slots(dst).tolist())
 
 
+def _plan_bucket_compaction(tracker: BlockTracker, config: EngineConfig) -> MoveBatch:
+    """The fewest moves that bring ``max_live + 1`` into the lowest decode bucket within
+    reach, or none when no lower bucket is within reach.
+
+    The target is the smallest bucket that holds ``num_live + 1`` slots (every live block
+    and the null block) and, when the cap binds, the highest live slot that cannot move
+    (the ``max_moves_per_step + 1``-th highest). Every live slot at or above the target's
+    size moves, highest first, to the lowest free slots, which all lie below it: the
+    target holds ``num_live + 1`` slots, so it has a free slot for each block it lacks.
+
+    Invariant: planned moves always lower the bucket of ``max_live + 1``; holes that do
+    not change the bucket never cause a move.
+    """
+    max_pairs = config.max_moves_per_step
+    src = tracker.highest_live_slots(max_pairs + 1)  # one more: the highest that stays
+    if not len(src):
+        return MoveBatch([], [])
+    buckets, num_blocks = config.decode_buckets, tracker.num_blocks
+    floor = tracker.num_live + 1
+    if len(src) > max_pairs:
+        floor = max(floor, int(src[max_pairs]) + 1)
+    target = decode_bucket(buckets, floor, num_blocks)
+    if target >= decode_bucket(buckets, int(src[0]) + 1, num_blocks):
+        return MoveBatch([], [])
+    num_pairs = int(np.count_nonzero(src >= target))  # a prefix: src falls
+    dst = tracker.lowest_free_slots(num_pairs, below=target)
+    assert len(dst) == num_pairs, f"{num_pairs} moves, {len(dst)} free slots below {target}"
+    src_ids: list[int] = src[:num_pairs].tolist()
+    if not tracker.prefix_caching:
+        return MoveBatch(src_ids, dst.tolist())
+    dst = _prefer_empty(tracker, dst, stays=target)
+    return MoveBatch(src_ids, dst.tolist(), tracker.are_cached_slots(dst).tolist())
+
+
 def _prefer_empty(
     tracker: BlockTracker, dst: npt.NDArray[np.intp], stays: int
 ) -> npt.NDArray[np.intp]:
     """Swaps cached destinations, highest first, for empty slots in ``(dst[-1], stays)``.
 
     A cached destination costs a swap (twice the transfers of a one-way copy). Every
-    destination stays below ``stays`` (a live slot that does not move) and so below every
-    source: the same sources leave the top, and the highest live slot after the moves is
-    unchanged.
+    destination stays below ``stays`` (a live slot that does not move, or the target
+    bucket's size) and so below every source: the same sources leave the top, and the
+    highest live slot after the moves stays below ``stays``.
 
     Returns:
         The destinations, ascending.

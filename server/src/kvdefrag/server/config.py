@@ -9,9 +9,11 @@ nothing again. This is the only module that reads the environment.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import math
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvdefrag.common import InvalidArgument
@@ -48,6 +50,13 @@ class EngineConfig:
         enable_placement: Re-point fresh blocks to low free slots without copying.
         prefix_caching: Free blocks keep content worth keeping (from the scheduler's
             handshake, never guessed; a reset may change it).
+        decode_buckets: The decode graph sizes of the backend, in blocks (strictly
+            increasing, positive), for backends whose decode reads the first
+            ``decode_bucket(max_live + 1)`` blocks (Gaudi's contiguous paged attention).
+            Empty (the default): no buckets, compaction follows ``threshold``. Set: a
+            step compacts only when its moves lower that bucket, and ``threshold`` is
+            not used (docs/design.md §4). ``exponential_decode_buckets`` derives
+            vllm-gaudi's default list for a pool.
     """
 
     threshold: int = 32
@@ -55,6 +64,7 @@ class EngineConfig:
     pad_buckets: tuple[int, ...] = DEFAULT_PAD_BUCKETS
     enable_placement: bool = True
     prefix_caching: bool = False
+    decode_buckets: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         _check_types(
@@ -70,6 +80,69 @@ class EngineConfig:
                 f"pad_buckets must be strictly increasing positive sizes, got {buckets}"
             )
         object.__setattr__(self, "pad_buckets", buckets)
+        decode_buckets = tuple(self.decode_buckets)
+        if any(
+            not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in decode_buckets
+        ) or list(decode_buckets) != sorted(set(decode_buckets)):
+            raise InvalidArgument(
+                "decode_buckets must be strictly increasing positive block counts, "
+                f"got {decode_buckets}"
+            )
+        object.__setattr__(self, "decode_buckets", decode_buckets)
+
+
+def decode_bucket(buckets: Sequence[int], num_needed: int, num_blocks: int) -> int:
+    """The decode bucket that ``num_needed`` blocks run in: the smallest of ``buckets``
+    that holds them, or the whole pool (``num_blocks``) above the largest one.
+
+    NOTE: vllm-gaudi's top decode bucket under contiguous paged attention is the pool
+    itself, so a list that stops below the pool is read as if the pool followed it.
+
+    Args:
+        buckets: Strictly increasing bucket sizes, in blocks (``EngineConfig``'s
+            ``decode_buckets``).
+        num_needed: Blocks the decode must read: the highest live id + 1.
+        num_blocks: Blocks in the pool.
+    """
+    index = bisect.bisect_left(buckets, num_needed)
+    return buckets[index] if index < len(buckets) else max(num_blocks, num_needed)
+
+
+def exponential_decode_buckets(num_blocks: int, step: int = 128) -> tuple[int, ...]:
+    """vllm-gaudi's default decode buckets (in blocks) for a pool, restated.
+
+    vllm-gaudi's exponential bucketing strategy (its default since Intel Gaudi software
+    1.22; ``vllm_gaudi/extension/bucketing/exponential.py``) sizes the decode block
+    dimension under contiguous paged attention as ``min=1, step=max_num_seqs,
+    max=num_blocks, limit=ceil(log2(num_blocks)) + 1``: ``limit`` points spaced
+    geometrically from ``step`` to the pool, each rounded up to a multiple of ``step``,
+    the last one the pool itself, duplicates dropped, and 1 kept as the smallest bucket.
+    The rounding makes the low end a linear ramp (``step, 2*step, ...``) and the high end
+    exponential (about 30% apart for a few thousand blocks).
+
+    Example:
+        >>> exponential_decode_buckets(4096, step=128)
+        (1, 128, 256, 384, 512, 640, 768, 1024, 1408, 1792, 2304, 3072, 4096)
+
+    Args:
+        num_blocks: Blocks in the pool (the top bucket), >= 2.
+        step: The rounding step: vllm-gaudi uses the scheduler's ``max_num_seqs``.
+
+    Raises:
+        InvalidArgument: ``num_blocks`` < 2 or ``step`` < 1.
+    """
+    if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 2:
+        raise InvalidArgument(f"num_blocks must be an int >= 2, got {num_blocks!r}")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+        raise InvalidArgument(f"step must be an int >= 1, got {step!r}")
+    num_points = math.ceil(math.log2(num_blocks)) + 1
+    buckets = {1, num_blocks}
+    for index in range(num_points - 1):  # the last point is the pool
+        point = step * (num_blocks / step) ** (index / (num_points - 1))
+        rounded = math.ceil(point / step) * step
+        if rounded < num_blocks:
+            buckets.add(rounded)
+    return tuple(sorted(buckets))
 
 
 @dataclasses.dataclass(frozen=True)

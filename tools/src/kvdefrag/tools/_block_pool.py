@@ -2,6 +2,15 @@
 
 The order blocks are handed out in is what makes vLLM's pool fragment; the free-queue
 diagram and its rules are in ``kvdefrag.tools.workload``'s docstring.
+
+Two orders for blocks that become free (``FREE_ORDERS``):
+
+* ``"lifo"`` (vLLM 0.33, the default): a block freed without a prefix-cache entry goes to
+  the *front* of the free queue, so it is the next one handed out; cached ones go to the
+  tail.
+* ``"fifo"`` (earlier vLLM v1 releases, e.g. the ones vllm-gaudi pinned): every freed
+  block goes to the *tail*, so the pool hands out every other free block before it reuses
+  one.
 """
 
 from __future__ import annotations
@@ -9,7 +18,9 @@ from __future__ import annotations
 import itertools
 from collections.abc import Hashable, Iterable, Iterator, Sequence
 
-from kvdefrag.common import NULL_BLOCK_ID
+from kvdefrag.common import NULL_BLOCK_ID, InvalidArgument
+
+FREE_ORDERS = ("lifo", "fifo")
 
 
 class FreeBlockQueue:
@@ -104,11 +115,24 @@ class BlockPool:
     other block but the null block is; a block has a cache key iff it is listed under that
     key in the cache; cached blocks are never deduplicated (two copies of one prefix may
     be cached, lookups return the first one cached).
+
+    Args:
+        num_blocks: Blocks in the pool, null block included.
+        enable_caching: Keep prefix-cache entries of freed full blocks.
+        free_order: Where freed blocks go, one of ``FREE_ORDERS`` (module docstring).
+
+    Raises:
+        InvalidArgument: ``free_order`` is not one of ``FREE_ORDERS``.
     """
 
-    def __init__(self, num_blocks: int, enable_caching: bool) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool, free_order: str = "lifo") -> None:
+        if free_order not in FREE_ORDERS:
+            raise InvalidArgument(
+                f"free_order must be one of {', '.join(FREE_ORDERS)}, got {free_order!r}"
+            )
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
+        self.free_order = free_order
         self.free_queue = FreeBlockQueue(num_blocks)
         self.ref_counts = [0] * num_blocks
         self.num_live = 0
@@ -159,21 +183,26 @@ class BlockPool:
     def free(self, block_ids: Iterable[int]) -> list[int]:
         """Drops one reference from each block, given in eviction order (first goes first).
 
-        Blocks that become free without a cache entry go to the front of the queue, cached
-        ones to the tail.
+        ``"lifo"``: blocks that become free without a cache entry go to the front of the
+        queue, cached ones to the tail. ``"fifo"``: all of them go to the tail, in order.
 
         Returns:
             The blocks that became free.
         """
-        uncached: list[int] = []
-        cached: list[int] = []
+        freed: list[int] = []
         for block_id in block_ids:
             refs = self.ref_counts[block_id] - 1
             assert refs >= 0, f"block {block_id} freed with no references"
             self.ref_counts[block_id] = refs
             if refs == 0:
-                (uncached if self._keys[block_id] is None else cached).append(block_id)
-        self.num_live -= len(uncached) + len(cached)
+                freed.append(block_id)
+        self.num_live -= len(freed)
+        if self.free_order == "fifo":
+            self.free_queue.append(freed)
+            return freed
+        keys = self._keys
+        uncached = [block_id for block_id in freed if keys[block_id] is None]
+        cached = [block_id for block_id in freed if keys[block_id] is not None]
         self.free_queue.prepend(uncached)
         self.free_queue.append(cached)
         return uncached + cached

@@ -4,7 +4,8 @@
 
     kvdefrag demo [--steps N --num-blocks N --seed N --mode off|on|both --out PNG]
     kvdefrag record TRACE.jsonl [workload options] [--prefix-caching]
-    kvdefrag replay TRACE.jsonl [--threshold N --max-moves-per-step N --no-placement]
+    kvdefrag replay TRACE.jsonl [--threshold N --max-moves-per-step N --no-placement
+                                 --decode-buckets B1,B2,...]
 
 ``record`` runs the synthetic workload through a real server and client and writes every
 step the client sends (``kvdefrag.client.record`` format); a production scheduler

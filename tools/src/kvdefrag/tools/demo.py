@@ -384,6 +384,17 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threshold", type=int, default=defaults.threshold)
     parser.add_argument("--max-moves-per-step", type=int, default=defaults.max_moves_per_step)
     parser.add_argument("--no-placement", dest="enable_placement", action="store_false")
+    parser.add_argument(
+        "--decode-buckets", type=_block_counts, default=defaults.decode_buckets,
+        help="decode bucket sizes in blocks, e.g. 1,128,256: bucket-aware compaction",
+    )  # fmt: skip
+
+
+def _block_counts(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"comma-separated block counts, got {text!r}") from err
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -392,13 +403,17 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         threshold=args.threshold,
         max_moves_per_step=args.max_moves_per_step,
         enable_placement=args.enable_placement,
+        decode_buckets=args.decode_buckets,
     )
 
 
 def engine_settings(config: EngineConfig) -> str:
     """One line naming the engine settings of a run."""
+    trigger = f"threshold {config.threshold}"
+    if config.decode_buckets:
+        trigger = f"decode buckets {','.join(map(str, config.decode_buckets))}"
     return (
-        f"threshold {config.threshold}, up to {config.max_moves_per_step} moves/step, "
+        f"{trigger}, up to {config.max_moves_per_step} moves/step, "
         f"placement {'on' if config.enable_placement else 'off'}"
     )
 

@@ -17,6 +17,10 @@ hands out block ids exactly the way vLLM 0.33's ``BlockPool`` does::
       the front, cached ones to the tail, so they are evicted last-block-first;
     * a prefix-cache hit on a free block takes it out of the queue (ref count 0 -> 1).
 
+``WorkloadConfig.free_order="fifo"`` flips where freed blocks go to what earlier vLLM v1
+releases did (the ones vllm-gaudi pinned): every freed block is appended at the tail, so
+a freed id is reused only after every other free block (``kvdefrag.tools._block_pool``).
+
 Each scheduling iteration yields a ``WorkloadStep`` whose ``events`` are what
 ``Engine.step`` / ``DefragClient.step`` take. The generator is deterministic for a
 given configuration (seed included), and the request stream (arrivals and lengths) does
@@ -35,9 +39,10 @@ from collections import deque
 from collections.abc import Hashable, Iterable, Iterator
 
 from kvdefrag.common import InvalidArgument, StepEvents
-from kvdefrag.tools._block_pool import BlockPool, FreeBlockQueue
+from kvdefrag.tools._block_pool import FREE_ORDERS, BlockPool, FreeBlockQueue
 
 __all__ = [
+    "FREE_ORDERS",
     "BlockPool",
     "FreeBlockQueue",
     "SyntheticWorkload",
@@ -74,6 +79,9 @@ class WorkloadConfig:
             requests that never finish (they take ids 1..background_blocks).
         background_request_blocks: Blocks per background request.
         seed: Seed of the random stream.
+        free_order: Where the pool puts freed blocks: ``"lifo"`` (vLLM 0.33: uncached
+            ones at the front, reused first) or ``"fifo"`` (earlier vLLM v1: all at the
+            tail, reused last).
     """
 
     num_blocks: int = 10_000
@@ -97,6 +105,7 @@ class WorkloadConfig:
     background_blocks: int = 0
     background_request_blocks: int = 1_024
     seed: int = 0
+    free_order: str = "lifo"
 
     def __post_init__(self) -> None:
         positive = ("num_blocks", "block_size", "prompt_len_min", "output_len_scale")
@@ -116,6 +125,10 @@ class WorkloadConfig:
             raise InvalidArgument(
                 f"length bounds are empty: prompt [{self.prompt_len_min}, "
                 f"{self.prompt_len_max}], output_len_max {self.output_len_max}"
+            )
+        if self.free_order not in FREE_ORDERS:
+            raise InvalidArgument(
+                f"free_order must be one of {', '.join(FREE_ORDERS)}, got {self.free_order!r}"
             )
         if self.background_request_blocks < 1:
             raise InvalidArgument(
@@ -232,7 +245,7 @@ class SyntheticWorkload:
     def __init__(self, config: WorkloadConfig | None = None) -> None:
         self.config = config or WorkloadConfig()
         cfg = self.config
-        self.pool = BlockPool(cfg.num_blocks, cfg.enable_prefix_caching)
+        self.pool = BlockPool(cfg.num_blocks, cfg.enable_prefix_caching, cfg.free_order)
         self._rng = random.Random(cfg.seed)
         self._system_prompt_lens = [
             max(cfg.block_size, round(cfg.system_prompt_len * self._rng.uniform(0.5, 1.5)))
