@@ -10,9 +10,12 @@ Gaudi). Every read must find its own signature; the sabotages must not.
 
 from __future__ import annotations
 
+import sys
+import types
 from typing import Any
 
 import numpy as np
+import pytest
 from vllm.v1.core.sched.output import SchedulerOutput
 
 from kvdefrag.vllm.common import map_block_ids
@@ -162,3 +165,34 @@ def test_sabotage_rows_resent_as_resumed_into_the_appending_runner_corrupt(
     scheduler.kvdefrag.ranks.close()
     assert path.num_resent > 0, "no row moved, so nothing was re-sent"
     assert workers[0].num_corrupted > 0
+
+
+def test_the_hpu_async_scheduler_class_keeps_vllm_gaudis_fixes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+
+    from kvdefrag.vllm import gaudi
+    from kvdefrag.vllm.scheduler import DefragAsyncScheduler
+
+    class HPUAsyncScheduler(AsyncScheduler):  # type: ignore[misc]
+        def schedule(self, *args: Any, **kwargs: Any) -> Any:
+            return super().schedule(*args, **kwargs)
+
+    names = ["vllm_gaudi", "vllm_gaudi.v1", "vllm_gaudi.v1.core", "vllm_gaudi.v1.core.sched"]
+    for name in names:
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    module = types.ModuleType("vllm_gaudi.v1.core.sched.hpu_async_scheduler")
+    module.HPUAsyncScheduler = HPUAsyncScheduler  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    gaudi._hpu_class.cache_clear()
+    try:
+        built = gaudi.DefragHPUAsyncScheduler
+        mro = built.__mro__
+        assert mro.index(DefragAsyncScheduler) < mro.index(HPUAsyncScheduler)
+        assert mro.index(HPUAsyncScheduler) < mro.index(AsyncScheduler)
+        gaudi.check_gaudi_scheduler(object.__new__(built))
+        with pytest.raises(gaudi.GaudiSchedulerMismatch, match="DefragHPUAsyncScheduler"):
+            gaudi.check_gaudi_scheduler(object.__new__(DefragAsyncScheduler))
+    finally:
+        gaudi._hpu_class.cache_clear()
