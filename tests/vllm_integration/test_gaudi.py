@@ -24,6 +24,8 @@ from kvdefrag.vllm.gaudi import (
     check_gaudi_scheduler,
 )
 
+from support.public_api import assert_public_names
+
 NUM_BLOCKS = 8
 
 
@@ -214,3 +216,18 @@ def test_on_gaudi_a_scheduler_off_hpu_async_scheduler_is_refused(fake_vllm_gaudi
 def test_unknown_names_are_attribute_errors() -> None:
     with pytest.raises(AttributeError):
         gaudi.DefragNothing  # noqa: B018
+
+
+def test_gaudi_exports_are_pinned() -> None:
+    assert_public_names(
+        "kvdefrag.vllm.gaudi",
+        {
+            "HPU_ASYNC_SCHEDULER",
+            "HPU_WORKER",
+            "DefragHPUSwitch",
+            "DefragHPUWorkerMixin",
+            "GaudiSchedulerMismatch",
+            "check_gaudi_scheduler",
+            "hpu_async_scheduler_base",
+        },
+    )
