@@ -43,6 +43,7 @@ from kvdefrag.vllm.common import (
     published_rank_addresses,
     run_dir_from_env,
 )
+from kvdefrag.vllm.gaudi import check_gaudi_scheduler
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
@@ -121,6 +122,8 @@ class DefragScheduler(Scheduler):  # type: ignore[misc]
                 f"--scheduler-cls kvdefrag.vllm.scheduler.{wanted} (vLLM runs a "
                 "custom scheduler class as it is, so the class must match the mode)"
             )
+        if is_async:
+            check_gaudi_scheduler(self)  # on Gaudi: must inherit HPUAsyncScheduler
         manager = self.kv_cache_manager
         self._kvdefrag_blocks = manager.coordinator.single_type_managers[0].req_to_blocks
         self._kvdefrag_pool = manager.block_pool.blocks

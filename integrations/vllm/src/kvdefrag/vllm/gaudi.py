@@ -1,0 +1,376 @@
+"""kvdefrag on Intel Gaudi (vllm-gaudi's HPU runner): the runner's defragmenter, replaced.
+
+vllm-gaudi's HPU model runner does not take physical ids from its output or keep physical
+rows: its rows stay in the scheduler's (logical) ids and every block id is resolved when
+the inputs are built, through one object at ``model_runner.defragmenter`` (vllm-gaudi's
+own ``OnlineDefragmenter``). What this module relies on, as read in vllm-project/vllm-gaudi
+(main, 2026-08-21):
+
+* ``vllm_gaudi/v1/worker/hpu_model_runner.py``: ``execute_model`` first calls
+  ``run_defragmenter(scheduler_output)``, which calls
+  ``defragmenter.update_state(new | cached, finished_req_ids)`` then
+  ``defragmenter.defragment()``; then ``_update_states`` (which APPENDS
+  ``new_block_ids`` to the persistent row of a request still in the batch, even one in
+  ``resumed_req_ids``); then the inputs are built: ``_extract_prefill_batch_contents``
+  maps each prefill block list through ``defragmenter.resolve``,
+  ``_create_decode_input_data`` maps the decode slot mapping element by element
+  (``block_number.apply_(self.defragmenter.resolve)``) and the decode block tables
+  through ``defragmenter.resolve_all``; ``_resolve_block`` / ``_resolve_all_blocks``
+  do the same for the other paths. ``get_habana_paged_attn_buffers`` then, with
+  contiguous PA, lays the decode block list out densely by physical id up to a bucket
+  of at least ``max(block_list) + 1``.
+* ``vllm_gaudi/v1/spec_decode/hpu_eagle.py``: the Eagle draft step calls
+  ``defragmenter.resolve_all`` / ``resolve`` directly.
+* ``vllm_gaudi/v1/worker/hpu_worker.py``: warm-up calls ``defragmenter.warmup()``;
+  ``sleep()`` sets ``model_runner.defragmenter = None`` and ``wake_up()`` re-creates an
+  ``OnlineDefragmenter`` (and re-allocates the KV caches).
+* ``vllm_gaudi/utils.py`` rebinds vLLM's ``AsyncScheduler`` to vllm-gaudi's
+  ``HPUAsyncScheduler`` (``vllm_gaudi.v1.core.sched.hpu_async_scheduler``), which
+  carries HPU fixes; a scheduler class built on the upstream class silently loses them.
+
+So on Gaudi kvdefrag does not translate the output or remap rows
+(``DefragWorkerMixin``'s path: the HPU runner's rows stay logical, and a physical id
+appended to a logical row would be wrong). Instead ``DefragHPUSwitch`` takes the place of
+the runner's defragmenter: ``update_state``/``defragment`` plan nothing and
+``resolve``/``resolve_all`` answer from the rank's kvdefrag service, and
+``DefragHPUWorkerMixin`` runs each pass after the step stamped on its output is applied,
+holding ``kv_lock``.
+
+Why the switch plans nothing: kvdefrag's events come from the scheduler side
+(``DefragScheduler``'s ledger, read from vLLM's KV cache manager). Correctness first: the
+ledger sees preemption (``preempted_req_ids``), resumption (whole rows replacing the old
+ones), deferred frees and prefix-cache state, which the worker-side
+``update_state(new | cached, finished)`` never sees (vllm-gaudi's own TODO: "Add support
+for preempted blocks"; it also applies new blocks before finished requests, so a request
+id reused in the same step loses its new blocks). Then cost: one plan per step for all
+ranks, off the forward pass, instead of one per rank inside it.
+
+Importing this module imports neither vLLM nor vllm-gaudi; the classes built from them
+(``DefragHPUAsyncScheduler``, ``DefragHPUWorker``) are made on first lookup.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import itertools
+import logging
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+from kvdefrag.vllm.common import read_step_stamp
+from kvdefrag.vllm.worker import DefragWorkerMixin, wait_for_planned_step
+
+__all__ = [
+    "HPU_ASYNC_SCHEDULER",
+    "HPU_WORKER",
+    "DefragHPUSwitch",
+    "DefragHPUWorkerMixin",
+    "GaudiSchedulerMismatch",
+    "check_gaudi_scheduler",
+    "hpu_async_scheduler_base",
+]
+
+logger = logging.getLogger(__name__)
+
+HPU_ASYNC_SCHEDULER = "vllm_gaudi.v1.core.sched.hpu_async_scheduler.HPUAsyncScheduler"
+"""vllm-gaudi's async scheduler (``vllm_gaudi/utils.py`` rebinds vLLM's to it)."""
+
+HPU_WORKER = "vllm_gaudi.v1.worker.hpu_worker.HPUWorker"
+"""vllm-gaudi's worker class."""
+
+
+class SwitchService(Protocol):
+    """What the switch reads of its rank's service (``ServerHandle``)."""
+
+    def resolve(self, logical_ids: Any = None) -> npt.NDArray[np.int64]: ...
+
+
+class DefragHPUSwitch:
+    """Stands where vllm-gaudi's HPU runner keeps its ``OnlineDefragmenter``.
+
+    The runner calls ``update_state`` and ``defragment`` first in ``execute_model``, and
+    ``resolve`` / ``resolve_all`` while it builds its inputs (the Eagle draft step too).
+    Here the first two plan nothing (the scheduler side plans); they record the pass. The
+    resolvers answer with the rank's kvdefrag mapping.
+
+    Invariants: between ``begin_pass`` and ``end_pass`` (``DefragHPUWorkerMixin`` calls
+    them holding ``kv_lock``, after the step stamped on the output is applied) the
+    mapping cannot change, so answers are memoised for the pass; ids outside
+    ``[0, num_blocks)`` (the runner's pad ids) are returned unchanged, as vllm-gaudi's
+    ``resolve`` returns ids beyond its table; before the first pass (warm-up, when no
+    step has been taken yet) the resolvers read the service's current mapping; after
+    it, a resolve outside a pass is refused (it could race a move).
+
+    Attributes:
+        enabled: Read by the runner (``run_defragmenter``); always True.
+        num_blocks: Blocks in the pool.
+        num_passes: Passes begun.
+        num_update_states: ``update_state`` calls seen (each planned nothing).
+        num_resolved: Block ids resolved (memoised answers included).
+        output: The ``SchedulerOutput`` of the pass running, None between passes.
+    """
+
+    enabled = True
+
+    def __init__(self, service: SwitchService, num_blocks: int) -> None:
+        self._service = service
+        self.num_blocks = num_blocks
+        self.num_passes = 0
+        self.num_update_states = 0
+        self.num_resolved = 0
+        self.output: Any = None
+        self._in_pass = False
+        self._memo: dict[int, int] = {}
+
+    def begin_pass(self, output: Any) -> None:
+        """Marks a pass running ``output``; call holding ``kv_lock`` after its step is
+        applied."""
+        self.output = output
+        self._in_pass = True
+        self._memo.clear()
+        self.num_passes += 1
+
+    def end_pass(self) -> None:
+        """Ends the pass (before ``kv_lock`` is released)."""
+        self.output = None
+        self._in_pass = False
+        self._memo.clear()
+
+    def initialize(self, kv_caches: Any, block_size: int) -> None:
+        """What ``OnlineDefragmenter.initialize`` is called with; nothing to do: the
+        service bound the caches when it started."""
+
+    def update_state(self, new_blocks: Any, finished_reqs: Any) -> None:
+        """Records that the runner ran its defragmenter hook; plans nothing (the
+        scheduler side's ledger planned this output's step).
+
+        Raises:
+            RuntimeError: Called outside a pass after the first one: the runner ran
+                without ``DefragHPUWorkerMixin.execute_model`` around it.
+        """
+        self._check_guarded("update_state")
+        self.num_update_states += 1
+
+    def defragment(self) -> None:
+        """Nothing to do: the step stamped on the output already moved the blocks."""
+
+    def warmup(self) -> None:
+        """Nothing to compile here: the kvdefrag service's HPU executor
+        (``kvdefrag.server._executor_hpu.HpuSwapExecutor``) already ran every swap pad
+        bucket, one-way and two-way, when it bound the caches, so no graph is compiled
+        inside a step. The service does not expose its executor to the worker
+        (``ServerHandle`` is narrow on purpose), so this cannot re-run them."""
+
+    def resolve(self, block_id: int) -> int:
+        """The physical id of logical ``block_id`` (ids outside the pool unchanged)."""
+        block_id = int(block_id)
+        self.num_resolved += 1
+        found = self._memo.get(block_id)
+        if found is not None:
+            return found
+        if not 0 <= block_id < self.num_blocks:
+            return block_id
+        self._check_guarded("resolve")
+        physical = int(self._service.resolve([block_id])[0])
+        if self._in_pass:
+            self._memo[block_id] = physical
+        return physical
+
+    def resolve_all(self, block_table_list: Sequence[Sequence[int]]) -> list[list[int]]:
+        """Every id of every list resolved, in one lookup for the ids not seen yet."""
+        wanted = {
+            int(block_id)
+            for block_id in itertools.chain.from_iterable(block_table_list)
+            if 0 <= int(block_id) < self.num_blocks and int(block_id) not in self._memo
+        }
+        if wanted:
+            self._check_guarded("resolve_all")
+            logical = np.fromiter(sorted(wanted), np.int64, len(wanted))
+            physical = self._service.resolve(logical).tolist()
+            answers = dict(zip(logical.tolist(), physical, strict=True))
+        else:
+            answers = {}
+        if self._in_pass:
+            self._memo.update(answers)
+        memo = self._memo if self._in_pass else {**self._memo, **answers}
+        result = []
+        for row in block_table_list:
+            self.num_resolved += len(row)
+            result.append([memo.get(int(block_id), int(block_id)) for block_id in row])
+        return result
+
+    def _check_guarded(self, what: str) -> None:
+        if not self._in_pass and self.num_passes:
+            raise RuntimeError(
+                f"kvdefrag: the HPU runner called defragmenter.{what} outside a pass of "
+                "DefragHPUWorkerMixin.execute_model: block ids read then may race a move. "
+                "Run the worker as kvdefrag.vllm.gaudi.DefragHPUWorker (or put "
+                "DefragHPUWorkerMixin in front of your HPUWorker subclass)"
+            )
+
+
+class DefragHPUWorkerMixin(DefragWorkerMixin):
+    """``DefragWorkerMixin`` for vllm-gaudi's ``HPUWorker``: the runner resolves, not us.
+
+    It starts and publishes the rank's service exactly as ``DefragWorkerMixin`` does
+    (``initialize_from_config``), then installs a ``DefragHPUSwitch`` as
+    ``model_runner.defragmenter`` in place of vllm-gaudi's ``OnlineDefragmenter``. Each
+    ``execute_model`` waits for the step stamped on its output, then runs vLLM's pass
+    holding ``kv_lock`` with the switch marking the pass; the output is NOT translated
+    and the runner's rows are NOT remapped (they stay logical; the runner resolves them
+    at input build). ``wake_up`` puts the switch back (vllm-gaudi re-creates its own).
+
+    Invariant: while the service runs, ``model_runner.defragmenter`` is
+    ``kvdefrag_switch`` whenever ``execute_model`` runs.
+    """
+
+    kvdefrag_switch: DefragHPUSwitch | None = None
+    kvdefrag_kv_ptr: int = 0
+
+    def kvdefrag_attach(self, handle: Any, num_blocks: int) -> None:
+        """Keeps the service (and its step wait), installs the switch; no translator."""
+        super().kvdefrag_attach(handle, num_blocks)
+        self.kvdefrag_translator = None  # the HPU runner resolves at input build
+        self.kvdefrag_switch = DefragHPUSwitch(handle, num_blocks)
+        runner: Any = getattr(self, "model_runner")  # noqa: B009
+        self.kvdefrag_kv_ptr = _first_kv_pointer(getattr(runner, "kv_caches", ()))
+        self.kvdefrag_install()
+
+    def kvdefrag_install(self) -> None:
+        """Puts the switch on ``model_runner.defragmenter``.
+
+        Raises:
+            RuntimeError: The runner's KV caches are not the ones the service serves
+                (re-allocated by ``wake_up`` after a sleep that discarded them).
+        """
+        switch = self.kvdefrag_switch
+        if switch is None:
+            return
+        runner: Any = getattr(self, "model_runner")  # noqa: B009
+        pointer = _first_kv_pointer(getattr(runner, "kv_caches", ()))
+        if self.kvdefrag_kv_ptr and pointer != self.kvdefrag_kv_ptr:
+            raise RuntimeError(
+                "kvdefrag: the HPU runner's KV caches were re-allocated (sleep mode "
+                "discarded them); the rank's service still serves the old memory. Sleep "
+                "with level that keeps the KV cache, or run without kvdefrag"
+            )
+        runner.defragmenter = switch
+
+    def execute_model(self, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        """Waits for the stamped step, then runs vLLM's pass holding ``kv_lock``."""
+        handle = self.kvdefrag_handle
+        switch = self.kvdefrag_switch
+        parent: Any = super(DefragWorkerMixin, self)
+        if handle is None or switch is None:
+            return parent.execute_model(scheduler_output, *args, **kwargs)
+        if read_step_stamp(scheduler_output) is None:
+            raise RuntimeError(
+                "kvdefrag: this output carries no step stamp: the scheduler is not "
+                "kvdefrag's. Serve with --scheduler-cls "
+                "kvdefrag.vllm.gaudi.DefragHPUAsyncScheduler (or "
+                "kvdefrag.vllm.scheduler.DefragScheduler with --no-async-scheduling)"
+            )
+        wait_for_planned_step(
+            handle,
+            self.rank,  # type: ignore[attr-defined]
+            scheduler_output,
+            self.kvdefrag_step_wait_s,
+        )
+        runner: Any = getattr(self, "model_runner")  # noqa: B009
+        with handle.kv_lock:
+            runner.defragmenter = switch  # whatever replaced it since
+            switch.begin_pass(scheduler_output)
+            try:
+                return parent.execute_model(scheduler_output, *args, **kwargs)
+            finally:
+                switch.end_pass()
+
+    def wake_up(self, *args: Any, **kwargs: Any) -> None:
+        """vllm-gaudi's ``wake_up`` (it re-creates its own defragmenter), then the
+        switch goes back."""
+        parent: Any = super()
+        parent.wake_up(*args, **kwargs)
+        self.kvdefrag_install()
+
+
+def _first_kv_pointer(kv_caches: Any) -> int:
+    """The address of the first KV tensor (0 when there is none)."""
+    for layer in kv_caches:
+        tensor = layer[0] if isinstance(layer, (tuple, list)) else layer
+        if tensor is not None:
+            return int(tensor.data_ptr())
+    return 0
+
+
+# ---------------------------------------------------------------------------------------
+# The scheduler class on Gaudi.
+
+
+class GaudiSchedulerMismatch(RuntimeError):
+    """On Gaudi, kvdefrag's async scheduler does not inherit vllm-gaudi's; the message
+    says how to build the right class."""
+
+
+def hpu_async_scheduler_base() -> type | None:
+    """vllm-gaudi's ``HPUAsyncScheduler``, or None where vllm-gaudi is not installed."""
+    module_name, _, name = HPU_ASYNC_SCHEDULER.rpartition(".")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError:
+        return None
+    base: type = getattr(module, name)
+    return base
+
+
+def check_gaudi_scheduler(scheduler: object) -> None:
+    """Refuses, at startup, an async kvdefrag scheduler that drops vllm-gaudi's fixes.
+
+    Asked only for async schedulers; does nothing where vllm-gaudi is not installed.
+
+    Raises:
+        GaudiSchedulerMismatch: vllm-gaudi is installed and ``scheduler`` is not an
+            ``HPUAsyncScheduler``.
+    """
+    base = hpu_async_scheduler_base()
+    if base is None or isinstance(scheduler, base):
+        return
+    raise GaudiSchedulerMismatch(
+        f"kvdefrag: vllm-gaudi is installed but {type(scheduler).__name__} does not "
+        f"inherit its {HPU_ASYNC_SCHEDULER} (vllm-gaudi rebinds vLLM's AsyncScheduler to "
+        "it; a class built on the upstream one loses its HPU fixes). Serve with "
+        "--scheduler-cls kvdefrag.vllm.gaudi.DefragHPUAsyncScheduler (built as "
+        "class DefragHPUAsyncScheduler(DefragAsyncScheduler, HPUAsyncScheduler))"
+    )
+
+
+@functools.cache
+def _hpu_class(name: str) -> type:
+    """Builds ``DefragHPUAsyncScheduler`` or ``DefragHPUWorker`` on first use."""
+    if name == "DefragHPUAsyncScheduler":
+        from kvdefrag.vllm.scheduler import DefragAsyncScheduler
+
+        base = hpu_async_scheduler_base()
+        if base is None:
+            raise ImportError(
+                f"kvdefrag: {name} needs vllm-gaudi ({HPU_ASYNC_SCHEDULER}), which is not "
+                "installed; off Gaudi use kvdefrag.vllm.scheduler.DefragAsyncScheduler"
+            )
+        bases: tuple[type, ...] = (DefragAsyncScheduler, base)
+        doc = DefragAsyncScheduler.__doc__
+    else:
+        module_name, _, class_name = HPU_WORKER.rpartition(".")
+        worker = getattr(importlib.import_module(module_name), class_name)
+        bases = (DefragHPUWorkerMixin, worker)
+        doc = DefragHPUWorkerMixin.__doc__
+    return type(name, bases, {"__module__": __name__, "__qualname__": name, "__doc__": doc})
+
+
+def __getattr__(name: str) -> type:
+    """``DefragHPUAsyncScheduler`` and ``DefragHPUWorker`` (import vLLM and vllm-gaudi)."""
+    if name in ("DefragHPUAsyncScheduler", "DefragHPUWorker"):
+        return _hpu_class(name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,198 @@
+"""kvdefrag under a CPU model of vllm-gaudi's HPU runner, driven by vLLM 0.33's real
+Scheduler and AsyncScheduler through DefragScheduler / DefragAsyncScheduler.
+
+The runner model (``support.hpu_runner_model``) keeps logical rows, appends
+``new_block_ids`` even to resumed rows still in its batch, and resolves every block id at
+input build through ``model_runner.defragmenter``; with ``DefragHPUWorkerMixin`` that is
+kvdefrag's ``DefragHPUSwitch``. Prefix caching is off (contiguous PA turns it off on
+Gaudi). Every read must find its own signature; the sabotages must not.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from typing import Any
+
+import numpy as np
+import pytest
+from vllm.v1.core.sched.output import SchedulerOutput
+
+from kvdefrag.vllm.common import map_block_ids
+from kvdefrag.vllm.gaudi import DefragHPUSwitch
+
+from support.hpu_runner_model import HPUModelWorker
+from support.vllm_harness import (
+    ASYNC_NUM_BLOCKS,
+    NUM_BLOCKS,
+    TwoRankAsyncScheduler,
+    TwoRankScheduler,
+    Workload,
+    make_scheduler,
+    run_loop,
+    spy_preemptions,
+)
+
+
+def _workers(ranks: list[Any], num_blocks: int, *, attach: bool = True) -> list[HPUModelWorker]:
+    return [
+        HPUModelWorker(kv, num_blocks, handle if attach else None, rank=rank)
+        for rank, (handle, kv) in enumerate(ranks)
+    ]
+
+
+def _run(
+    model_dir: str,
+    ranks: list[Any],
+    *,
+    is_async: bool,
+    skip_resolve: bool = False,
+    seed: int = 1,
+) -> tuple[Any, list[HPUModelWorker], list[str]]:
+    num_blocks = ASYNC_NUM_BLOCKS if is_async else NUM_BLOCKS
+    scheduler = make_scheduler(
+        TwoRankAsyncScheduler if is_async else TwoRankScheduler,
+        model_dir,
+        num_blocks=num_blocks,
+        prefix_caching=False,
+        async_scheduling=is_async,
+    )
+    preempted = spy_preemptions(scheduler)
+    workers = _workers(ranks, num_blocks)
+    for worker in workers:
+        worker.model_runner.skip_resolve = skip_resolve
+    run_loop(
+        scheduler,
+        workers,  # type: ignore[arg-type]
+        Workload(seed=seed, num_requests=80),
+        resolve=scheduler.kvdefrag.ranks.primary.resolve,
+        in_flight=2 if is_async else 1,
+        abort_every=37,
+    )
+    scheduler.kvdefrag.settle()
+    scheduler.kvdefrag.ranks.close()
+    return scheduler, workers, preempted
+
+
+def test_sync_scheduler_with_preemption_reads_every_signature(
+    model_dir: str, ranks: list[Any]
+) -> None:
+    scheduler, workers, preempted = _run(model_dir, ranks, is_async=False)
+    assert not scheduler.has_requests()
+    assert len(preempted) >= 3, "the small pool never preempted"
+    assert ranks[0][0].stats().totals.num_moves > 0, "kvdefrag never moved a block"
+    for worker in workers:
+        switch = worker.kvdefrag_switch
+        assert isinstance(switch, DefragHPUSwitch) and switch.num_resolved > 1000
+        assert worker.model_runner.defragmenter is switch
+        assert worker.num_checked > 10_000
+        assert worker.num_corrupted == 0
+
+
+def test_async_scheduler_reads_every_signature(model_dir: str, async_ranks: list[Any]) -> None:
+    scheduler, workers, _ = _run(model_dir, async_ranks, is_async=True)
+    assert not scheduler.has_requests()
+    assert async_ranks[0][0].stats().totals.num_moves > 0, "kvdefrag never moved a block"
+    for worker in workers:
+        assert worker.num_checked > 10_000
+        assert worker.num_corrupted == 0
+
+
+def test_sabotage_a_runner_that_skips_the_resolve_corrupts(
+    model_dir: str, ranks: list[Any]
+) -> None:
+    _, workers, _ = _run(model_dir, ranks, is_async=False, skip_resolve=True)
+    assert workers[0].num_corrupted > 0
+
+
+class _RewritingPath:
+    """The old scheduler rewrite path: the output turned physical on the scheduler side,
+    and every cached request whose physical row changed re-sent as resumed with its whole
+    physical row (so a V1 GPU runner would replace the row)."""
+
+    def __init__(self, scheduler: Any) -> None:
+        self.scheduler = scheduler
+        self.sent_rows: dict[str, list[int]] = {}
+        self.num_resent = 0
+
+    def rewrite(self, output: SchedulerOutput) -> None:
+        bridge = self.scheduler.kvdefrag
+        bridge.settle()  # the step planned with this output is applied on every rank
+        resolve = bridge.ranks.primary.resolve
+        blocks = self.scheduler.kv_cache_manager.coordinator.single_type_managers[0]
+        cached = output.scheduled_cached_reqs
+        full_rows: dict[str, list[int]] = {}
+        for request_id in cached.req_ids:
+            logical = [block.block_id for block in blocks.req_to_blocks[request_id]]
+            full_rows[request_id] = [int(p) for p in resolve(np.asarray(logical, np.int64))]
+        map_block_ids(output, lambda ids: [int(p) for p in resolve(np.asarray(ids, np.int64))])
+        for position, request_id in enumerate(cached.req_ids):
+            sent = self.sent_rows.get(request_id)
+            row = full_rows[request_id]
+            if sent is not None and row[: len(sent)] != sent:
+                cached.resumed_req_ids.add(request_id)
+                cached.new_block_ids[position] = (list(row),)
+                self.num_resent += 1
+            self.sent_rows[request_id] = row
+        for new in output.scheduled_new_reqs:
+            self.sent_rows[new.req_id] = list(new.block_ids[0])
+
+
+def test_sabotage_rows_resent_as_resumed_into_the_appending_runner_corrupt(
+    model_dir: str, ranks: list[Any]
+) -> None:
+    scheduler = make_scheduler(
+        TwoRankScheduler, model_dir, num_blocks=NUM_BLOCKS, prefix_caching=False
+    )
+    path = _RewritingPath(scheduler)
+    original = scheduler.schedule
+
+    def schedule(*args: Any, **kwargs: Any) -> SchedulerOutput:
+        output = original(*args, **kwargs)
+        path.rewrite(output)
+        return output
+
+    scheduler.schedule = schedule  # type: ignore[method-assign]
+    workers = _workers(ranks, NUM_BLOCKS, attach=False)  # ids already physical
+    run_loop(
+        scheduler,
+        workers,  # type: ignore[arg-type]
+        Workload(seed=1, num_requests=80),
+        resolve=scheduler.kvdefrag.ranks.primary.resolve,
+        max_steps=400,
+    )
+    scheduler.kvdefrag.settle()
+    scheduler.kvdefrag.ranks.close()
+    assert path.num_resent > 0, "no row moved, so nothing was re-sent"
+    assert workers[0].num_corrupted > 0
+
+
+def test_the_hpu_async_scheduler_class_keeps_vllm_gaudis_fixes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+
+    from kvdefrag.vllm import gaudi
+    from kvdefrag.vllm.scheduler import DefragAsyncScheduler
+
+    class HPUAsyncScheduler(AsyncScheduler):  # type: ignore[misc]
+        def schedule(self, *args: Any, **kwargs: Any) -> Any:
+            return super().schedule(*args, **kwargs)
+
+    names = ["vllm_gaudi", "vllm_gaudi.v1", "vllm_gaudi.v1.core", "vllm_gaudi.v1.core.sched"]
+    for name in names:
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    module = types.ModuleType("vllm_gaudi.v1.core.sched.hpu_async_scheduler")
+    module.HPUAsyncScheduler = HPUAsyncScheduler  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    gaudi._hpu_class.cache_clear()
+    try:
+        built = gaudi.DefragHPUAsyncScheduler
+        mro = built.__mro__
+        assert mro.index(DefragAsyncScheduler) < mro.index(HPUAsyncScheduler)
+        assert mro.index(HPUAsyncScheduler) < mro.index(AsyncScheduler)
+        gaudi.check_gaudi_scheduler(object.__new__(built))
+        with pytest.raises(gaudi.GaudiSchedulerMismatch, match="DefragHPUAsyncScheduler"):
+            gaudi.check_gaudi_scheduler(object.__new__(DefragAsyncScheduler))
+    finally:
+        gaudi._hpu_class.cache_clear()
