@@ -461,7 +461,7 @@ class V2SignedWorker(DefragWorkerMixin, V2SignedRunner):
         self.vllm_config = vllm_config
         self.rank = rank
         if handle is not None:
-            self.kvdefrag_attach(handle)
+            self.kvdefrag_attach(handle, num_blocks)
 
     def rank_service(self) -> ServerHandle | None:
         return self.kvdefrag_handle
