@@ -4,7 +4,8 @@
 tensors the engine moves. Addresses::
 
     unix:/abs/path.sock   default; file mode 0600, bound privately (see _socket_file); a
-                          stale socket file is replaced; stop() removes only its own
+                          stale socket file is replaced; PATH.lock (flock) is held while
+                          serving, and stop() removes the file only while holding it
     HOST:PORT             TCP; port 0 picks one; a non-loopback HOST needs TLS or insecure
 """
 
@@ -346,13 +347,20 @@ def _listen(
         port = _add_port(server, address.target(), credentials, config)
         return address.target(port), None
     path = address.socket_path
-    _socket_file.check_path(path)
-    # NOTE: gRPC creates the file with the process umask (0777 under umask 0) and
-    # unlinks its bound path when it stops; binding in a private directory and linking
-    # the finished 0600 file into place closes both holes (see _socket_file).
-    with _socket_file.private_bind_path(path) as private_path:
-        _add_port(server, f"unix:{private_path}", credentials, config)
-        socket_file = _socket_file.publish(private_path, path)
+    # NOTE: the path's lock, not the file's inode, says who owns it (see _socket_file);
+    # it is held until the server stops and removes its file.
+    lock = _socket_file.PathLock.acquire(path)
+    try:
+        _socket_file.check_path(path)
+        # NOTE: gRPC creates the file with the process umask (0777 under umask 0) and
+        # unlinks its bound path when it stops; binding in a private directory and linking
+        # the finished 0600 file into place closes both holes (see _socket_file).
+        with _socket_file.private_bind_path(path) as private_path:
+            _add_port(server, f"unix:{private_path}", credentials, config)
+            socket_file = _socket_file.publish(private_path, path, lock)
+    except BaseException:
+        lock.release()
+        raise
     return address.target(), socket_file
 
 
@@ -467,6 +475,7 @@ def serve_in_process(
         (_convert.SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
     metrics_server: MetricsServer | None = None
+    socket_file: SocketFile | None = None
     try:
         bound_address, socket_file = _listen(server, listen_address, service_config)
         if service_config.metrics_port is not None:
@@ -476,6 +485,8 @@ def serve_in_process(
     except BaseException:
         server.stop(None)
         thread_pool.shutdown(wait=False)
+        if socket_file is not None:
+            socket_file.remove()
         raise
     health_reporter.set_serving(True)
     server.start()
