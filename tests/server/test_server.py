@@ -171,8 +171,9 @@ def test_a_server_that_fails_after_binding_leaves_nothing_behind(
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
-        with pytest.raises(OSError, match="in use"):
-            serve(f"unix:{tmp_path}/kv.sock", metrics_port=taken.getsockname()[1])
+        port = taken.getsockname()[1]
+        with pytest.raises(OSError, match=f"cannot serve metrics on 127.0.0.1:{port} .*in use"):
+            serve(f"unix:{tmp_path}/kv.sock", metrics_port=port)
     assert not os.listdir(tmp_path)  # neither its socket nor the path's lock
     serve(f"unix:{tmp_path}/kv.sock")  # and the path is free
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import socket
@@ -359,20 +360,33 @@ def test_every_rank_serves_its_metrics_on_base_port_plus_local_rank_labelled_by_
                 worker.shutdown()
 
 
+@pytest.mark.parametrize("cause", ["hybrid model", "metrics port taken"])
 def test_a_rank_that_cannot_start_fails_every_rank_at_once_naming_it(
-    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, cause: str
 ) -> None:
     run_dir = tmp_path / "run"
     monkeypatch.setenv("KVDEFRAG_VLLM_RUN_DIR", str(run_dir))
     world = _fake_world(monkeypatch, 2)
-    # rank 1 fails before it serves; rank 0 starts and must not wait for it forever
-    results, duration_s = _start_ranks(world, [_kv_cache_config(), _kv_cache_config(2)])
+    configs = [_kv_cache_config(), _kv_cache_config()]
+    with contextlib.ExitStack() as stack:
+        if cause == "hybrid model":
+            configs[1] = _kv_cache_config(2)  # rank 1 fails before it serves
+            reason = "rank 1: ValueError: kvdefrag: 2 KV cache groups"
+        else:
+            base = _free_port_pair()
+            taken = stack.enter_context(socket.socket())
+            taken.bind(("127.0.0.1", base + 1))  # rank 1's metrics port: someone else's
+            taken.listen()
+            monkeypatch.setenv("KVDEFRAG_METRICS_PORT", str(base))
+            reason = f"rank 1: OSError: [Errno 98] cannot serve metrics on 127.0.0.1:{base + 1}"
+        # rank 0 starts and must not wait for rank 1 forever
+        results, duration_s = _start_ranks(world, configs)
     assert duration_s < 5.0
     for result in results:
         assert isinstance(result, RuntimeError), result
         assert "1 of 2 ranks could not start their service" in str(result)
-        assert "rank 1: ValueError: kvdefrag: 2 KV cache groups" in str(result)
-    assert isinstance(results[1].__cause__, ValueError)  # the rank's own error, chained
+        assert reason in str(result)
+    assert results[1].__cause__ is not None  # the rank's own error, chained
     # rank 0 stopped the service it had started, and published nothing
     assert sorted(os.listdir(run_dir)) == []
 

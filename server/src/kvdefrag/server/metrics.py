@@ -291,7 +291,12 @@ class MetricsServer:
     """
 
     def __init__(self, registry: CollectorRegistry, port: int, host: str) -> None:
-        self._httpd, self._thread = start_http_server(port, addr=host, registry=registry)
+        try:
+            self._httpd, self._thread = start_http_server(port, addr=host, registry=registry)
+        except OSError as err:
+            raise OSError(
+                err.errno, f"cannot serve metrics on {host}:{port} (metrics_port): {err.strerror}"
+            ) from err
         self.host = host
         self.port: int = self._httpd.server_port
         self._stopped = False
@@ -317,5 +322,8 @@ def serve_metrics(registry: CollectorRegistry, port: int, host: str = "127.0.0.1
 
     Returns:
         The running server: ``.port`` and ``.stop()``.
+
+    Raises:
+        OSError: The port is taken (the message names it and ``metrics_port``).
     """
     return MetricsServer(registry, port, host)

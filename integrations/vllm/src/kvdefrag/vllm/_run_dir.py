@@ -76,17 +76,6 @@ def ensure_private_dir(path: str) -> None:
         pass
 
 
-def check_private_dir(path: str) -> None:
-    """Checks that ``path`` is a private directory of this user.
-
-    Raises:
-        UnsafeRunDir: It is not (or does not exist: ``FileNotFoundError`` is kept as
-            the cause).
-    """
-    with _opened_private_dir(path):
-        pass
-
-
 def write_private_file(directory: str, name: str, data: bytes) -> None:
     """Writes ``directory/name`` (0600) atomically, following no link, replacing nothing
     but the final name.

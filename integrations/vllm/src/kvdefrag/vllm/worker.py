@@ -253,7 +253,7 @@ class DefragWorkerMixin:
         stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
         # NOTE: the KVDEFRAG_* settings are read here, once, as the command line does.
         engine_config, service_config = load_config({"address": address})
-        service_config = metrics_config_for_rank(service_config, int(worker.local_rank))
+        service_config = _metrics_config_for_rank(service_config, int(worker.local_rank))
         handle = serve_in_process(
             kv_caches,
             block_size,
@@ -275,7 +275,7 @@ class DefragWorkerMixin:
         return handle
 
 
-def metrics_config_for_rank(service_config: ServiceConfig, local_rank: int) -> ServiceConfig:
+def _metrics_config_for_rank(service_config: ServiceConfig, local_rank: int) -> ServiceConfig:
     """``service_config`` with this rank's metrics port: ``KVDEFRAG_METRICS_PORT`` + local
     rank, so the ranks of one host never contend for one port (0 stays 0: each picks one).
 
