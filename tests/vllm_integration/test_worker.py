@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from kvdefrag.client import DefragClient
+from kvdefrag.common import InvalidArgument
 from kvdefrag.server import Move, make_executor
 from kvdefrag.vllm._ranks import connect_ranks
 from kvdefrag.vllm.common import RANKS_FILE, UnsafeRunDir, published_ranks
@@ -358,6 +359,17 @@ def test_every_rank_serves_its_metrics_on_base_port_plus_local_rank_labelled_by_
         for worker in workers:
             if isinstance(worker, _Worker):
                 worker.shutdown()
+
+
+def test_a_metrics_port_past_the_last_port_for_a_rank_is_named(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KVDEFRAG_VLLM_RUN_DIR", str(tmp_path / "run"))
+    monkeypatch.setenv("KVDEFRAG_METRICS_PORT", "65535")
+    worker = _Worker(rank=1)  # one rank here, local rank 1
+    with pytest.raises(InvalidArgument, match="local rank 1 would serve its metrics on port 65536"):
+        worker.initialize_from_config(_kv_cache_config())
+    assert worker.kvdefrag_handle is None
 
 
 @pytest.mark.parametrize("cause", ["hybrid model", "metrics port taken"])

@@ -37,6 +37,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from kvdefrag.common import InvalidArgument
 from kvdefrag.common.identity import IDENTITY_SECRET_BYTES
 from kvdefrag.server import ServerHandle, serve_in_process
 from kvdefrag.server.config import ServiceConfig, load_config
@@ -285,6 +286,11 @@ def _metrics_config_for_rank(service_config: ServiceConfig, local_rank: int) -> 
     base = service_config.metrics_port
     if not base or not local_rank:
         return service_config
+    if base + local_rank > 65535:
+        raise InvalidArgument(
+            f"KVDEFRAG_METRICS_PORT={base}: local rank {local_rank} would serve its metrics on "
+            f"port {base + local_rank}; choose a base port at most {65535 - local_rank}"
+        )
     return dataclasses.replace(service_config, metrics_port=base + local_rank)
 
 
