@@ -28,10 +28,12 @@ system-prompt prefixes (prefix-cache hits when it is on), through a pool small e
 vLLM preempts. The result line::
 
     RESULT {"mode": ..., "async_scheduling": ..., "tokens": [[...], ...],
-            "num_cached_tokens": ..., "scheduler": {...}}
+            "num_cached_tokens": ..., "scheduler": {...}, "metrics": [...]}
 
 one per mode, in order; ``scheduler`` is what ``measured_schedulers`` wrote when the
-last request finished (with kvdefrag: every rank's moves under ``ranks``).
+last request finished (with kvdefrag: every rank's moves under ``ranks``); ``metrics``,
+with ``KVDEFRAG_METRICS_PORT`` set and kvdefrag's workers, what each rank's ``/metrics``
+endpoint (that port + local rank) served once the requests were done.
 """
 
 from __future__ import annotations
@@ -185,6 +187,8 @@ def run(mode: str, args: argparse.Namespace) -> dict[str, Any]:
         for _ in range(args.num_requests)
     ]
     outputs = llm.generate(prompts(args.num_requests), params, use_tqdm=False)
+    # NOTE: while the workers still serve: their services stop when the engine shuts down.
+    metrics = scrape_rank_metrics(args.tp) if WORKERS[mode] != WORKERS["plain"] else []
     llm.llm_engine.engine_core.shutdown()
     scheduler = read_report(run_dir)  # written when the last request finished
     waits = os.path.join(run_dir, "worker0_waits.json")  # weighted_workers.WAITS_NAME
@@ -200,7 +204,32 @@ def run(mode: str, args: argparse.Namespace) -> dict[str, Any]:
         "num_cached_tokens": sum(output.num_cached_tokens or 0 for output in outputs),
         "scheduler": scheduler,
         "worker_waits_s": worker_waits_s,
+        "metrics": metrics,
     }
+
+
+def scrape_rank_metrics(num_ranks: int) -> list[dict[str, Any]]:
+    """Each rank's kvdefrag metrics, when ``KVDEFRAG_METRICS_PORT`` is set: rank ``i`` (local
+    rank ``i`` here, one host) serves on that port + ``i``. Per rank: the port and its
+    ``kvdefrag_*`` samples (``name{labels}`` -> value); none when the variable is unset."""
+    import urllib.request
+
+    base = os.environ.get("KVDEFRAG_METRICS_PORT", "").strip()
+    if not base:
+        return []
+    host = os.environ.get("KVDEFRAG_METRICS_HOST", "").strip() or "127.0.0.1"
+    scraped = []
+    for local_rank in range(num_ranks):
+        port = int(base) + local_rank
+        with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=10) as response:
+            text = response.read().decode()
+        samples = {}
+        for line in text.splitlines():
+            if line.startswith("kvdefrag_"):
+                name, _, value = line.rpartition(" ")
+                samples[name] = float(value)
+        scraped.append({"port": port, "samples": samples})
+    return scraped
 
 
 def main() -> None:

@@ -12,6 +12,7 @@ compaction, and every number says so; bad TLS material is reported by file.
 from __future__ import annotations
 
 import contextlib
+import errno
 import gc
 import os
 import shutil
@@ -31,7 +32,7 @@ import pytest
 
 from kvdefrag.client import DefragClient, EngineUnhealthy, ServiceUnavailable
 from kvdefrag.common import InvalidArgument, StepEvents
-from kvdefrag.server import serve_in_process
+from kvdefrag.server import ServerHandle, serve_in_process
 from kvdefrag.server._server import grpc_options
 from kvdefrag.server.config import ServiceConfig
 from kvdefrag.v1 import defrag_pb2 as pb
@@ -78,23 +79,41 @@ def fragment(client: DefragClient, kv: SignedKv) -> None:
 
 
 # --- 1. stop() removes only its own socket file ---------------------------------------
-def test_stop_leaves_the_socket_file_of_a_replacement_server_alone(
-    serve: Serve, tmp_path: Path
+def start_when_free(address: str, kv: SignedKv) -> ServerHandle:
+    """Starts a server on ``address``, retrying while a live server still listens there."""
+    deadline = time.monotonic() + 30.0
+    while True:
+        try:
+            return serve_in_process(
+                kv.kv_caches, kv.block_size, service_config=ServiceConfig(address=address)
+            )
+        except OSError as err:
+            if err.errno != errno.EADDRINUSE or time.monotonic() > deadline:
+                raise
+            time.sleep(0.001)
+
+
+def test_a_replacement_started_while_the_old_server_stops_keeps_its_socket(
+    tmp_path: Path,
 ) -> None:
+    # The old server stops while its replacement starts on the same path, as when a
+    # worker restarts. The file system hands the replacement's socket the inode number
+    # of the stale file it unlinked, so an owner test by inode alone removes it.
     path = tmp_path / "kv.sock"
-    old = serve(f"unix:{path}", block_size=BLOCK_SIZE)
-    # A replacement bound while the old server was stopping: the old one's file is gone
-    # (a stale file is replaced) and the path now holds the new server's socket.
-    path.unlink()
-    new = serve(f"unix:{path}", block_size=BLOCK_SIZE)
-    new_inode = path.stat().st_ino
-
-    old.stop(0)
-
-    assert path.exists() and path.stat().st_ino == new_inode
-    assert get_stats(new.address).epoch == new.epoch
-    new.stop(0)
-    assert not path.exists()  # its own file it does remove
+    address = f"unix:{path}"
+    kv = SignedKv.create(64, block_size=BLOCK_SIZE)
+    for trial in range(50):
+        old = start_when_free(address, kv)
+        stopper = threading.Thread(target=old.stop, args=(0,))
+        stopper.start()
+        new = start_when_free(address, kv)
+        stopper.join()
+        try:
+            assert path.exists(), f"trial {trial}: the old server removed its replacement's socket"
+            assert get_stats(new.address).epoch == new.epoch
+        finally:
+            new.stop(0)
+        assert not path.exists()  # its own file a server does remove
 
 
 # --- 2. stop(grace_s) is bounded --------------------------------------------------------
@@ -206,7 +225,9 @@ def test_socket_is_never_reachable_by_others_while_binding_with_umask_0(
     assert [observer.num_binds for observer in observers] == [1]
     assert observers[0].leaks == []
     assert _mode(path) == 0o600 and stat.S_ISSOCK(os.lstat(path).st_mode)
-    assert os.listdir(shared) == ["kv.sock"]  # nothing left of the bind
+    # Nothing left of the bind; the lock that says who owns the path is owner-only too.
+    assert sorted(os.listdir(shared)) == ["kv.sock", "kv.sock.lock"]
+    assert _mode(shared / "kv.sock.lock") == 0o600
     assert get_stats(handle.address).epoch == handle.epoch
 
 

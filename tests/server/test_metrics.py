@@ -5,6 +5,7 @@ Also the server's metrics: registered once its engine exists, served on /metrics
 
 from __future__ import annotations
 
+import re
 import urllib.request
 from typing import Any
 
@@ -12,7 +13,7 @@ import grpc
 import pytest
 from prometheus_client import REGISTRY, CollectorRegistry
 
-from kvdefrag.common import EngineUnhealthy
+from kvdefrag.common import EngineUnhealthy, InvalidArgument
 from kvdefrag.server import Engine, EngineConfig
 from kvdefrag.server._executor_cpu import CpuSwapExecutor
 from kvdefrag.server.metrics import DURATION_BUCKETS_S, Metrics, serve_metrics
@@ -282,3 +283,46 @@ def test_a_registry_serves_one_server(serve: Serve, registry: CollectorRegistry)
     serve(registry=registry)
     with pytest.raises(ValueError, match="Duplicated timeseries"):
         serve(registry=registry)
+
+
+# --- constant labels: one rank of a tensor-parallel engine ------------------------------
+def test_constant_labels_go_on_every_series_and_keep_every_name(
+    registry: CollectorRegistry,
+) -> None:
+    engine = small_engine()
+    metrics = Metrics(registry, engine, labels={"rank": "1"})
+    engine.step(new_blocks={"a": [5, 6]}, fresh=[])
+    metrics.record_error("Step", "INVALID_ARGUMENT")
+    metrics.record_replay()
+    samples = [sample for family in registry.collect() for sample in family.samples]
+    assert samples and all(sample.labels.get("rank") == "1" for sample in samples)
+    assert value(registry, "kvdefrag_steps_total", rank="1") == 1
+    assert value(registry, "kvdefrag_live_blocks", rank="1") == 2
+    assert value(registry, "kvdefrag_replayed_steps_total", rank="1") == 1
+    assert value(registry, "kvdefrag_step_duration_seconds_count", rank="1") == 1
+    assert value(registry, "kvdefrag_defrag_runs_total", rank="1", result="failed") == 0
+    code = {"method": "Step", "code": "INVALID_ARGUMENT"}
+    assert value(registry, "kvdefrag_errors_total", rank="1", **code) == 1
+    unlabelled = CollectorRegistry()
+    Metrics(unlabelled, small_engine())
+    assert {f.name for f in registry.collect()} == {f.name for f in unlabelled.collect()}
+    assert value(unlabelled, "kvdefrag_steps_total") == 0  # no rank label without one
+
+
+@pytest.mark.parametrize("name", ["code", "method", "le", "__rank", "1rank", "rank-id"])
+def test_a_constant_label_kvdefrag_cannot_take_is_refused(
+    registry: CollectorRegistry, name: str
+) -> None:
+    with pytest.raises(InvalidArgument, match=f"metrics label '{re.escape(name)}'"):
+        Metrics(registry, small_engine(), labels={name: "1"})
+
+
+def test_two_servers_serve_their_ranks_side_by_side(serve: Serve) -> None:
+    handles = [serve(metrics_port=0, metrics_labels={"rank": str(rank)}) for rank in range(2)]
+    step_through_the_service(handles[1].address, {"req-a": [3]})
+    for rank, handle in enumerate(handles):
+        url = f"http://127.0.0.1:{handle.metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=10) as response:
+            text = response.read().decode()
+        assert f'kvdefrag_steps_total{{rank="{rank}"}} {float(rank)}' in text
+        assert f'kvdefrag_capacity_blocks{{rank="{rank}"}} 64.0' in text

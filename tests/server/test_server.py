@@ -165,6 +165,28 @@ def test_socket_of_a_live_server_is_refused(serve: Serve, tmp_path: Path) -> Non
     assert get_stats(address).epoch == first.epoch
 
 
+def test_a_server_that_fails_after_binding_leaves_nothing_behind(
+    serve: Serve, tmp_path: Path
+) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(OSError, match=f"cannot serve metrics on 127.0.0.1:{port} .*in use"):
+            serve(f"unix:{tmp_path}/kv.sock", metrics_port=port)
+    assert not os.listdir(tmp_path)  # neither its socket nor the path's lock
+    serve(f"unix:{tmp_path}/kv.sock")  # and the path is free
+
+
+def test_a_symlink_at_the_lock_path_is_refused(serve: Serve, tmp_path: Path) -> None:
+    target = tmp_path / "precious"
+    target.write_text("precious")
+    (tmp_path / "kv.sock.lock").symlink_to(target)
+    with pytest.raises(InvalidArgument, match=r"lock file .*kv\.sock\.lock"):
+        serve(f"unix:{tmp_path}/kv.sock")
+    assert target.read_text() == "precious" and not (tmp_path / "kv.sock").exists()
+
+
 def test_a_file_that_is_not_a_socket_is_left_alone(serve: Serve, tmp_path: Path) -> None:
     path = tmp_path / "kv.sock"
     path.write_text("precious")

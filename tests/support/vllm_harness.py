@@ -33,7 +33,13 @@ from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
 from kvdefrag.server import EngineConfig, ServerHandle, ServiceConfig, serve_in_process
-from kvdefrag.vllm.common import RUN_DIR_ENV, rank_address
+from kvdefrag.vllm.common import (
+    RUN_DIR_ENV,
+    PublishedRank,
+    publish_ranks,
+    published_ranks,
+    rank_address,
+)
 from kvdefrag.vllm.scheduler import DefragAsyncScheduler, DefragScheduler
 from kvdefrag.vllm.worker import (
     BlockIdTranslator,
@@ -156,21 +162,33 @@ def make_scheduler(
     )
 
 
-def serve_rank(socket_path: str, num_blocks: int) -> tuple[Any, torch.Tensor]:
-    """One rank's service on a tiny int64 KV cache: one layer, one slot per token."""
+def serve_rank(
+    socket_path: str, num_blocks: int, secret: bytes | None = None
+) -> tuple[Any, torch.Tensor]:
+    """One rank's service on a tiny int64 KV cache: one layer, one slot per token; it
+    proves ``secret`` when given one."""
     key = torch.zeros(num_blocks * BLOCK_SIZE, 1, dtype=torch.int64)
     handle = serve_in_process(
         [(key, None)],
         BLOCK_SIZE,
         engine_config=EngineConfig(threshold=2),
         service_config=ServiceConfig(address=f"unix:{socket_path}"),
+        identity_secret=secret,
     )
     return handle, key
 
 
 def serve_two_ranks(run_dir: str, num_blocks: int) -> Iterator[list[Any]]:
-    """Rank 0 and rank 1 served in ``run_dir`` (a fixture's body: stops them after)."""
-    served = [serve_rank(f"{run_dir}/rank{rank}.sock", num_blocks) for rank in range(2)]
+    """Rank 0 and rank 1 served in ``run_dir`` and published there as DefragWorker's rank 0
+    publishes them (a fixture's body: stops them after)."""
+    secrets = [os.urandom(32) for _ in range(2)]
+    served = [
+        serve_rank(f"{run_dir}/rank{rank}.sock", num_blocks, secrets[rank]) for rank in range(2)
+    ]
+    publish_ranks(
+        run_dir,
+        [PublishedRank(rank_address(run_dir, rank), secrets[rank]) for rank in range(2)],
+    )
     yield served
     for handle, _ in served:
         handle.stop(grace_s=0.5)
@@ -179,15 +197,15 @@ def serve_two_ranks(run_dir: str, num_blocks: int) -> Iterator[list[Any]]:
 class TwoRankScheduler(DefragScheduler):
     """Two ranks (as under TP=2) without a TP=2 config on a CPU-only machine."""
 
-    def kvdefrag_addresses(self) -> list[str]:
-        return [rank_address(os.environ[RUN_DIR_ENV], rank) for rank in range(2)]
+    def kvdefrag_ranks(self) -> list[PublishedRank]:
+        return published_ranks(os.environ[RUN_DIR_ENV], 2)
 
 
 class TwoRankAsyncScheduler(DefragAsyncScheduler):
     """``DefragAsyncScheduler`` on two ranks."""
 
-    def kvdefrag_addresses(self) -> list[str]:
-        return [rank_address(os.environ[RUN_DIR_ENV], rank) for rank in range(2)]
+    def kvdefrag_ranks(self) -> list[PublishedRank]:
+        return published_ranks(os.environ[RUN_DIR_ENV], 2)
 
 
 @dataclasses.dataclass

@@ -28,6 +28,7 @@ from kvdefrag.server import Engine
 from kvdefrag.server.__main__ import parse_args
 from kvdefrag.server.config import ENV_PREFIX, load_config, option_names
 from kvdefrag.server.metrics import Metrics
+from kvdefrag.vllm import common
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -145,7 +146,9 @@ def test_dashboard_queries_are_valid_promql(tmp_path: Path) -> None:
     rules = [
         {
             "record": f"dashboard:query_{index}",
-            "expr": expr.replace("$__rate_interval", "1m").replace("$instance", ".*"),
+            "expr": expr.replace("$__rate_interval", "1m")
+            .replace("$instance", ".*")
+            .replace("$rank", ".*"),
         }
         for index, expr in enumerate(dashboard_exprs())
     ]
@@ -215,9 +218,21 @@ def test_dockerfiles_pass_hadolint(name: str) -> None:
     run_tool(hadolint, "--no-color", str(DEPLOY / name))
 
 
+# The vLLM integration's own variables (kvdefrag.vllm.common), next to the configs' options.
+VLLM_VARIABLES = {
+    common.RUN_DIR_ENV,
+    common.STEP_WAIT_ENV,
+    common.AUDIT_EVERY_ENV,
+    common.TCP_PORT_ENV,
+    common.TCP_HOST_ENV,
+    *common.CLIENT_TLS_ENV.values(),
+}
+
+
 def assert_known_options(environ: dict[str, str]) -> None:
-    """Every KVDEFRAG_* variable names an option of either config (typos are not ignored)."""
-    known = {ENV_PREFIX + name.upper() for name in option_names()}
+    """Every KVDEFRAG_* variable names an option of either config or a variable of the vLLM
+    integration (typos are not ignored)."""
+    known = {ENV_PREFIX + name.upper() for name in option_names()} | VLLM_VARIABLES
     given = {name for name in environ if name.startswith(ENV_PREFIX)}
     assert given and given - known == set()
 
@@ -232,35 +247,77 @@ def test_worker_pod_is_a_valid_kubernetes_pod() -> None:
     kubernetes_validate.validate(pod, kubernetes_validate.latest_version(), strict=True)
 
 
-def test_worker_pod_wires_socket_metrics_and_probe_together() -> None:
+def tensor_parallel_size(container: dict[str, Any]) -> int:
+    flags = dict(arg.removeprefix("--").split("=", 1) for arg in container["args"] if "=" in arg)
+    return int(flags.get("tensor-parallel-size", "1"))
+
+
+def test_worker_pod_wires_run_dir_metrics_and_probe_together_for_every_rank() -> None:
     pod = load_manifest("vllm-worker.yaml")
     vllm = pod["spec"]["containers"][0]
+    assert "--scheduler-cls=kvdefrag.vllm.scheduler.DefragAsyncScheduler" in vllm["args"]
+    assert any(arg.startswith("--worker-cls=") for arg in vllm["args"])
+    num_ranks = tensor_parallel_size(vllm)
+    assert num_ranks == 2
     settings = {item["name"]: item["value"] for item in vllm["env"]}
     assert_known_options(settings)
-    _, config = load_config(environ=settings)
-    socket_path = config.address.removeprefix("unix:")
+    _, config = load_config(environ={k: v for k, v in settings.items() if k not in VLLM_VARIABLES})
+    run_dir = settings[common.RUN_DIR_ENV]
     mounts = {mount["name"]: mount["mountPath"] for mount in vllm["volumeMounts"]}
     shared = [v["name"] for v in pod["spec"]["volumes"] if "emptyDir" in v]
-    assert any(socket_path.startswith(mounts[name] + "/") for name in shared)
+    # kvdefrag creates the run directory itself (0700) inside the shared volume
+    assert any(run_dir.startswith(mounts[name] + "/") for name in shared)
     probe = " ".join(vllm["readinessProbe"]["exec"]["command"])
-    assert f"-unix {socket_path}" in probe and "grpc.health.v1.Health/Check" in probe
+    assert "grpc.health.v1.Health/Check" in probe
+    assert f"for rank in {' '.join(map(str, range(num_ranks)))}; do" in probe
+    assert (
+        f"-unix {common.rank_address(run_dir, 0).removeprefix('unix:')}".replace(
+            "rank0", "rank$rank"
+        )
+        in probe
+    )
+    # rank i serves its metrics on metrics_port + local rank, a named port of its own
     ports = {port["name"]: port["containerPort"] for port in vllm["ports"]}
-    annotations = pod["metadata"]["annotations"]
-    assert annotations["prometheus.io/scrape"] == "true"
-    assert int(annotations["prometheus.io/port"]) == config.metrics_port
-    assert ports["kvdefrag-metrics"] == config.metrics_port
+    assert config.metrics_port is not None and config.metrics_host == "0.0.0.0"
+    for rank in range(num_ranks):
+        assert ports[f"kvdefrag-m{rank}"] == config.metrics_port + rank
+    # annotations can name one port only: the ranks are scraped through the PodMonitor
+    assert "prometheus.io/port" not in pod["metadata"].get("annotations", {})
 
 
-def test_pod_monitor_selects_the_worker_pod_and_its_metrics_port() -> None:
+def test_pod_monitor_scrapes_every_rank_of_the_worker_pod() -> None:
     pod = load_manifest("vllm-worker.yaml")
     monitor = load_manifest("podmonitor.yaml")
     assert (monitor["apiVersion"], monitor["kind"]) == ("monitoring.coreos.com/v1", "PodMonitor")
     selector = monitor["spec"]["selector"]["matchLabels"]
     assert selector.items() <= pod["metadata"]["labels"].items()
-    port_names = {p["name"] for c in pod["spec"]["containers"] for p in c.get("ports", [])}
-    for endpoint in monitor["spec"]["podMetricsEndpoints"]:
-        assert endpoint["port"] in port_names
-        assert endpoint["path"] == pod["metadata"]["annotations"]["prometheus.io/path"]
+    metrics_ports = {
+        p["name"]
+        for c in pod["spec"]["containers"]
+        for p in c.get("ports", [])
+        if p["name"].startswith("kvdefrag-m")
+    }
+    endpoints = monitor["spec"]["podMetricsEndpoints"]
+    assert {endpoint["port"] for endpoint in endpoints} == metrics_ports
+    assert len(metrics_ports) == tensor_parallel_size(pod["spec"]["containers"][0])
+    assert all(endpoint["path"] == "/metrics" for endpoint in endpoints)
+
+
+def test_the_scrape_config_lists_every_rank_of_a_vllm_engine() -> None:
+    config = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
+    (job,) = [job for job in config["scrape_configs"] if job["job_name"] == "kvdefrag-vllm"]
+    targets = job["static_configs"][0]["targets"]
+    assert [int(target.rsplit(":", 1)[1]) for target in targets] == [9464, 9465]
+
+
+def test_every_series_of_a_vllm_rank_carries_its_rank_label() -> None:
+    registry = CollectorRegistry()
+    key = torch.zeros(16 * 4, 2)
+    metrics = Metrics(registry, Engine([(key, key.clone())], block_size=4), labels={"rank": "1"})
+    metrics.record_error("Step", "INVALID_ARGUMENT")
+    samples = [sample for family in registry.collect() for sample in family.samples]
+    assert samples and all(sample.labels.get("rank") == "1" for sample in samples)
+    assert {family.name for family in registry.collect()} == set(exported_names().values())
 
 
 @pytest.mark.slow

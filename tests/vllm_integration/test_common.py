@@ -9,6 +9,7 @@ import json
 import os
 import pickle
 import re
+import stat
 from collections.abc import Sequence
 from pathlib import Path
 from typing import NamedTuple
@@ -21,15 +22,18 @@ from kvdefrag.vllm.common import (
     RANKS_FILE,
     TCP_HOST_ENV,
     TCP_PORT_ENV,
+    PublishedRank,
     StepStamp,
+    UnsafeRunDir,
     attach_step_stamp,
     audit_every,
     client_tls_from_env,
     copy_destinations,
+    ensure_run_dir,
     first_fresh_block_index,
     map_block_ids,
-    publish_rank_addresses,
-    published_rank_addresses,
+    publish_ranks,
+    published_ranks,
     read_step_stamp,
     scheduled_num_computed_tokens,
     step_wait_s,
@@ -63,23 +67,134 @@ def test_a_bad_port_is_named(monkeypatch: pytest.MonkeyPatch, port: str) -> None
         tcp_address(1 if port == "65535" else 0, lambda: "10.0.0.7")
 
 
-def test_published_addresses_round_trip_in_rank_order(tmp_path: Path) -> None:
+SECRETS = [bytes([rank]) * 32 for rank in range(2)]
+NOBODY = 65534  # another user: the tests run as root, so they can hand files to it
+
+
+def test_published_ranks_round_trip_in_rank_order(tmp_path: Path) -> None:
     run_dir = os.fspath(tmp_path / "run")
-    publish_rank_addresses(run_dir, ["10.0.0.7:50100", "10.0.0.8:50100"])
-    assert published_rank_addresses(run_dir, 2) == ["10.0.0.7:50100", "10.0.0.8:50100"]
+    ensure_run_dir(run_dir)
+    ranks = [
+        PublishedRank("10.0.0.7:50100", SECRETS[0]),
+        PublishedRank("10.0.0.8:50100", SECRETS[1]),
+    ]
+    publish_ranks(run_dir, ranks)
+    assert published_ranks(run_dir, 2) == ranks
     assert os.stat(run_dir).st_mode & 0o777 == 0o700
     assert os.listdir(run_dir) == [RANKS_FILE]  # no partial file left behind
+    assert os.stat(os.path.join(run_dir, RANKS_FILE)).st_mode & 0o777 == 0o600  # secrets
+    assert "secret" not in repr(ranks[0]) and SECRETS[0].hex() not in repr(ranks[0])
 
 
 def test_missing_addresses_say_which_worker_class_publishes_them(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError, match=re.escape("kvdefrag.vllm.worker.DefragWorker")):
-        published_rank_addresses(os.fspath(tmp_path), 1)
+        published_ranks(os.fspath(tmp_path), 1)
+
+
+def _write_ranks(run_dir: Path, document: object) -> None:
+    path = run_dir / RANKS_FILE
+    path.write_text(json.dumps(document))
+    path.chmod(0o600)
 
 
 def test_addresses_for_another_world_size_are_refused(tmp_path: Path) -> None:
-    (tmp_path / RANKS_FILE).write_text(json.dumps({"addresses": ["unix:/a.sock"]}))
+    _write_ranks(tmp_path, {"addresses": ["unix:/a.sock"], "secrets": [SECRETS[0].hex()]})
     with pytest.raises(RuntimeError, match="lists 1 rank addresses, the engine has 2 ranks"):
-        published_rank_addresses(os.fspath(tmp_path), 2)
+        published_ranks(os.fspath(tmp_path), 2)
+
+
+@pytest.mark.parametrize("secrets", [None, ["00"], ["zz" * 32], [SECRETS[0].hex(), "1"]])
+def test_ranks_without_a_secret_for_every_rank_are_refused(
+    tmp_path: Path, secrets: list[str] | None
+) -> None:
+    _write_ranks(tmp_path, {"addresses": ["unix:/a.sock", "unix:/b.sock"], "secrets": secrets})
+    with pytest.raises(RuntimeError, match="no identity secret for every rank"):
+        published_ranks(os.fspath(tmp_path), 2)
+
+
+def test_every_directory_made_for_the_run_is_private_whatever_the_umask(tmp_path: Path) -> None:
+    run_dir = tmp_path / "runs" / "engine0" / "run"
+    previous = os.umask(0o022)
+    try:
+        ensure_run_dir(os.fspath(run_dir))
+    finally:
+        os.umask(previous)
+    for directory in (run_dir.parent.parent, run_dir.parent, run_dir):
+        assert stat.S_IMODE(directory.stat().st_mode) == 0o700, directory
+    ensure_run_dir(os.fspath(run_dir))  # an existing private one is accepted
+
+
+def test_a_run_dir_of_another_user_is_refused_on_both_sides(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir(mode=0o700)
+    publish_ranks(os.fspath(run_dir), [PublishedRank("unix:/a.sock", SECRETS[0])])
+    os.chown(run_dir, NOBODY, NOBODY)
+    for use in (
+        lambda: ensure_run_dir(os.fspath(run_dir)),
+        lambda: publish_ranks(os.fspath(run_dir), [PublishedRank("unix:/a.sock", SECRETS[0])]),
+        lambda: published_ranks(os.fspath(run_dir), 1),
+    ):
+        with pytest.raises(UnsafeRunDir, match=f"belongs to uid {NOBODY}.*XDG_RUNTIME_DIR"):
+            use()
+
+
+@pytest.mark.parametrize("mode", [0o770, 0o707, 0o750, 0o701])
+def test_a_run_dir_group_or_others_may_reach_is_refused(tmp_path: Path, mode: int) -> None:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    run_dir.chmod(mode)
+    with pytest.raises(UnsafeRunDir, match=re.escape(f"mode {mode:04o}") + ".*chmod 700"):
+        ensure_run_dir(os.fspath(run_dir))
+    with pytest.raises(UnsafeRunDir, match="chmod 700"):
+        published_ranks(os.fspath(run_dir), 1)
+
+
+def test_a_symlinked_run_dir_is_refused(tmp_path: Path) -> None:
+    real = tmp_path / "real"
+    real.mkdir(mode=0o700)
+    (tmp_path / "run").symlink_to(real)
+    with pytest.raises(UnsafeRunDir, match="is a symlink"):
+        ensure_run_dir(os.fspath(tmp_path / "run"))
+
+
+def test_publishing_never_writes_through_a_planted_link(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir(mode=0o700)
+    precious = tmp_path / "precious"
+    precious.write_text("root's file")
+    # A link at every name the writer could pick: the first two random names are taken.
+    names = iter(["aaaa", "bbbb", "cccc"])
+    monkeypatch.setattr("kvdefrag.vllm._run_dir.secrets.token_hex", lambda _: next(names))
+    for name in (f".{RANKS_FILE}.aaaa", f".{RANKS_FILE}.bbbb", RANKS_FILE):
+        (run_dir / name).symlink_to(precious)
+    publish_ranks(os.fspath(run_dir), [PublishedRank("unix:/a.sock", SECRETS[0])])
+    assert precious.read_text() == "root's file"
+    # the planted links are left as they were; ranks.json is a new file, not the link
+    assert (run_dir / f".{RANKS_FILE}.aaaa").is_symlink()
+    assert not (run_dir / RANKS_FILE).is_symlink()
+    assert published_ranks(os.fspath(run_dir), 1) == [PublishedRank("unix:/a.sock", SECRETS[0])]
+
+
+def test_a_ranks_file_that_is_a_link_or_not_private_is_refused(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir(mode=0o700)
+    elsewhere = tmp_path / "elsewhere.json"
+    elsewhere.write_text(json.dumps({"addresses": ["unix:/x.sock"], "secrets": ["00" * 32]}))
+    elsewhere.chmod(0o600)
+    (run_dir / RANKS_FILE).symlink_to(elsewhere)
+    with pytest.raises(UnsafeRunDir, match="is a symlink"):
+        published_ranks(os.fspath(run_dir), 1)
+    (run_dir / RANKS_FILE).unlink()
+    publish_ranks(os.fspath(run_dir), [PublishedRank("unix:/a.sock", SECRETS[0])])
+    (run_dir / RANKS_FILE).chmod(0o644)
+    with pytest.raises(UnsafeRunDir, match="mode 0644: group or others may reach it"):
+        published_ranks(os.fspath(run_dir), 1)
+    (run_dir / RANKS_FILE).chmod(0o600)
+    os.chown(run_dir / RANKS_FILE, NOBODY, NOBODY)
+    with pytest.raises(UnsafeRunDir, match=f"belongs to uid {NOBODY}"):
+        published_ranks(os.fspath(run_dir), 1)
 
 
 def test_client_tls_reads_the_named_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -230,15 +345,18 @@ def test_common_exports_are_pinned() -> None:
             "TCP_HOST_ENV",
             "TCP_PORT_ENV",
             "ClientTls",
+            "PublishedRank",
             "StepStamp",
+            "UnsafeRunDir",
             "attach_step_stamp",
             "audit_every",
             "client_tls_from_env",
             "copy_destinations",
+            "ensure_run_dir",
             "first_fresh_block_index",
             "map_block_ids",
-            "publish_rank_addresses",
-            "published_rank_addresses",
+            "publish_ranks",
+            "published_ranks",
             "rank_address",
             "read_step_stamp",
             "run_dir_from_env",

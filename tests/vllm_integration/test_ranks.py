@@ -4,17 +4,89 @@ from __future__ import annotations
 
 from typing import Any
 
+import grpc
 import pytest
 
 from kvdefrag.client import DefragClient, StepEvents
 from kvdefrag.common import EpochMismatch, InvalidArgument, ServiceUnavailable
-from kvdefrag.vllm._ranks import RankGroup
+from kvdefrag.v1 import defrag_pb2 as pb
+from kvdefrag.v1 import defrag_pb2_grpc as pb_grpc
+from kvdefrag.v1 import identity_pb2, identity_pb2_grpc
+from kvdefrag.vllm._ranks import RankGroup, RankNotVerified, connect_ranks, verify_rank
+from kvdefrag.vllm.common import PublishedRank
 
 from support.doubles import ScriptedExecutor
 from support.kv import SignedKv
 from support.server import Serve
 
+# --- which services the scheduler trusts ------------------------------------------------
+SECRET = bytes(range(32))
+OTHER_SECRET = bytes(range(1, 33))
 
+
+def is_session_open(address: str) -> bool:
+    with grpc.insecure_channel(address) as channel:
+        stats = pb_grpc.DefragServiceStub(channel).GetStats(pb.GetStatsRequest(), timeout=10)
+    return bool(stats.is_session_open)
+
+
+def test_ranks_that_prove_their_secret_are_connected(serve: Serve) -> None:
+    handles = [serve(identity_secret=SECRET), serve(identity_secret=OTHER_SECRET)]
+    ranks = [
+        PublishedRank(handles[0].address, SECRET),
+        PublishedRank(handles[1].address, OTHER_SECRET),
+    ]
+    clients = connect_ranks(ranks, prefix_caching=False, tls={})
+    try:
+        assert [client.address for client in clients] == [h.address for h in handles]
+        assert all(is_session_open(handle.address) for handle in handles)
+    finally:
+        for client in clients:
+            client.close()
+
+
+@pytest.mark.parametrize(
+    ("impostor_secret", "message"),
+    [
+        (None, r"cannot prove the secret rank 1 published \(UNIMPLEMENTED\)"),
+        (OTHER_SECRET, "its proof does not match the secret rank 1 published"),
+    ],
+)
+def test_a_published_address_served_by_another_process_is_refused(
+    serve: Serve, impostor_secret: bytes | None, message: str
+) -> None:
+    # ranks.json names rank 1's address, but what serves it is not the rank that
+    # published the secret: a server started without one, or with another one.
+    rank0 = serve(identity_secret=SECRET)
+    impostor = serve(identity_secret=impostor_secret)
+    ranks = [PublishedRank(rank0.address, SECRET), PublishedRank(impostor.address, SECRET)]
+    with pytest.raises(RankNotVerified, match=message) as info:
+        connect_ranks(ranks, prefix_caching=False, tls={})
+    assert "is not served by this engine's rank 1" in str(info.value)
+    assert "KVDEFRAG_VLLM_RUN_DIR" in str(info.value)
+    # every rank is verified before any session opens: nobody was stepped
+    assert not is_session_open(rank0.address) and not is_session_open(impostor.address)
+
+
+def test_an_address_nobody_serves_is_unavailable_not_unverified(tmp_path: Any) -> None:
+    published = PublishedRank(f"unix:{tmp_path}/gone.sock", SECRET)
+    with pytest.raises(ServiceUnavailable, match=r"rank 0's service at .* did not answer"):
+        verify_rank(0, published, {}, timeout_s=0.3)
+
+
+def test_the_proof_reveals_nothing_for_a_bad_nonce(serve: Serve) -> None:
+    handle = serve(identity_secret=SECRET)
+    with grpc.insecure_channel(handle.address) as channel:
+        stub = identity_pb2_grpc.IdentityServiceStub(channel)
+        for nonce in (b"", b"n" * 15, b"n" * 65):
+            with pytest.raises(grpc.RpcError) as info:
+                stub.ProveIdentity(identity_pb2.ProveIdentityRequest(nonce=nonce), timeout=10)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(InvalidArgument, match="identity_secret must be at least 16"):
+        serve(identity_secret=b"short")
+
+
+# --- stepping every rank -----------------------------------------------------------------
 def test_a_rank_that_answers_late_is_completed_not_stepped_twice(serve: Serve) -> None:
     kvs = [SignedKv.create(64), SignedKv.create(64)]
     slow = ScriptedExecutor.for_kv(kvs[1])

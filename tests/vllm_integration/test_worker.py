@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
+import socket
+import stat
 import subprocess
 import sys
 import threading
+import time
+import types
+import urllib.request
 import warnings
 from types import SimpleNamespace
 from typing import Any
@@ -16,9 +22,11 @@ import pytest
 import torch
 
 from kvdefrag.client import DefragClient
-from kvdefrag.common import StepEvents
+from kvdefrag.common import InvalidArgument, StepEvents
 from kvdefrag.server import Engine, EngineConfig, Move, MoveBatch, make_executor
+from kvdefrag.vllm._ranks import connect_ranks
 from kvdefrag.vllm._runner_rows import Remap
+from kvdefrag.vllm.common import RANKS_FILE, UnsafeRunDir, published_ranks
 from kvdefrag.vllm.worker import (
     BlockIdTranslator,
     DefragWorkerMixin,
@@ -96,11 +104,12 @@ class _FakeRunner:
 class _FakeVllmWorker:
     """What the mixin uses of vLLM's Worker: ranks, configs, model_runner, hooks."""
 
-    def __init__(self, rank: int) -> None:
+    def __init__(self, rank: int, world_size: int = 1) -> None:
         self.rank = rank
         self.local_rank = rank
-        # NOTE: one rank as far as vLLM's world group goes (there is none here).
-        self.parallel_config = type("ParallelConfig", (), {"world_size": 1})()
+        # NOTE: one rank as far as vLLM's world group goes unless a test fakes the group
+        # (_FakeWorld: ranks in threads of this process).
+        self.parallel_config = type("ParallelConfig", (), {"world_size": world_size})()
         self.cache_config = type("CacheConfig", (), {"block_size": BLOCK_SIZE})()
         self.model_runner = _FakeRunner()
         self.calls: list[str] = []
@@ -172,6 +181,227 @@ def test_the_mixin_refuses_a_hybrid_model_and_an_unset_run_dir(
     monkeypatch.delenv("KVDEFRAG_VLLM_RUN_DIR")
     with pytest.raises(RuntimeError, match="KVDEFRAG_VLLM_RUN_DIR"):
         _Worker(rank=0).initialize_from_config(_kv_cache_config())
+
+
+# --- the run directory, as the mixin uses it -------------------------------------------
+NOBODY = 65534  # another user: the tests run as root, so they can hand files to it
+
+
+def test_the_mixin_refuses_a_run_dir_another_user_owns_before_serving(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir(mode=0o700)
+    os.chown(run_dir, NOBODY, NOBODY)
+    monkeypatch.setenv("KVDEFRAG_VLLM_RUN_DIR", str(run_dir))
+    worker = _Worker(rank=0)
+    with pytest.raises(UnsafeRunDir, match=f"belongs to uid {NOBODY}"):
+        worker.initialize_from_config(_kv_cache_config())
+    assert worker.kvdefrag_handle is None and os.listdir(run_dir) == []
+
+
+def test_the_mixin_refuses_a_run_dir_others_may_write(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    run_dir.chmod(0o777)
+    monkeypatch.setenv("KVDEFRAG_VLLM_RUN_DIR", str(run_dir))
+    with pytest.raises(UnsafeRunDir, match=f"mode 0777.*chmod 700 {run_dir}"):
+        _Worker(rank=0).initialize_from_config(_kv_cache_config())
+    assert os.listdir(run_dir) == []
+
+
+def test_the_mixin_makes_every_missing_directory_private_whatever_the_umask(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run_dir = tmp_path / "runs" / "engine0"
+    monkeypatch.setenv("KVDEFRAG_VLLM_RUN_DIR", str(run_dir))
+    previous = os.umask(0o022)
+    try:
+        worker = _Worker(rank=0)
+        worker.initialize_from_config(_kv_cache_config())
+    finally:
+        os.umask(previous)
+    try:
+        assert stat.S_IMODE(os.stat(run_dir.parent).st_mode) == 0o700
+        assert stat.S_IMODE(os.stat(run_dir).st_mode) == 0o700
+        assert stat.S_IMODE(os.stat(run_dir / RANKS_FILE).st_mode) == 0o600
+    finally:
+        worker.shutdown()
+
+
+def test_rank_0_never_writes_through_a_link_planted_in_the_run_dir(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir(mode=0o700)
+    precious = tmp_path / "precious"
+    precious.write_text("root's file")
+    # where rank 0 used to write its partial file, and the final name
+    (run_dir / f"{RANKS_FILE}.{os.getpid()}").symlink_to(precious)
+    monkeypatch.setenv("KVDEFRAG_VLLM_RUN_DIR", str(run_dir))
+    worker = _Worker(rank=0)
+    worker.initialize_from_config(_kv_cache_config())
+    try:
+        assert precious.read_text() == "root's file"
+        ranks_file = run_dir / RANKS_FILE
+        assert ranks_file.is_file() and not ranks_file.is_symlink()
+        assert [rank.address for rank in published_ranks(str(run_dir), 1)] == [
+            f"unix:{run_dir}/rank0.sock"
+        ]
+    finally:
+        worker.shutdown()
+
+
+# --- several ranks: vLLM's world group faked for ranks in threads -----------------------
+class _FakeWorld:
+    """vLLM's world group for workers that run in threads of this process.
+
+    ``all_gather_object`` meets at a barrier, as gloo's does; a rank that never joins
+    leaves the others waiting until ``timeout_s`` (then they raise ``BrokenBarrierError``).
+    """
+
+    def __init__(self, world_size: int, timeout_s: float = 15.0) -> None:
+        self.world_size = world_size
+        self.cpu_group = object()
+        self.local = threading.local()
+        self._slots: list[Any] = [None] * world_size
+        self._barrier = threading.Barrier(world_size, timeout=timeout_s)
+
+    def all_gather_object(self, gathered: list[Any], obj: Any, group: Any = None) -> None:
+        assert group is self.cpu_group
+        self._slots[self.local.rank] = obj
+        self._barrier.wait()
+        gathered[:] = list(self._slots)
+        self._barrier.wait()
+
+
+def _fake_world(monkeypatch: pytest.MonkeyPatch, world_size: int) -> _FakeWorld:
+    world = _FakeWorld(world_size)
+    parallel_state = types.ModuleType("vllm.distributed.parallel_state")
+    parallel_state.get_world_group = lambda: world  # type: ignore[attr-defined]
+    for name in ("vllm", "vllm.distributed"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "vllm.distributed.parallel_state", parallel_state)
+    monkeypatch.setattr(torch.distributed, "all_gather_object", world.all_gather_object)
+    return world
+
+
+def _start_ranks(world: _FakeWorld, configs: list[Any]) -> tuple[list[Any], float]:
+    """Starts one worker per config, each in its own thread; returns each rank's worker
+    (or the exception it raised) and the seconds until every rank returned."""
+    results: list[Any] = [None] * len(configs)
+
+    def start(rank: int) -> None:
+        world.local.rank = rank
+        worker = _Worker(rank=rank, world_size=len(configs))
+        try:
+            worker.initialize_from_config(configs[rank])
+            results[rank] = worker
+        except BaseException as err:
+            results[rank] = err
+
+    begin = time.monotonic()
+    threads = [threading.Thread(target=start, args=(rank,)) for rank in range(len(configs))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return results, time.monotonic() - begin
+
+
+def _free_port_pair() -> int:
+    """A port ``p`` with ``p`` and ``p + 1`` free on the loopback interface."""
+    for _ in range(100):
+        with socket.socket() as first:
+            first.bind(("127.0.0.1", 0))
+            port = first.getsockname()[1]
+            with socket.socket() as second:
+                try:
+                    second.bind(("127.0.0.1", port + 1))
+                except OSError:
+                    continue
+        return int(port)
+    raise AssertionError("no two consecutive free ports")
+
+
+def _scrape(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        return str(response.read().decode())
+
+
+def test_every_rank_serves_its_metrics_on_base_port_plus_local_rank_labelled_by_rank(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    base = _free_port_pair()
+    monkeypatch.setenv("KVDEFRAG_VLLM_RUN_DIR", str(tmp_path / "run"))
+    monkeypatch.setenv("KVDEFRAG_METRICS_PORT", str(base))
+    world = _fake_world(monkeypatch, 2)
+    workers, _ = _start_ranks(world, [_kv_cache_config(), _kv_cache_config()])
+    assert all(isinstance(worker, _Worker) for worker in workers), workers
+    try:
+        for rank, worker in enumerate(workers):
+            assert worker.kvdefrag_handle.metrics_port == base + rank
+            text = _scrape(base + rank)
+            assert f'kvdefrag_capacity_blocks{{rank="{rank}"}} {float(NUM_BLOCKS)}' in text
+            assert f'kvdefrag_steps_total{{rank="{rank}"}} 0.0' in text
+            # every series carries the rank
+            series = [line for line in text.splitlines() if line.startswith("kvdefrag_")]
+            assert series and all(f'rank="{rank}"' in line for line in series)
+        # rank 0 published both ranks, and each proves the secret it published
+        published = published_ranks(str(tmp_path / "run"), 2)
+        assert [rank.address for rank in published] == [
+            f"unix:{tmp_path}/run/rank{rank}.sock" for rank in range(2)
+        ]
+        for client in connect_ranks(published, prefix_caching=False, tls={}):
+            client.close()
+    finally:
+        for worker in workers:
+            if isinstance(worker, _Worker):
+                worker.shutdown()
+
+
+def test_a_metrics_port_past_the_last_port_for_a_rank_is_named(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KVDEFRAG_VLLM_RUN_DIR", str(tmp_path / "run"))
+    monkeypatch.setenv("KVDEFRAG_METRICS_PORT", "65535")
+    worker = _Worker(rank=1)  # one rank here, local rank 1
+    with pytest.raises(InvalidArgument, match="local rank 1 would serve its metrics on port 65536"):
+        worker.initialize_from_config(_kv_cache_config())
+    assert worker.kvdefrag_handle is None
+
+
+@pytest.mark.parametrize("cause", ["hybrid model", "metrics port taken"])
+def test_a_rank_that_cannot_start_fails_every_rank_at_once_naming_it(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, cause: str
+) -> None:
+    run_dir = tmp_path / "run"
+    monkeypatch.setenv("KVDEFRAG_VLLM_RUN_DIR", str(run_dir))
+    world = _fake_world(monkeypatch, 2)
+    configs = [_kv_cache_config(), _kv_cache_config()]
+    with contextlib.ExitStack() as stack:
+        if cause == "hybrid model":
+            configs[1] = _kv_cache_config(2)  # rank 1 fails before it serves
+            reason = "rank 1: ValueError: kvdefrag: 2 KV cache groups"
+        else:
+            base = _free_port_pair()
+            taken = stack.enter_context(socket.socket())
+            taken.bind(("127.0.0.1", base + 1))  # rank 1's metrics port: someone else's
+            taken.listen()
+            monkeypatch.setenv("KVDEFRAG_METRICS_PORT", str(base))
+            reason = f"rank 1: OSError: [Errno 98] cannot serve metrics on 127.0.0.1:{base + 1}"
+        # rank 0 starts and must not wait for rank 1 forever
+        results, duration_s = _start_ranks(world, configs)
+    assert duration_s < 5.0
+    for result in results:
+        assert isinstance(result, RuntimeError), result
+        assert "1 of 2 ranks could not start their service" in str(result)
+        assert reason in str(result)
+    assert results[1].__cause__ is not None  # the rank's own error, chained
+    # rank 0 stopped the service it had started, and published nothing
+    assert sorted(os.listdir(run_dir)) == []
 
 
 def _output() -> Any:

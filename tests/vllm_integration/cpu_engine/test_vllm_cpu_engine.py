@@ -52,6 +52,7 @@ class Options:
     tp: int = 1
     engine_processes: bool = False
     tcp_mtls: bool = False
+    metrics: bool = False
 
     def argv(self) -> list[str]:
         argv = ["--num-requests", str(NUM_REQUESTS), "--tp", str(self.tp)]
@@ -64,12 +65,28 @@ class Options:
     def name(self) -> str:
         """Short: a unix socket path below it is at most 107 bytes."""
         name = f"apc{int(self.prefix_caching)}-tp{self.tp}"
-        return name + ("-mp" if self.engine_processes else "") + ("-tcp" if self.tcp_mtls else "")
+        name += "-mp" if self.engine_processes else ""
+        return name + ("-tcp" if self.tcp_mtls else "") + ("-m" if self.metrics else "")
 
 
 # As ranks on several hosts would: each serves on TCP with mutual TLS and the scheduler
 # finds them through the addresses rank 0 gathered over vLLM's world group.
-TP2 = Options(prefix_caching=True, tp=2, engine_processes=True, tcp_mtls=True)
+# Every rank serves its metrics too (KVDEFRAG_METRICS_PORT + local rank).
+TP2 = Options(prefix_caching=True, tp=2, engine_processes=True, tcp_mtls=True, metrics=True)
+
+
+def _free_port_pair() -> int:
+    """A port ``p`` with ``p`` and ``p + 1`` free on the loopback interface."""
+    for _ in range(100):
+        with socket.socket() as first, socket.socket() as second:
+            first.bind(("127.0.0.1", 0))
+            port = int(first.getsockname()[1])
+            try:
+                second.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        return port
+    raise AssertionError("no two consecutive free ports")
 
 
 def _tcp_mtls_environment(folder: Path) -> dict[str, str]:
@@ -98,6 +115,8 @@ def run_engines(options: Options, modes: tuple[str, ...], root: str) -> dict[str
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     if options.tcp_mtls:
         env.update(_tcp_mtls_environment(Path(run_dir) / "certs"))
+    if options.metrics:
+        env["KVDEFRAG_METRICS_PORT"] = str(_free_port_pair())
     done = subprocess.run(
         [sys.executable, os.fspath(ENGINE_RUN), ",".join(modes), os.path.join(root, "model"),
          run_dir, *options.argv()],
@@ -174,6 +193,15 @@ def test_tensor_parallel_2_in_vllms_engine_and_worker_processes(root: str) -> No
         addresses = json.load(file)["addresses"]
     base = int(addresses[0].rsplit(":", 1)[1])
     assert addresses == [f"127.0.0.1:{base}", f"127.0.0.1:{base + 1}"]
+    # both ranks served their metrics, each on its own port with its rank label
+    metrics = runs["defrag"]["metrics"]
+    assert [scraped["port"] - metrics[0]["port"] for scraped in metrics] == [0, 1]
+    steps = []
+    for rank, scraped in enumerate(metrics):
+        samples = scraped["samples"]
+        assert samples and all(f'rank="{rank}"' in name for name in samples), samples
+        steps.append(samples[f'kvdefrag_steps_total{{rank="{rank}"}}'])
+    assert steps[0] == steps[1] > 0  # the same steps on every rank
 
 
 def test_workers_in_their_own_processes_wait_for_the_step_in_flight(root: str) -> None:

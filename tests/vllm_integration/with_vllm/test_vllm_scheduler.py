@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import json
+import os
 import sys
 import time
 from typing import Any
@@ -451,6 +453,64 @@ def test_new_blocks_to_zero_are_zeroed_at_their_physical_slots(
     for worker in workers:
         assert worker.num_checked > 10_000
         assert worker.num_corrupted == 0
+
+
+# --- which services the scheduler trusts ------------------------------------------------
+def _serve_without_secret(socket_path: str) -> ServerHandle:
+    """A kvdefrag server on the engine's block size that no worker of this engine started."""
+    import torch
+
+    from kvdefrag.server import ServiceConfig, serve_in_process
+
+    key = torch.zeros(NUM_BLOCKS * vllm_harness.BLOCK_SIZE, 1, dtype=torch.int64)
+    return serve_in_process(
+        [(key, None)],
+        vllm_harness.BLOCK_SIZE,
+        service_config=ServiceConfig(address=f"unix:{socket_path}"),
+    )
+
+
+def _write_ranks_file(path: str, addresses: list[str]) -> None:
+    with open(path, "w") as file:
+        json.dump(
+            {"addresses": addresses, "secrets": [os.urandom(32).hex() for _ in addresses]}, file
+        )
+    os.chmod(path, 0o600)
+
+
+def test_the_scheduler_refuses_an_address_this_engines_rank_does_not_serve(
+    model_dir: str, run_dir: str
+) -> None:
+    # ranks.json names a live kvdefrag service, but not one holding the secret published
+    # with it: stale, another engine's, or another process's
+    impostor = _serve_without_secret(f"{run_dir}/rank0.sock")
+    try:
+        _write_ranks_file(f"{run_dir}/ranks.json", [impostor.address])
+        with pytest.raises(Exception) as info:
+            make_scheduler(DefragScheduler, model_dir, num_blocks=NUM_BLOCKS, prefix_caching=False)
+        assert type(info.value).__name__ == "RankNotVerified"
+        assert "is not served by this engine's rank 0" in str(info.value)
+        assert impostor.stats().totals.num_steps == 0
+    finally:
+        impostor.stop(0)
+
+
+def test_the_scheduler_refuses_a_ranks_file_that_is_a_link(
+    model_dir: str, run_dir: str, tmp_path: Any
+) -> None:
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir(mode=0o700)
+    other = _serve_without_secret(f"{elsewhere}/kv.sock")
+    try:
+        _write_ranks_file(f"{elsewhere}/ranks.json", [other.address])
+        os.symlink(f"{elsewhere}/ranks.json", f"{run_dir}/ranks.json")
+        with pytest.raises(Exception) as info:
+            make_scheduler(DefragScheduler, model_dir, num_blocks=NUM_BLOCKS, prefix_caching=False)
+        assert type(info.value).__name__ == "UnsafeRunDir"
+        assert "ranks.json is a symlink" in str(info.value)
+        assert other.stats().totals.num_steps == 0
+    finally:
+        other.stop(0)
 
 
 def test_scheduler_exports_are_pinned() -> None:

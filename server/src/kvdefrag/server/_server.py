@@ -4,7 +4,8 @@
 tensors the engine moves. Addresses::
 
     unix:/abs/path.sock   default; file mode 0600, bound privately (see _socket_file); a
-                          stale socket file is replaced; stop() removes only its own
+                          stale socket file is replaced; PATH.lock (flock) is held while
+                          serving, and stop() removes the file only while holding it
     HOST:PORT             TCP; port 0 picks one; a non-loopback HOST needs TLS or insecure
 """
 
@@ -17,7 +18,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent import futures
 from typing import Any
 
@@ -30,7 +31,7 @@ from prometheus_client import CollectorRegistry
 
 from kvdefrag.common import InvalidArgument, PoolStats
 from kvdefrag.common._exit import call_at_exit
-from kvdefrag.server import _convert, _socket_file
+from kvdefrag.server import _convert, _identity, _socket_file
 from kvdefrag.server._engine import Engine, StepObserver, StepResult
 from kvdefrag.server._executor import KvCaches, SwapExecutor
 from kvdefrag.server._limits import MAX_OTHER_STREAMS, MIN_WORKERS, StreamShare, StreamSlots
@@ -352,13 +353,20 @@ def _listen(
         port = _add_port(server, address.target(), credentials, config)
         return address.target(port), None
     path = address.socket_path
-    _socket_file.check_path(path)
-    # NOTE: gRPC creates the file with the process umask (0777 under umask 0) and
-    # unlinks its bound path when it stops; binding in a private directory and linking
-    # the finished 0600 file into place closes both holes (see _socket_file).
-    with _socket_file.private_bind_path(path) as private_path:
-        _add_port(server, f"unix:{private_path}", credentials, config)
-        socket_file = _socket_file.publish(private_path, path)
+    # NOTE: the path's lock, not the file's inode, says who owns it (see _socket_file);
+    # it is held until the server stops and removes its file.
+    lock = _socket_file.PathLock.acquire(path)
+    try:
+        _socket_file.check_path(path)
+        # NOTE: gRPC creates the file with the process umask (0777 under umask 0) and
+        # unlinks its bound path when it stops; binding in a private directory and linking
+        # the finished 0600 file into place closes both holes (see _socket_file).
+        with _socket_file.private_bind_path(path) as private_path:
+            _add_port(server, f"unix:{private_path}", credentials, config)
+            socket_file = _socket_file.publish(private_path, path, lock)
+    except BaseException:
+        lock.release()
+        raise
     return address.target(), socket_file
 
 
@@ -391,6 +399,8 @@ def serve_in_process(
     observer: StepObserver | None = None,
     registry: CollectorRegistry | None = None,
     max_workers: int = 8,
+    identity_secret: bytes | None = None,
+    metrics_labels: Mapping[str, str] | None = None,
 ) -> ServerHandle:
     """Starts the kvdefrag service in background threads of the calling process.
 
@@ -412,14 +422,20 @@ def serve_in_process(
             registry if None); served on ``/metrics`` when ``metrics_port`` is set.
         max_workers: gRPC handler threads (a stream holds one while it is open), at
             least 7: streams get a bounded share, unary calls the rest (``_limits``).
+        identity_secret: Also serve ``IdentityService``, proving to whoever was told
+            this secret (at least 16 random bytes) that the server at the address is
+            this one (``kvdefrag.common.identity``); None: not served.
+        metrics_labels: Constant labels on every metric series (the vLLM worker sets
+            ``rank``); None: none.
 
     Returns:
         The running server's handle; call ``stop()`` when the worker shuts down.
 
     Raises:
         InvalidArgument: A config that is not of its type, a bad address, a
-            non-loopback TCP address without TLS or ``insecure``, or a
-            ``max_message_bytes`` too small for a step's reply.
+            non-loopback TCP address without TLS or ``insecure``, a
+            ``max_message_bytes`` too small for a step's reply, or an
+            ``identity_secret`` under 16 bytes, or a bad metrics label name.
         OSError: The address is taken (``errno.EADDRINUSE``).
         ValueError: ``registry`` already holds kvdefrag's metrics.
     """
@@ -434,6 +450,8 @@ def serve_in_process(
                 f"{name} must be {article} {cls.__name__}, got {type(value).__name__} (build "
                 "both configs with load_config from options and KVDEFRAG_* variables)"
             )
+    if identity_secret is not None:
+        _identity.check_secret(identity_secret)
     if max_workers < MIN_WORKERS:
         raise InvalidArgument(
             f"max_workers must be >= {MIN_WORKERS} (the writer, the streams' shares and room "
@@ -448,7 +466,9 @@ def serve_in_process(
         kv_lock=kv_lock,
         observer=observer,
     )
-    metrics = Metrics(registry if registry is not None else CollectorRegistry(), engine)
+    metrics = Metrics(
+        registry if registry is not None else CollectorRegistry(), engine, labels=metrics_labels
+    )
     servicer = DefragServicer(engine, service_config, metrics=metrics)
     listen_address = parse_address(service_config.address)
     thread_pool = futures.ThreadPoolExecutor(
@@ -469,10 +489,13 @@ def serve_in_process(
     engine.add_observer(health_reporter)
     _convert.add_service(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (_convert.SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
-    )
+    service_names = [_convert.SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME]
+    if identity_secret is not None:
+        _identity.add_identity_service(identity_secret, server)
+        service_names.append(_identity.SERVICE_NAME)
+    reflection.enable_server_reflection(service_names, server)
     metrics_server: MetricsServer | None = None
+    socket_file: SocketFile | None = None
     try:
         bound_address, socket_file = _listen(server, listen_address, service_config)
         if service_config.metrics_port is not None:
@@ -482,6 +505,8 @@ def serve_in_process(
     except BaseException:
         server.stop(None)
         thread_pool.shutdown(wait=False)
+        if socket_file is not None:
+            socket_file.remove()
         raise
     health_reporter.set_serving(True)
     server.start()

@@ -10,17 +10,22 @@ A ``Metrics`` is built once its engine exists and is complete from then on: it r
 every metric and subscribes to the engine's steps in its constructor. The pool gauges are
 never stored: they are read from that engine at scrape time, so they cannot go stale and
 cost nothing between scrapes. Nothing here touches prometheus_client's global registry.
+
+Constant labels (``labels=``) go on every series of one ``Metrics``: the vLLM worker sets
+``rank`` (its global rank), so the ranks of a tensor-parallel engine stay apart however
+they are scraped; the standalone server sets none.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Mapping
 from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from kvdefrag.common import PoolStats
+from kvdefrag.common import InvalidArgument, PoolStats
 from kvdefrag.server._engine import StepObserver, StepResult
 
 # 50 µs .. 10 s in 1-2-5 steps: a swap of a few blocks or an idle step takes well under a
@@ -67,8 +72,10 @@ _POOL_GAUGES: tuple[tuple[str, str, Callable[[PoolStats], float]], ...] = (
 class _PoolCollector:
     """Reads the pool gauges from its engine whenever the registry is collected."""
 
-    def __init__(self, engine: ObservedEngine) -> None:
+    def __init__(self, engine: ObservedEngine, labels: Mapping[str, str]) -> None:
         self._engine = engine
+        self._label_names = list(labels)
+        self._label_values = list(labels.values())
 
     def describe(self) -> list[Metric]:
         """Names the gauges (the registry uses this to refuse duplicate names)."""
@@ -76,7 +83,35 @@ class _PoolCollector:
 
     def collect(self) -> list[Metric]:
         stats = self._engine.stats()  # one consistent snapshot for every gauge
-        return [GaugeMetricFamily(name, doc, value=read(stats)) for name, doc, read in _POOL_GAUGES]
+        families: list[Metric] = []
+        for name, doc, read in _POOL_GAUGES:
+            family = GaugeMetricFamily(name, doc, labels=self._label_names)
+            family.add_metric(self._label_values, read(stats))
+            families.append(family)
+        return families
+
+
+# Label names kvdefrag's own metrics use: a constant label may not take one.
+_RESERVED_LABELS = frozenset({"result", "direction", "method", "code", "le"})
+_LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*\Z")
+
+
+def _checked_labels(labels: Mapping[str, str] | None) -> dict[str, str]:
+    labels = dict(labels or {})
+    for name, value in labels.items():
+        if (
+            not isinstance(name, str)
+            or not _LABEL_NAME.match(name)
+            or name.startswith("__")
+            or name in _RESERVED_LABELS
+        ):
+            raise InvalidArgument(
+                f"metrics label {name!r} is not a Prometheus label name kvdefrag leaves "
+                f"free (not one of {sorted(_RESERVED_LABELS)}, nor starting with __)"
+            )
+        if not isinstance(value, str):
+            raise InvalidArgument(f"metrics label {name!r} must be a str, got {value!r}")
+    return labels
 
 
 class Metrics:
@@ -93,8 +128,12 @@ class Metrics:
         registry: Where every metric is registered (never prometheus_client's global one
             unless passed).
         engine: The engine whose steps are counted and whose pool the gauges show.
+        labels: Constant labels on every series (the vLLM worker: ``{"rank": "N"}``);
+            metric names never change.
 
     Raises:
+        InvalidArgument: A label name that is not a Prometheus name, or that kvdefrag's
+            own labels use.
         ValueError: ``registry`` already holds kvdefrag's metrics (one ``Metrics`` per
             registry); the engine is then left without this observer.
 
@@ -111,23 +150,51 @@ class Metrics:
         >>> registry.get_sample_value(
         ...     "kvdefrag_errors_total", {"method": "Step", "code": "INVALID_ARGUMENT"})
         1.0
+        >>> ranked = CollectorRegistry()
+        >>> _ = Metrics(ranked, engine, labels={"rank": "1"})
+        >>> ranked.get_sample_value("kvdefrag_capacity_blocks", {"rank": "1"})
+        64
     """
 
-    def __init__(self, registry: CollectorRegistry, engine: ObservedEngine) -> None:
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        engine: ObservedEngine,
+        *,
+        labels: Mapping[str, str] | None = None,
+    ) -> None:
+        constant = _checked_labels(labels)
         self.registry = registry
-        registry.register(_PoolCollector(engine))
+        self.labels = constant
+        registry.register(_PoolCollector(engine, constant))
 
-        def counter(name: str, documentation: str, labels: tuple[str, ...] = ()) -> Counter:
-            return Counter(name, documentation, labels, registry=registry)
+        def family(name: str, documentation: str, labels: tuple[str, ...]) -> Counter:
+            """A counter with the constant labels and ``labels`` (children per value)."""
+            return Counter(name, documentation, (*constant, *labels), registry=registry)
+
+        def counter(name: str, documentation: str) -> Counter:
+            """A counter whose one series carries the constant labels."""
+            metric = family(name, documentation, ())
+            return metric.labels(**constant) if constant else metric
+
+        def histogram(name: str, documentation: str) -> Histogram:
+            metric = Histogram(
+                name,
+                documentation,
+                tuple(constant),
+                buckets=DURATION_BUCKETS_S,
+                registry=registry,
+            )
+            return metric.labels(**constant) if constant else metric
 
         self._steps = counter("kvdefrag_steps", "Steps applied by the engine.")
-        self._defrag_runs = counter(
+        self._defrag_runs = family(
             "kvdefrag_defrag_runs",
             "Compaction passes, by result: moved (at least one block moved) or failed "
             "(the KV move raised; the engine turns unhealthy).",
             ("result",),
         )
-        self._moved_blocks = counter(
+        self._moved_blocks = family(
             "kvdefrag_moved_blocks",
             "Blocks moved by compaction, by direction: one_way (copied into an empty "
             "slot) or two_way (swapped with a cached block, prefix caching).",
@@ -153,29 +220,25 @@ class Metrics:
             "Finished request ids the engine did not know (tolerated: e.g. cancelled "
             "before getting blocks).",
         )
-        self._errors = counter(
+        self._errors = family(
             "kvdefrag_errors",
             "RPCs that failed, by gRPC method and status code.",
             ("method", "code"),
         )
-        self._swap_duration = Histogram(
+        self._swap_duration = histogram(
             "kvdefrag_swap_duration_seconds",
             "Time the swap executor took to move one step's blocks.",
-            buckets=DURATION_BUCKETS_S,
-            registry=registry,
         )
-        self._step_duration = Histogram(
+        self._step_duration = histogram(
             "kvdefrag_step_duration_seconds",
             "Time the engine took to handle one step, moves included.",
-            buckets=DURATION_BUCKETS_S,
-            registry=registry,
         )
         # NOTE: children with known label values exist from the start, so rate() and
         # alerts see a 0 before the first event instead of a missing series.
-        self._runs_moved = self._defrag_runs.labels(result="moved")
-        self._runs_failed = self._defrag_runs.labels(result="failed")
-        self._moved_one_way = self._moved_blocks.labels(direction="one_way")
-        self._moved_two_way = self._moved_blocks.labels(direction="two_way")
+        self._runs_moved = self._defrag_runs.labels(**constant, result="moved")
+        self._runs_failed = self._defrag_runs.labels(**constant, result="failed")
+        self._moved_one_way = self._moved_blocks.labels(**constant, direction="one_way")
+        self._moved_two_way = self._moved_blocks.labels(**constant, direction="two_way")
         # NOTE: last, once every metric is registered: a registry that refuses one
         # (duplicate names) leaves the engine without a half-built observer.
         engine.add_observer(self)
@@ -212,7 +275,7 @@ class Metrics:
             method: The RPC's short name, e.g. ``"Step"`` (a fixed set: low cardinality).
             code: The gRPC status code's name, e.g. ``"INVALID_ARGUMENT"``.
         """
-        self._errors.labels(method=method, code=code).inc()
+        self._errors.labels(**self.labels, method=method, code=code).inc()
 
     def record_replay(self) -> None:
         """Counts a resent step answered from the replay cache."""
@@ -228,7 +291,12 @@ class MetricsServer:
     """
 
     def __init__(self, registry: CollectorRegistry, port: int, host: str) -> None:
-        self._httpd, self._thread = start_http_server(port, addr=host, registry=registry)
+        try:
+            self._httpd, self._thread = start_http_server(port, addr=host, registry=registry)
+        except OSError as err:
+            raise OSError(
+                err.errno, f"cannot serve metrics on {host}:{port} (metrics_port): {err.strerror}"
+            ) from err
         self.host = host
         self.port: int = self._httpd.server_port
         self._stopped = False
@@ -254,5 +322,8 @@ def serve_metrics(registry: CollectorRegistry, port: int, host: str = "127.0.0.1
 
     Returns:
         The running server: ``.port`` and ``.stop()``.
+
+    Raises:
+        OSError: The port is taken (the message names it and ``metrics_port``).
     """
     return MetricsServer(registry, port, host)

@@ -10,13 +10,20 @@ agree on the digest of the live mapping and on the epoch the session was opened 
 
 from __future__ import annotations
 
+import hmac
+import secrets
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
+import grpc
+
 from kvdefrag.client import DefragClient, StepReply
-from kvdefrag.common import DefragError, StepEvents, StepOutcomeUnknown
+from kvdefrag.client._channel import open_channel
+from kvdefrag.common import DefragError, ServiceUnavailable, StepEvents, StepOutcomeUnknown
 from kvdefrag.common.events import checked_step_events
-from kvdefrag.vllm.common import StepStamp
+from kvdefrag.common.identity import identity_proof
+from kvdefrag.v1 import identity_pb2, identity_pb2_grpc
+from kvdefrag.vllm.common import RANKS_FILE, RUN_DIR_ENV, ClientTls, PublishedRank, StepStamp
 
 # How many times a rank's pending step is resent (each within the client's timeout_s)
 # before the scheduler gives up on that rank.
@@ -29,6 +36,102 @@ class RanksDiverged(DefragError):
     Recovery: stop the engine (the scheduler cannot know which rank is right), restart
     vLLM; every rank's service starts over at an identity mapping with a new epoch.
     """
+
+
+class RankNotVerified(DefragError):
+    """The service at a published address cannot prove it is this engine's rank.
+
+    It does not hold the secret that rank published with its address in ``ranks.json``:
+    the file is stale (from an earlier run) or shared with another engine, or another
+    process serves the address. Recovery: give the engine a run directory of its own
+    (``KVDEFRAG_VLLM_RUN_DIR``) and restart vLLM.
+    """
+
+
+# How long the scheduler waits for a rank's proof.
+PROOF_TIMEOUT_S = 10.0
+_NONCE_BYTES = 32
+
+
+def verify_rank(
+    rank: int, published: PublishedRank, tls: ClientTls, timeout_s: float = PROOF_TIMEOUT_S
+) -> None:
+    """Checks that the service at ``published.address`` holds rank ``rank``'s secret.
+
+    It sends a fresh nonce to the service's ``IdentityService`` and compares the proof
+    (``kvdefrag.common.identity``) with the one the published secret gives.
+
+    Raises:
+        RankNotVerified: The service answered, but not with the right proof (no
+            ``IdentityService``, another secret).
+        ServiceUnavailable: Nobody answered within ``timeout_s``.
+    """
+    nonce = secrets.token_bytes(_NONCE_BYTES)
+    address = published.address
+    what = f"rank {rank}'s published address {address} is not served by this engine's rank {rank}"
+    fix = (
+        f"is {RANKS_FILE} stale, or {RUN_DIR_ENV} shared with another engine? Give every "
+        f"engine a run directory of its own and restart vLLM"
+    )
+    channel = open_channel(
+        address,
+        max_message_bytes=1 << 16,
+        root_certificates=tls.get("root_certificates"),
+        private_key=tls.get("private_key"),
+        certificate_chain=tls.get("certificate_chain"),
+    )
+    with channel:
+        stub = identity_pb2_grpc.IdentityServiceStub(channel)
+        try:
+            reply = stub.ProveIdentity(
+                identity_pb2.ProveIdentityRequest(nonce=nonce),
+                timeout=timeout_s,
+                wait_for_ready=True,
+            )
+        except grpc.RpcError as err:
+            code = err.code() if isinstance(err, grpc.Call) else None
+            if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                raise ServiceUnavailable(
+                    f"rank {rank}'s service at {address} did not answer within "
+                    f"{timeout_s:.0f} s: {err.details() if isinstance(err, grpc.Call) else err}"
+                ) from None
+            name = code.name if code is not None else "an error"
+            raise RankNotVerified(
+                f"{what}: it cannot prove the secret rank {rank} published ({name}); {fix}"
+            ) from None
+    if not hmac.compare_digest(reply.proof, identity_proof(published.secret, nonce)):
+        raise RankNotVerified(
+            f"{what}: its proof does not match the secret rank {rank} published; {fix}"
+        )
+
+
+def connect_ranks(
+    ranks: Sequence[PublishedRank], *, prefix_caching: bool, tls: ClientTls
+) -> list[DefragClient]:
+    """Verifies every rank (``verify_rank``), then opens its session, rank 0 first.
+
+    Raises:
+        RankNotVerified, ServiceUnavailable: As ``verify_rank``; no session is left open.
+        DefragError: A rank refused the session.
+    """
+    for rank, published in enumerate(ranks):
+        verify_rank(rank, published, tls)
+    clients: list[DefragClient] = []
+    try:
+        for rank, published in enumerate(ranks):
+            clients.append(
+                DefragClient(
+                    published.address,
+                    prefix_caching=prefix_caching,
+                    client_name=f"vllm-rank{rank}",
+                    **tls,
+                )
+            )
+    except BaseException:
+        for client in clients:
+            client.close()
+        raise
+    return clients
 
 
 class RankGroup:

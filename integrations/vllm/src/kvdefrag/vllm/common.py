@@ -7,11 +7,14 @@ alone:
 * **The run directory and rank discovery.** Every worker (rank ``N`` of ``world_size``)
   serves on ``unix:<run dir>/rank<N>.sock``, or, with ``KVDEFRAG_VLLM_TCP_PORT`` set (ranks
   on several hosts), on ``HOST:PORT+local rank`` with TLS from the ``KVDEFRAG_TLS_*``
-  variables. Once every rank serves, the workers gather their addresses over vLLM's own
-  world process group and rank 0 writes them to ``<run dir>/ranks.json``; the scheduler,
-  built on rank 0's host after the KV caches exist, reads that file. The run directory
-  comes from ``KVDEFRAG_VLLM_RUN_DIR`` (set it once for ``vllm serve``; every process of
-  the engine inherits it), made private (mode 0700) by the first worker.
+  variables, and proves a secret of its own (``IdentityService``). Once every rank
+  serves, the workers gather their addresses and secrets over vLLM's own world process
+  group and rank 0 writes them to ``<run dir>/ranks.json`` (0600); the scheduler, built on
+  rank 0's host after the KV caches exist, reads that file and checks each rank's proof
+  before it trusts the address. The run directory comes from ``KVDEFRAG_VLLM_RUN_DIR``
+  (set it once for ``vllm serve``; every process of the engine inherits it): it must be
+  this user's and unreachable by group and others (created 0700 if missing), and no file
+  in it is written or read through a link (``_run_dir``; ``UnsafeRunDir`` otherwise).
 * **How often the scheduler side audits** its ledger against vLLM (``audit_every``).
 * **The step stamp**: the step planned with an output, which a worker waits for before it
   translates that output (``attach_step_stamp`` / ``read_step_stamp``).
@@ -30,6 +33,14 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any, TypedDict
 
+from kvdefrag.common.identity import IDENTITY_SECRET_BYTES
+from kvdefrag.vllm._run_dir import (
+    UnsafeRunDir,
+    ensure_private_dir,
+    read_private_file,
+    write_private_file,
+)
+
 __all__ = [
     "AUDIT_EVERY_ENV",
     "CLIENT_TLS_ENV",
@@ -39,15 +50,18 @@ __all__ = [
     "TCP_HOST_ENV",
     "TCP_PORT_ENV",
     "ClientTls",
+    "PublishedRank",
     "StepStamp",
+    "UnsafeRunDir",
     "attach_step_stamp",
     "audit_every",
     "client_tls_from_env",
     "copy_destinations",
+    "ensure_run_dir",
     "first_fresh_block_index",
     "map_block_ids",
-    "publish_rank_addresses",
-    "published_rank_addresses",
+    "publish_ranks",
+    "published_ranks",
     "rank_address",
     "read_step_stamp",
     "run_dir_from_env",
@@ -74,6 +88,16 @@ def run_dir_from_env() -> str:
             f"engine (e.g. $XDG_RUNTIME_DIR/kvdefrag/<engine>), got {run_dir!r}"
         )
     return run_dir
+
+
+def ensure_run_dir(run_dir: str) -> None:
+    """Creates the run directory (and missing parents) mode 0700, or checks the existing one.
+
+    Raises:
+        UnsafeRunDir: It (or a directory created on the way) belongs to another user, is
+            reachable by group or others, or is a symlink: the message says how to fix it.
+    """
+    ensure_private_dir(run_dir)
 
 
 def rank_address(run_dir: str, rank: int) -> str:
@@ -143,39 +167,86 @@ def tcp_address(local_rank: int, default_host: Callable[[], str]) -> str | None:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def publish_rank_addresses(run_dir: str, addresses: list[str]) -> None:
-    """Writes ``ranks.json`` atomically: the scheduler never reads half a file."""
-    os.makedirs(run_dir, mode=0o700, exist_ok=True)
-    path = os.path.join(run_dir, RANKS_FILE)
-    partial = f"{path}.{os.getpid()}"
-    with open(partial, "w") as file:
-        json.dump({"addresses": addresses}, file)
-    os.replace(partial, path)
+@dataclasses.dataclass(frozen=True)
+class PublishedRank:
+    """One rank as rank 0 publishes it: where it serves and the secret it proves.
+
+    Attributes:
+        address: The rank's gRPC address.
+        secret: The rank's identity secret (``IDENTITY_SECRET_BYTES`` random bytes): its
+            service proves it holds it (``IdentityService``), so an address that a stale
+            or swapped file names is never trusted.
+    """
+
+    address: str
+    secret: bytes = dataclasses.field(repr=False)
 
 
-def published_rank_addresses(run_dir: str, world_size: int) -> list[str]:
-    """Every rank's address as the workers published it, rank 0 first.
+def publish_ranks(run_dir: str, ranks: Sequence[PublishedRank]) -> None:
+    """Writes ``ranks.json`` (0600) atomically: the scheduler never reads half a file.
 
     Raises:
-        RuntimeError: No ``ranks.json`` (the workers are not kvdefrag's), or one for
-            another number of ranks.
+        UnsafeRunDir: The run directory is not private (see ``ensure_run_dir``).
+    """
+    document = {
+        "addresses": [rank.address for rank in ranks],
+        "secrets": [rank.secret.hex() for rank in ranks],
+    }
+    write_private_file(run_dir, RANKS_FILE, json.dumps(document).encode())
+
+
+def published_ranks(run_dir: str, world_size: int) -> list[PublishedRank]:
+    """Every rank's address and secret as the workers published them, rank 0 first.
+
+    Raises:
+        UnsafeRunDir: The run directory or ``ranks.json`` is not private, or ``ranks.json``
+            is a symlink.
+        RuntimeError: No ``ranks.json`` (the workers are not kvdefrag's), one for another
+            number of ranks, or one without a valid secret for every rank.
     """
     path = os.path.join(run_dir, RANKS_FILE)
     try:
-        with open(path) as file:
-            addresses = json.load(file)["addresses"]
+        document = json.loads(read_private_file(run_dir, RANKS_FILE))
     except FileNotFoundError:
         raise RuntimeError(
             f"kvdefrag: {path} does not exist: rank 0's worker writes it when the KV caches "
             "are bound; run the workers with --worker-cls "
             f"kvdefrag.vllm.worker.DefragWorker and the same {RUN_DIR_ENV}"
         ) from None
-    if len(addresses) != world_size or not all(isinstance(a, str) for a in addresses):
+    except ValueError:
+        document = None
+    addresses = document.get("addresses") if isinstance(document, dict) else None
+    secrets = document.get("secrets") if isinstance(document, dict) else None
+    if not isinstance(addresses, list) or not all(isinstance(a, str) for a in addresses):
+        raise RuntimeError(f"kvdefrag: {path} is not a rank list written by kvdefrag's rank 0")
+    if len(addresses) != world_size:
         raise RuntimeError(
             f"kvdefrag: {path} lists {len(addresses)} rank addresses, the engine has "
             f"{world_size} ranks: is {RUN_DIR_ENV} shared with another engine?"
         )
-    return list(addresses)
+    decoded = _decoded_secrets(secrets, world_size)
+    if decoded is None:
+        raise RuntimeError(
+            f"kvdefrag: {path} has no identity secret for every rank (written by an older "
+            "kvdefrag worker, or not by rank 0): run every worker with this kvdefrag "
+            "version and restart vLLM"
+        )
+    return [PublishedRank(a, secret) for a, secret in zip(addresses, decoded, strict=True)]
+
+
+def _decoded_secrets(secrets: object, world_size: int) -> list[bytes] | None:
+    if not isinstance(secrets, list) or len(secrets) != world_size:
+        return None
+    decoded = []
+    for text in secrets:
+        try:
+            secret = bytes.fromhex(text) if isinstance(text, str) else b""
+        except ValueError:
+            return None
+        if len(secret) != IDENTITY_SECRET_BYTES:
+            return None
+        decoded.append(secret)
+    return decoded
 
 
 class ClientTls(TypedDict, total=False):

@@ -34,13 +34,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvdefrag.client import DefragClient
 from kvdefrag.vllm._bridge import ParkedBlocks, SchedulerBridge, changes_from_output
-from kvdefrag.vllm._ranks import RankGroup
+from kvdefrag.vllm._ranks import RankGroup, connect_ranks
 from kvdefrag.vllm.common import (
+    PublishedRank,
     audit_every,
     client_tls_from_env,
-    published_rank_addresses,
+    published_ranks,
     run_dir_from_env,
 )
 from kvdefrag.vllm.gaudi import check_gaudi_scheduler
@@ -136,13 +136,10 @@ class DefragScheduler(Scheduler):  # type: ignore[misc]
         self._kvdefrag_num_schedules = 0
         block_size = int(self.kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size)
         prefix_caching = bool(self.cache_config.enable_prefix_caching)
-        tls = client_tls_from_env()
-        clients = [
-            DefragClient(
-                address, prefix_caching=prefix_caching, client_name=f"vllm-rank{rank}", **tls
-            )
-            for rank, address in enumerate(self.kvdefrag_addresses())
-        ]
+        # NOTE: each rank proves the secret it published before its address is trusted.
+        clients = connect_ranks(
+            self.kvdefrag_ranks(), prefix_caching=prefix_caching, tls=client_tls_from_env()
+        )
         for rank, client in enumerate(clients):
             if client.block_size != block_size:
                 raise UnsupportedByKvdefrag(
@@ -156,11 +153,16 @@ class DefragScheduler(Scheduler):  # type: ignore[misc]
             prefix_caching=prefix_caching,
         )
 
-    def kvdefrag_addresses(self) -> list[str]:
-        """Every rank's service address, as rank 0's worker published them (override to
-        place them elsewhere)."""
+    def kvdefrag_ranks(self) -> list[PublishedRank]:
+        """Every rank's address and identity secret, as rank 0's worker published them in
+        the run directory (override to find them elsewhere); each is verified before use.
+
+        Raises:
+            UnsafeRunDir: The run directory or ``ranks.json`` is not private.
+            RuntimeError: ``ranks.json`` is missing or not for this engine's ranks.
+        """
         world_size = self.vllm_config.parallel_config.world_size
-        return published_rank_addresses(run_dir_from_env(), world_size)
+        return published_ranks(run_dir_from_env(), world_size)
 
     def _kvdefrag_is_cached(self, block_id: int) -> bool:
         block = self._kvdefrag_pool[block_id]

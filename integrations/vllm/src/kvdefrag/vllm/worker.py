@@ -25,10 +25,11 @@ Importing this module does not import vLLM; looking up a worker class (``DefragW
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import logging
-import os
+import secrets
 import socket
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -37,8 +38,10 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from kvdefrag.common import InvalidArgument
+from kvdefrag.common.identity import IDENTITY_SECRET_BYTES
 from kvdefrag.server import ServerHandle, serve_in_process
-from kvdefrag.server.config import load_config
+from kvdefrag.server.config import ServiceConfig, load_config
 from kvdefrag.vllm._kv_binding import bind_vllm_kv_caches
 from kvdefrag.vllm._runner_rows import (
     BlockIdTranslator,
@@ -49,8 +52,10 @@ from kvdefrag.vllm._runner_rows import (
 )
 from kvdefrag.vllm.common import (
     TCP_PORT_ENV,
+    PublishedRank,
+    ensure_run_dir,
     map_block_ids,
-    publish_rank_addresses,
+    publish_ranks,
     rank_address,
     read_step_stamp,
     run_dir_from_env,
@@ -213,14 +218,53 @@ class DefragWorkerMixin:
         """Where this rank serves: ``unix:$KVDEFRAG_VLLM_RUN_DIR/rank<N>.sock``, or
         ``HOST:PORT+local rank`` when ``KVDEFRAG_VLLM_TCP_PORT`` is set (ranks on several
         hosts; TLS from the ``KVDEFRAG_TLS_*`` variables).
+
+        Raises:
+            RuntimeError: ``KVDEFRAG_VLLM_RUN_DIR`` is unset or relative.
+            UnsafeRunDir: The run directory is not private (another user's, reachable by
+                group or others, a symlink); missing, it is created 0700.
         """
         run_dir = run_dir_from_env()
-        os.makedirs(run_dir, mode=0o700, exist_ok=True)
+        ensure_run_dir(run_dir)
         worker: Any = self
         tcp = tcp_address(int(worker.local_rank), _host_ip)
         return tcp if tcp is not None else rank_address(run_dir, int(worker.rank))
 
     def _start_kvdefrag(self, kv_cache_config: Any) -> ServerHandle:
+        """Starts this rank's service; every rank learns whether every other one started.
+
+        NOTE: a rank that fails still joins the ranks' gather, with its reason instead of
+        its address, so every rank raises at once naming it; raising before the gather
+        would leave the others waiting in it for good.
+        """
+        worker: Any = self
+        rank = int(worker.rank)
+        secret = secrets.token_bytes(IDENTITY_SECRET_BYTES)
+        handle: ServerHandle | None = None
+        failure: Exception | None = None
+        try:
+            handle = self._serve_kvdefrag(kv_cache_config, secret)
+        except Exception as err:
+            failure = err
+        try:
+            mine = _RankStart(
+                rank=rank,
+                host=socket.gethostname(),
+                address=handle.address if handle is not None else "",
+                secret=secret.hex(),
+                error=_describe(failure) if failure is not None else "",
+            )
+            ranks = _gather_ranks(mine, int(worker.parallel_config.world_size), failure)
+            if rank == 0:
+                publish_ranks(run_dir_from_env(), ranks)
+        except BaseException:
+            if handle is not None:
+                handle.stop(grace_s=0)
+            raise
+        assert handle is not None, "a rank that failed to start raises in the gather"
+        return handle
+
+    def _serve_kvdefrag(self, kv_cache_config: Any, secret: bytes) -> ServerHandle:
         worker: Any = self
         groups = kv_cache_config.kv_cache_groups
         if len(groups) != 1:
@@ -238,29 +282,59 @@ class DefragWorkerMixin:
         stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
         # NOTE: the KVDEFRAG_* settings are read here, once, as the command line does.
         engine_config, service_config = load_config({"address": address})
+        service_config = _metrics_config_for_rank(service_config, int(worker.local_rank))
         handle = serve_in_process(
             kv_caches,
             block_size,
             engine_config=engine_config,
             service_config=service_config,
             stream=stream,
+            identity_secret=secret,
+            metrics_labels={"rank": str(worker.rank)},
         )
-        try:
-            addresses = _gather_addresses(address, int(worker.parallel_config.world_size))
-            if worker.rank == 0:
-                publish_rank_addresses(run_dir_from_env(), addresses)
-        except BaseException:
-            handle.stop(grace_s=0)
-            raise
         logger.info(
-            "kvdefrag: rank %d serves %d blocks of %d tokens (%d layers) on %s",
+            "kvdefrag: rank %d serves %d blocks of %d tokens (%d layers) on %s%s",
             worker.rank,
             num_blocks,
             block_size,
             len(kv_caches),
             address,
+            "" if handle.metrics_port is None else f", metrics on port {handle.metrics_port}",
         )
         return handle
+
+
+def _metrics_config_for_rank(service_config: ServiceConfig, local_rank: int) -> ServiceConfig:
+    """``service_config`` with this rank's metrics port: ``KVDEFRAG_METRICS_PORT`` + local
+    rank, so the ranks of one host never contend for one port (0 stays 0: each picks one).
+
+    Raises:
+        InvalidArgument: The rank's port would be past 65535.
+    """
+    base = service_config.metrics_port
+    if not base or not local_rank:
+        return service_config
+    if base + local_rank > 65535:
+        raise InvalidArgument(
+            f"KVDEFRAG_METRICS_PORT={base}: local rank {local_rank} would serve its metrics on "
+            f"port {base + local_rank}; choose a base port at most {65535 - local_rank}"
+        )
+    return dataclasses.replace(service_config, metrics_port=base + local_rank)
+
+
+@dataclasses.dataclass(frozen=True)
+class _RankStart:
+    """What one rank tells the others once it tried to start: its address, or its error."""
+
+    rank: int
+    host: str
+    address: str
+    secret: str
+    error: str
+
+
+def _describe(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"
 
 
 def _host_ip() -> str:
@@ -270,29 +344,44 @@ def _host_ip() -> str:
     return str(get_ip())
 
 
-def _gather_addresses(address: str, world_size: int) -> list[str]:
-    """Every rank's address, rank 0 first, gathered over vLLM's world process group.
+def _gather_ranks(
+    mine: _RankStart, world_size: int, failure: Exception | None = None
+) -> list[PublishedRank]:
+    """Every rank's address and secret, rank 0 first, gathered over vLLM's world group.
 
-    Every rank calls this once its service listens (a collective).
+    Every rank calls this once it tried to start its service (a collective), whether it
+    started or not, so no rank waits for one that failed.
 
     Raises:
-        RuntimeError: The ranks span hosts but some serve on a unix socket.
+        Exception: This rank's own ``failure`` (a single rank).
+        RuntimeError: Some rank failed to start (naming each and its reason; chained
+            from this rank's own failure), or the ranks span hosts but some serve on a
+            unix socket.
     """
     if world_size == 1:
-        return [address]
+        if failure is not None:
+            raise failure
+        return [PublishedRank(mine.address, bytes.fromhex(mine.secret))]
     from vllm.distributed.parallel_state import get_world_group
 
     group = get_world_group()
-    mine = (socket.gethostname(), address)
     gathered: list[Any] = [None] * group.world_size
-    torch.distributed.all_gather_object(gathered, mine, group=group.cpu_group)
-    hosts = sorted({host for host, _ in gathered})
-    if len(hosts) > 1 and any(addr.startswith("unix:") for _, addr in gathered):
+    torch.distributed.all_gather_object(gathered, dataclasses.asdict(mine), group=group.cpu_group)
+    starts = [_RankStart(**start) for start in gathered]
+    failed = [start for start in starts if start.error]
+    if failed:
+        reasons = "; ".join(f"rank {start.rank}: {start.error}" for start in failed)
+        raise RuntimeError(
+            f"kvdefrag: {len(failed)} of {world_size} ranks could not start their service "
+            f"({reasons}); vLLM stops on every rank: fix the cause and restart it"
+        ) from failure
+    hosts = sorted({start.host for start in starts})
+    if len(hosts) > 1 and any(start.address.startswith("unix:") for start in starts):
         raise RuntimeError(
             f"kvdefrag: the ranks span hosts {hosts} but serve on unix sockets: set "
             f"{TCP_PORT_ENV} (and the KVDEFRAG_TLS_* files) on every host"
         )
-    return [str(addr) for _, addr in gathered]
+    return [PublishedRank(start.address, bytes.fromhex(start.secret)) for start in starts]
 
 
 @functools.cache
