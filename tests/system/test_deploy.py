@@ -6,6 +6,7 @@ Real tools: promtool (Debian package ``prometheus``; ``make test`` installs it),
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
 import json
 import re
@@ -14,6 +15,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -242,9 +244,49 @@ def load_manifest(name: str) -> dict[str, Any]:
     return loaded
 
 
-def test_worker_pod_is_a_valid_kubernetes_pod() -> None:
-    pod = load_manifest("vllm-worker.yaml")
+WORKER_PODS = ("vllm-worker.yaml", "vllm-worker-gpu.yaml")  # Gaudi, GPU
+
+
+@pytest.mark.parametrize("name", WORKER_PODS)
+def test_worker_pod_is_a_valid_kubernetes_pod(name: str) -> None:
+    pod = load_manifest(name)
     kubernetes_validate.validate(pod, kubernetes_validate.latest_version(), strict=True)
+
+
+def vllm_flags(container: dict[str, Any]) -> dict[str, str]:
+    return dict(arg.removeprefix("--").split("=", 1) for arg in container["args"] if "=" in arg)
+
+
+@pytest.mark.parametrize("name", WORKER_PODS)
+def test_the_pods_switches_name_kvdefrag_classes_that_exist(name: str) -> None:
+    """Each ``--scheduler-cls`` / ``--worker-cls`` names a module that imports and a name
+    it provides; where the class needs vLLM or vllm-gaudi to be built, looking it up fails
+    only on that missing platform (a typo fails with AttributeError)."""
+    flags = vllm_flags(load_manifest(name)["spec"]["containers"][0])
+    for flag in ("scheduler-cls", "worker-cls"):
+        module_name, _, class_name = flags[flag].rpartition(".")
+        assert module_name.startswith("kvdefrag.vllm."), flags[flag]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            try:
+                module = importlib.import_module(module_name)
+            except ModuleNotFoundError as err:  # the scheduler module imports vLLM
+                assert (err.name or "").split(".")[0] == "vllm", err
+                continue
+        try:
+            getattr(module, class_name)
+        except ModuleNotFoundError as err:
+            assert (err.name or "").split(".")[0] in ("vllm", "vllm_gaudi"), err
+
+
+def test_the_gaudi_pod_runs_contiguous_pa_without_prefix_caching_or_gaudis_defragmenter() -> None:
+    vllm = load_manifest("vllm-worker.yaml")["spec"]["containers"][0]
+    settings = {item["name"]: item["value"] for item in vllm["env"]}
+    assert settings["VLLM_CONTIGUOUS_PA"] == "true"
+    assert settings["VLLM_DEFRAG"] == "false"  # one owner of the mapping
+    assert "--no-enable-prefix-caching" in vllm["args"]
+    assert vllm_flags(vllm)["scheduler-cls"].startswith("kvdefrag.vllm.gaudi.")
+    assert vllm_flags(vllm)["worker-cls"].startswith("kvdefrag.vllm.gaudi.")
 
 
 def tensor_parallel_size(container: dict[str, Any]) -> int:
@@ -252,16 +294,20 @@ def tensor_parallel_size(container: dict[str, Any]) -> int:
     return int(flags.get("tensor-parallel-size", "1"))
 
 
-def test_worker_pod_wires_run_dir_metrics_and_probe_together_for_every_rank() -> None:
-    pod = load_manifest("vllm-worker.yaml")
+@pytest.mark.parametrize("name", WORKER_PODS)
+def test_worker_pod_wires_run_dir_metrics_and_probe_together_for_every_rank(name: str) -> None:
+    pod = load_manifest(name)
     vllm = pod["spec"]["containers"][0]
-    assert "--scheduler-cls=kvdefrag.vllm.scheduler.DefragAsyncScheduler" in vllm["args"]
-    assert any(arg.startswith("--worker-cls=") for arg in vllm["args"])
+    assert vllm_flags(vllm)["scheduler-cls"].startswith("kvdefrag.vllm.")
+    assert vllm_flags(vllm)["worker-cls"].startswith("kvdefrag.vllm.")
     num_ranks = tensor_parallel_size(vllm)
     assert num_ranks == 2
     settings = {item["name"]: item["value"] for item in vllm["env"]}
     assert_known_options(settings)
-    _, config = load_config(environ={k: v for k, v in settings.items() if k not in VLLM_VARIABLES})
+    kvdefrag_settings = {
+        k: v for k, v in settings.items() if k.startswith(ENV_PREFIX) and k not in VLLM_VARIABLES
+    }
+    _, config = load_config(environ=kvdefrag_settings)
     run_dir = settings[common.RUN_DIR_ENV]
     mounts = {mount["name"]: mount["mountPath"] for mount in vllm["volumeMounts"]}
     shared = [v["name"] for v in pod["spec"]["volumes"] if "emptyDir" in v]
@@ -285,8 +331,9 @@ def test_worker_pod_wires_run_dir_metrics_and_probe_together_for_every_rank() ->
     assert "prometheus.io/port" not in pod["metadata"].get("annotations", {})
 
 
-def test_pod_monitor_scrapes_every_rank_of_the_worker_pod() -> None:
-    pod = load_manifest("vllm-worker.yaml")
+@pytest.mark.parametrize("name", WORKER_PODS)
+def test_pod_monitor_scrapes_every_rank_of_the_worker_pod(name: str) -> None:
+    pod = load_manifest(name)
     monitor = load_manifest("podmonitor.yaml")
     assert (monitor["apiVersion"], monitor["kind"]) == ("monitoring.coreos.com/v1", "PodMonitor")
     selector = monitor["spec"]["selector"]["matchLabels"]

