@@ -6,8 +6,11 @@ the generated ``kvdefrag.v1`` stubs, as any client in any language would.
 
 from __future__ import annotations
 
+import base64
+import logging
 import queue
 import random
+import struct
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -403,6 +406,30 @@ def test_bad_reads_are_refused(harness: Harness) -> None:
         "NotFound",
     )
     assert "'nope'" in details
+
+
+def test_a_forged_page_token_is_invalid_argument_and_logs_no_traceback(
+    harness: Harness, caplog: pytest.LogCaptureFixture
+) -> None:
+    handle = harness.serve()
+    stub = harness.stub(handle)
+    stub.Step(pb.StepRequest(seq=1, new_blocks=[blocks("a", [3]), blocks("b", [4])]))
+    token = stub.ListRequests(pb.ListRequestsRequest(page_size=1)).next_page_token
+    epoch, generation, _ = struct.unpack("<QQQ", base64.urlsafe_b64decode(token))
+    # The right epoch and generation, and a position no page ever had (past int64).
+    forged = base64.urlsafe_b64encode(struct.pack("<QQQ", epoch, generation, 2**63)).decode()
+
+    with caplog.at_level(logging.ERROR):
+        details = expect_error(
+            lambda: stub.ListRequests(pb.ListRequestsRequest(page_token=forged)),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "InvalidArgument",
+        )
+
+    assert "page_token" in details and forged in details
+    assert [record for record in caplog.records if record.levelno >= logging.ERROR] == []
+    page = stub.ListRequests(pb.ListRequestsRequest(page_size=1, page_token=token))
+    assert [entry.request_id for entry in page.requests] == ["b"]  # the real token still works
 
 
 def test_oversized_messages_are_resource_exhausted(harness: Harness) -> None:

@@ -521,7 +521,14 @@ class DefragServicer:
             _convert.parse_page_token(token) if token else (None, None, 0)
         )
         engine = self._engine
-        epoch, page = self._read(lambda: engine.list_requests_page(start, max_requests, generation))
+        try:
+            epoch, page = self._read(
+                lambda: engine.list_requests_page(start, max_requests, generation)
+            )
+        except InvalidArgument as err:
+            raise InvalidArgument(
+                f"page_token {quote(token)} is not a next_page_token this server issued: {err}"
+            ) from None
         if token_epoch is not None and token_epoch != epoch:
             raise StalePageToken(
                 f"page_token belongs to epoch {token_epoch}, not to the server's epoch "
