@@ -129,7 +129,9 @@ def server_state(pool: Pool) -> tuple[Any, ...]:
 
 
 def client_state(client: DefragClient) -> tuple[Any, ...]:
-    return (client.epoch, client.next_seq, client.digest, client.live_requests())
+    """The client's epoch, seq and mirror, read even where its reads refuse (stale)."""
+    mirror = client._session.require_mirror()
+    return (client.epoch, client.next_seq, mirror.digest, dict(mirror.requests))
 
 
 def fragment(client: DefragClient, signed: SignedKv) -> None:
@@ -448,7 +450,11 @@ def test_an_executor_failure_refuses_steps_until_reset(socket_dir: Path, serve: 
         assert "injected" in stats.unhealthy_reason
         assert client_state(client) == before
         assert pool.handle.resolve([40, 41, 42, 23]).tolist() == live_before
-        assert lost_blocks(client, pool.signed) == []  # the failed pass committed nothing
+        # The failed pass committed nothing: every live block is where the server says.
+        live = sorted({i for ids in before[3].values() for i in ids})
+        assert pool.signed.mismatched(live, pool.handle.resolve(live).tolist()) == []
+        with pytest.raises(EngineUnhealthy, match="refused"):
+            client.resolve(live)  # the mirror is not trusted after a failure
 
         client.reset()
 
@@ -458,6 +464,39 @@ def test_an_executor_failure_refuses_steps_until_reset(socket_dir: Path, serve: 
         assert reply.seq == 1
         assert lost_blocks(client, pool.signed) == []
         assert client.audit().is_consistent
+
+
+def test_reads_refuse_after_an_engine_failure_until_the_mirror_is_rebuilt(
+    socket_dir: Path, serve: Serve
+) -> None:
+    pool = serve_pool(serve, socket_dir / "server.sock")
+    with DefragClient(pool.handle.address, timeout_s=5) as client:
+        step_and_write(client, pool.signed, new_blocks={"a": list(range(1, 11)), "b": [40]})
+        pool.executor.fail_next()  # the compaction of this step fails ...
+        with pytest.raises(EngineUnhealthy, match="injected KV copy failure"):
+            client.step(finished=["a"], new_blocks={"c": [50]})
+        # ... after the step was applied with c's block placed low: the server moved it,
+        # the mirror never heard of it.
+        assert pool.handle.resolve([50]).tolist() != [50]
+
+        for read in (
+            lambda: client.resolve([50]),
+            lambda: client.resolve_tables([[50]]),
+            client.live_requests,
+            lambda: client.digest,
+        ):
+            with pytest.raises(EngineUnhealthy, match=r"refused: .*rebuild_mirror\(\)"):
+                read()
+        with pytest.raises(EngineUnhealthy):
+            client.step(new_blocks={"d": [33]})
+
+        client.rebuild_mirror()  # adopts the server's state, the failed step included
+
+        assert client.resolve([50]) == pool.handle.resolve([50]).tolist()
+        assert client.live_requests() == {"b": [40], "c": [50]}
+        assert client.digest == pool.handle._engine.digest
+        pool.signed.write([50], client.resolve([50]))  # the forward pass writes where it is
+        assert lost_blocks(client, pool.signed) == []
 
 
 # --- sizes and malformed input ------------------------------------------------------------

@@ -26,6 +26,9 @@ The pending-step contract, for a scheduler that calls ``step()`` once per iterat
   with the same events is refused, not duplicated.
 * Any other error: the step was refused and nothing changed (or, for ``EpochMismatch``
   and ``MirrorDiverged``, the client needs ``reset()`` or ``rebuild_mirror()``).
+* ``EngineUnhealthy``: a KV move failed on the server. The step may have been applied
+  without its compaction (its placements included), so the mirror may be stale: reads
+  and steps raise ``EngineUnhealthy`` until ``rebuild_mirror()`` or ``reset()``.
 """
 
 from __future__ import annotations
@@ -181,8 +184,14 @@ class DefragClient:
 
     @property
     def digest(self) -> int:
-        """Digest of the mirror's live mapping."""
-        return self._session.require_mirror().digest
+        """Digest of the mirror's live mapping.
+
+        Raises:
+            StepPending: A step's outcome is unknown (see ``complete_pending_step()``).
+            EngineUnhealthy, EpochMismatch, MirrorDiverged: The mirror may be stale.
+        """
+        with self._lock:
+            return self._session.require_readable_mirror("digest").digest
 
     @property
     def has_pending_step(self) -> bool:
@@ -199,9 +208,10 @@ class DefragClient:
 
         Raises:
             StepPending: A step's outcome is unknown (see ``complete_pending_step()``).
+            EngineUnhealthy, EpochMismatch, MirrorDiverged: The mirror may be stale.
         """
         with self._lock:
-            requests = self._session.require_settled_mirror("live_requests").requests
+            requests = self._session.require_readable_mirror("live_requests").requests
             return {rid: list(ids) for rid, ids in requests.items()}
 
     # --- the step ---------------------------------------------------------------------
@@ -306,21 +316,24 @@ class DefragClient:
         Raises:
             InvalidArgument: An id is not an integer or is outside ``[0, num_blocks)``.
             StepPending: A step's outcome is unknown (see ``complete_pending_step()``).
-            EpochMismatch, MirrorDiverged: The mirror is stale.
+            EngineUnhealthy, EpochMismatch, MirrorDiverged: The mirror may be stale
+                (``rebuild_mirror()`` or ``reset()`` recovers).
         """
         with self._lock:
-            self._check_usable()
-            return self._session.require_settled_mirror("resolve").resolve(logical_ids)
+            self._check_open()
+            return self._session.require_readable_mirror("resolve").resolve(logical_ids)
 
     def resolve_tables(self, tables: Iterable[Iterable[int]]) -> list[list[int]]:
         """Maps every block table (logical ids per request) to physical ids, locally.
 
         Raises:
             StepPending: A step's outcome is unknown (see ``complete_pending_step()``).
+            EngineUnhealthy, EpochMismatch, MirrorDiverged: The mirror may be stale.
         """
         with self._lock:
-            self._check_usable()
-            return self._session.require_settled_mirror("resolve_tables").resolve_tables(tables)
+            self._check_open()
+            mirror = self._session.require_readable_mirror("resolve_tables")
+            return mirror.resolve_tables(tables)
 
     # --- unary calls ------------------------------------------------------------------
     def _unary(self, method: str, request: Any, context: str, *, is_idempotent: bool = True) -> Any:

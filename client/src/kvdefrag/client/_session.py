@@ -11,6 +11,10 @@ The pending-step contract: a step whose reply does not arrive by the deadline st
 *pending* (``StepOutcomeUnknown``). While it is, ``send_step`` refuses new events without
 sending them and ``require_settled_mirror`` refuses reads (``StepPending``); only
 ``complete_pending`` sends it again, and the server's replay cache makes that exactly once.
+
+After ``EngineUnhealthy`` the failed step may have been applied (its placements
+included) while the mirror did not change, so the session is unusable: reads and steps
+are refused until ``forget_state()`` (``rebuild_mirror()`` or ``reset()``).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from kvdefrag.client._stream import ReplyTimeout, Stream, StreamEnded
 from kvdefrag.client._types import SessionInfo, StepReply
 from kvdefrag.common import (
     DefragError,
+    EngineUnhealthy,
     EpochMismatch,
     InvalidArgument,
     MessageTooLarge,
@@ -116,7 +121,8 @@ class StepSession:
 
     @property
     def is_unusable(self) -> bool:
-        """True after an epoch mismatch or a divergence, until ``forget_state()``."""
+        """True after an epoch mismatch, a divergence or an engine failure, until
+        ``forget_state()``."""
         return self._unusable is not None
 
     def check_usable(self) -> None:
@@ -128,6 +134,17 @@ class StepSession:
     def pending_seq(self) -> int | None:
         """The seq of the pending step, None without one."""
         return None if self._pending is None else self._pending.seq
+
+    def require_readable_mirror(self, what: str) -> Mirror:
+        """Returns the mirror for a read the caller acts on (``resolve``, ...).
+
+        Raises:
+            StepPending: A step's outcome is unknown.
+            EngineUnhealthy, EpochMismatch, MirrorDiverged: The session is unusable (the
+                mirror may be stale): ``rebuild_mirror()`` or ``reset()`` first.
+        """
+        self.check_usable()
+        return self.require_settled_mirror(what)
 
     def require_settled_mirror(self, what: str) -> Mirror:
         """Returns the mirror if no step's outcome is unknown; else raises ``StepPending``."""
@@ -430,6 +447,8 @@ class StepSession:
         mapped = _convert.defrag_error(error, context)
         if isinstance(mapped, EpochMismatch):
             return self._epoch_error(str(mapped))
+        if isinstance(mapped, EngineUnhealthy):
+            return self._unhealthy_error(str(mapped))
         return mapped
 
     def _epoch_error(self, message: str) -> EpochMismatch:
@@ -438,6 +457,24 @@ class StepSession:
             "restarted or was reset, so its mapping and KV data are new. Drop the "
             "scheduler's requests and call reset() (or rebuild_mirror() to adopt the "
             "server's state)"
+        )
+        self._unusable = err
+        self._pending = None
+        return err
+
+    def _unhealthy_error(self, message: str) -> EngineUnhealthy:
+        """Makes the session unusable after the server's engine failed a KV move.
+
+        NOTE: the step that failed was applied without its compaction, its placements
+        included (docs/design.md §4), and the client cannot tell whether this refusal was
+        that step or a later one, so the mirror may already differ from the server's
+        mapping. Answering reads from it would send the forward pass to the old places,
+        and whatever it wrote there would be lost once the mirror is rebuilt.
+        """
+        err = EngineUnhealthy(
+            f"{message.rstrip('.')}; refused: the failed step may have been applied (its "
+            "placements included) without this client's mirror, so reads and steps are "
+            "refused until rebuild_mirror() adopts the server's state (or reset() starts over)"
         )
         self._unusable = err
         self._pending = None
