@@ -778,6 +778,49 @@ def test_a_pending_step_survives_a_reopen_refused_by_a_session_the_server_still_
         assert client.live_requests() == {"a": [1, 2], "b": [3]}
 
 
+def test_retries_behind_a_held_step_leave_probes_and_stats_answered(
+    socket_dir: Path, serve: Serve
+) -> None:
+    """Each retry of a step stuck in the executor must not keep a server thread: with the
+    default 8 handler threads, a Kubernetes probe would otherwise time out."""
+    pool = serve_pool(serve, socket_dir / "server.sock")
+    address = pool.handle.address
+    tool = grpc.insecure_channel(address)
+    stats_stub = pb_grpc.DefragServiceStub(tool)
+    health_stub = health_pb2_grpc.HealthStub(tool)
+    with DefragClient(address, timeout_s=5) as client:
+        step_and_write(client, pool.signed, new_blocks={"a": list(range(1, 11)), "b": [40]})
+        pool.executor.hold()  # a device copy that would take 20 s; released below
+        client.timeout_s = 0.3
+        try:
+            with pytest.raises(StepOutcomeUnknown):
+                client.step(finished=["a"])
+            assert pool.executor.entered.wait(10)
+            for _ in range(20):
+                with pytest.raises(StepOutcomeUnknown) as unknown:
+                    client.complete_pending_step()
+                assert unknown.value.pending_seq == 2
+                check = health_stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+                assert check.status == health_pb2.HealthCheckResponse.SERVING
+                assert stats_stub.GetStats(pb.GetStatsRequest(), timeout=5).next_seq == 2
+            client.timeout_s = 2  # longer than the server's wait: it answers StepInFlight
+            with pytest.raises(
+                StepOutcomeUnknown, match=r"still applying a step .*step seq 2 of epoch"
+            ):
+                client.complete_pending_step()
+        finally:
+            pool.executor.release()
+            tool.close()
+        client.timeout_s = 10
+        completed = client.complete_pending_step()
+
+        assert completed is not None and completed.seq == 2
+        assert pool.handle.stats().totals.num_steps == 2  # applied once, however many retries
+        assert len(pool.executor.calls) == 1
+        assert client.live_requests() == {"b": [40]}
+        assert lost_blocks(client, pool.signed) == []
+
+
 def hold_the_session(address: str) -> RawStream:
     """Opens a raw writer session as soon as the server has let go of the last one."""
     deadline = time.monotonic() + 10

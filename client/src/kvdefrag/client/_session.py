@@ -11,6 +11,8 @@ The pending-step contract: a step whose reply does not arrive by the deadline st
 *pending* (``StepOutcomeUnknown``). While it is, ``send_step`` refuses new events without
 sending them and ``require_settled_mirror`` refuses reads (``StepPending``); only
 ``complete_pending`` sends it again, and the server's replay cache makes that exactly once.
+A server busy with that step answers a resend ``StepInFlight`` at once; the session
+retries it with backoff until the deadline, and the step stays pending.
 
 After ``EngineUnhealthy`` the failed step may have been applied (its placements
 included) while the mirror did not change, so the session is unusable: reads and steps
@@ -42,6 +44,7 @@ from kvdefrag.common import (
     ServiceUnavailable,
     SessionConflict,
     StepEvents,
+    StepInFlight,
     StepOutcomeUnknown,
     StepPending,
 )
@@ -262,9 +265,9 @@ class StepSession:
                         backoff_s = min(2 * backoff_s, BACKOFF_MAX_S)
                         continue
                     raise StepOutcomeUnknown(
-                        f"{context}: the stream to {settings.address} kept breaking for "
-                        f"{settings.timeout_s} s; the step stays pending: "
-                        "complete_pending_step() sends it again (the server applies it once)",
+                        f"{context}: {self._why_no_reply(ended.error)}; the step stays "
+                        "pending: complete_pending_step() sends it again (the server applies "
+                        "it once)",
                         pending_seq=pending.seq,
                     ) from ended.error
                 self._pending = None
@@ -317,6 +320,7 @@ class StepSession:
         """
         settings = self._settings
         backoff_s = BACKOFF_START_S
+        busy: grpc.RpcError | None = None  # the last StepInFlight answer, if any
         while True:
             message = _convert.stream_open(
                 self._epoch, settings.prefix_caching, settings.client_name
@@ -326,11 +330,18 @@ class StepSession:
                 reply = stream.receive(deadline - time.monotonic())
             except ReplyTimeout:
                 stream.cancel()
+                if busy is not None:
+                    raise ServiceUnavailable(f"open session: {self._why_no_reply(busy)}") from None
                 raise ServiceUnavailable(
                     f"open session: no answer from {settings.address} within {settings.timeout_s} s"
                 ) from None
             except StreamEnded as ended:
                 stream.cancel()
+                if (
+                    isinstance(ended.error, grpc.RpcError)
+                    and _convert.error_class(ended.error) is StepInFlight
+                ):
+                    busy = ended.error
                 if (
                     self._is_transient(ended.error, reopening=self._has_had_session)
                     and time.monotonic() + backoff_s < deadline
@@ -340,8 +351,7 @@ class StepSession:
                     continue
                 if self._is_transient(ended.error, reopening=False):
                     raise ServiceUnavailable(
-                        f"open session: the stream to {settings.address} kept breaking for "
-                        f"{settings.timeout_s} s"
+                        f"open session: {self._why_no_reply(ended.error)}"
                     ) from ended.error
                 if self._is_transient(ended.error, reopening=self._has_had_session):
                     # NOTE: not SessionConflict: a pending step must stay pending, and the
@@ -428,14 +438,27 @@ class StepSession:
         self._info = info
 
     # --- errors -----------------------------------------------------------------------
+    def _why_no_reply(self, error: BaseException | None) -> str:
+        """Why a transient failure lasted until the deadline, for a message."""
+        settings = self._settings
+        if isinstance(error, grpc.RpcError) and _convert.error_class(error) is StepInFlight:
+            return (
+                f"{settings.address} was still applying a step after {settings.timeout_s} s "
+                f"({_convert.describe(error)})"
+            )
+        return f"the stream to {settings.address} kept breaking for {settings.timeout_s} s"
+
     @staticmethod
     def _is_transient(error: BaseException | None, *, reopening: bool) -> bool:
-        """True for a broken transport (and, when reopening, our own stale session)."""
+        """True for a broken transport, a server still busy with a step (StepInFlight:
+        nothing changed, retry later), and, when reopening, our own stale session."""
         if error is None:
             return True
         if not isinstance(error, grpc.RpcError):
             return False
         if _convert.is_transport_failure(error):
+            return True
+        if _convert.error_class(error) is StepInFlight:
             return True
         # NOTE: after a cut, the server may not have noticed yet that our old stream
         # ended, so for a moment it still counts it as the open session.

@@ -208,13 +208,15 @@ class ServerHandle:
         """Returns once the service has applied step ``seq`` of ``epoch``.
 
         For a worker told of a step that its scheduler sent without waiting for the reply
-        (``kvdefrag.client.vllm``): call it before taking ``kv_lock`` (the step may
-        need the lock to move KV data).
+        (``kvdefrag.vllm``): call it before taking ``kv_lock`` (the step may need the lock
+        to move KV data). ``timeout_s`` bounds it whatever the service is doing (a step
+        that hangs in the executor included), and ``stop()`` ends it at once.
 
         Raises:
             EpochMismatch: The service is at another epoch (restarted or reset).
             EngineUnhealthy: A KV move failed; the step may never be applied.
-            ServiceUnavailable: Not applied within ``timeout_s``, or the service stops.
+            ServiceUnavailable: Not applied within ``timeout_s``, or the service stops;
+                the message names the step (epoch, seq) and the bound.
         """
         self._servicer.wait_applied(epoch, seq, timeout_s)
 
