@@ -821,6 +821,34 @@ def test_retries_behind_a_held_step_leave_probes_and_stats_answered(
         assert lost_blocks(client, pool.signed) == []
 
 
+def test_reset_is_refused_while_another_writer_holds_the_session_unless_forced(
+    socket_dir: Path, serve: Serve
+) -> None:
+    pool = serve_pool(serve, socket_dir / "server.sock")
+    with DefragClient(pool.handle.address, timeout_s=5) as client:
+        step_and_write(client, pool.signed, new_blocks={"a": [1, 2]})
+        client._session.drop_stream(cancel=False)  # this client let go of its session ...
+        squatter = hold_the_session(pool.handle.address)  # ... and another writer took it
+        old_epoch = pool.handle.epoch
+        client.timeout_s = 0.5
+        try:
+            with pytest.raises(SessionConflict, match=r"'holder'.* pass force .*restart vLLM"):
+                client.reset()
+            assert pool.handle.epoch == old_epoch
+            assert pool.handle._engine.list_requests() == {"a": [1, 2]}
+
+            client.reset(force=True)
+
+            assert client.epoch == pool.handle.epoch != old_epoch
+            assert client.live_requests() == {} and client.next_seq == 1
+            with pytest.raises(grpc.RpcError):  # the other writer's session was ended
+                squatter.exchange(pb.StepStreamRequest(step=pb.StepRequest(seq=1)))
+            client.timeout_s = 5
+            assert client.step(new_blocks={"b": [3]}).seq == 1
+        finally:
+            squatter.close()
+
+
 def hold_the_session(address: str) -> RawStream:
     """Opens a raw writer session as soon as the server has let go of the last one."""
     deadline = time.monotonic() + 10

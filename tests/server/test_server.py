@@ -22,6 +22,7 @@ from kvdefrag.client import (
     DefragError,
     EpochMismatch,
     ServiceUnavailable,
+    SessionConflict,
 )
 from kvdefrag.common import InvalidArgument
 from kvdefrag.server import (
@@ -124,8 +125,11 @@ def test_the_handle_has_no_engine_and_its_reset_starts_a_new_epoch(serve: Serve)
         client.step(new_blocks={"a": [3, 4]})
         old_epoch = handle.epoch
         assert client.epoch == old_epoch and handle.stats().num_live == 2
+        with pytest.raises(SessionConflict, match=r"writer session .* restart vLLM"):
+            handle.reset()  # the client's session holds the service
+        assert handle.epoch == old_epoch and handle.stats().num_live == 2
 
-        new_epoch = handle.reset()
+        new_epoch = handle.reset(force=True)
 
         assert new_epoch == handle.epoch != old_epoch
         stats = handle.stats()
@@ -210,6 +214,26 @@ def test_stop_ends_a_wait_applied_promptly_while_a_step_hangs(serve: Serve) -> N
         executor.release()
         client.close()
     stopping.join(20)
+
+
+def test_wait_applied_raises_epoch_mismatch_after_a_forced_reset(serve: Serve) -> None:
+    handle = serve()
+    with DefragClient(handle.address, timeout_s=10) as client:
+        client.step(new_blocks={"a": [3, 4]})
+        epoch, seq = client.epoch, client.next_seq - 1
+        handle.wait_applied(epoch, seq, timeout_s=0)  # applied in this epoch
+
+        with pytest.raises(SessionConflict):
+            handle.reset()
+        handle.wait_applied(epoch, seq, timeout_s=0)  # refused: nothing changed
+        handle.reset(force=True)
+
+        # A worker's next pass names the step of the old epoch: it must not run.
+        for planned_seq in (seq, seq + 1):
+            with pytest.raises(EpochMismatch, match=f"seq {planned_seq} of epoch {epoch}"):
+                handle.wait_applied(epoch, planned_seq, timeout_s=5)
+        with pytest.raises(EpochMismatch):
+            client.step(new_blocks={"b": [5]})
 
 
 def test_the_handle_resolves_the_mapping_the_kv_lock_guards(serve: Serve) -> None:

@@ -274,6 +274,34 @@ def test_reset_starts_a_new_epoch_and_forgets_everything(harness: Harness) -> No
     assert stub.Step(pb.StepRequest(seq=1)).epoch == new_epoch
 
 
+def test_reset_is_refused_while_a_writer_session_is_open_unless_forced(harness: Harness) -> None:
+    handle = harness.serve()
+    stub = harness.stub(handle)
+    writer = harness.stream(handle)
+    writer.open(client_name="vllm-rank0")
+    writer.step(seq=1, new_blocks=[blocks("a", [9, 4])])
+    before = snapshot(stub)
+
+    details = expect_error(
+        lambda: stub.Reset(pb.ResetRequest()), FAILED_PRECONDITION, "SessionConflict"
+    )
+
+    assert "vllm-rank0" in details and "force" in details and "restart vLLM" in details
+    assert snapshot(stub) == before  # nothing changed: same epoch, seq, requests
+    old_epoch = handle.epoch
+
+    new_epoch = stub.Reset(pb.ResetRequest(force=True)).epoch
+
+    assert new_epoch == handle.epoch != old_epoch
+    stats = stub.GetStats(pb.GetStatsRequest())
+    assert (stats.next_seq, stats.stats.num_live) == (1, 0)
+    # The writer's session ended with the reset; its next step names the new epoch.
+    with pytest.raises(grpc.RpcError):
+        writer.step(seq=2, epoch=old_epoch, finished_request_ids=["a"])
+    wait_until(lambda: not session_is_open(stub))
+    stub.Reset(pb.ResetRequest())  # no session: no force needed
+
+
 # --- one writer -------------------------------------------------------------------------
 def test_second_writer_is_refused_until_the_first_closes(harness: Harness) -> None:
     handle = harness.serve()

@@ -123,6 +123,11 @@ class StepSession:
         return self._pending is not None
 
     @property
+    def has_had_session(self) -> bool:
+        """True once a session was opened (the server may still hold it after a cut)."""
+        return self._has_had_session
+
+    @property
     def is_unusable(self) -> bool:
         """True after an epoch mismatch, a divergence or an engine failure, until
         ``forget_state()``."""

@@ -144,10 +144,15 @@ class _ShuttingDown(Exception):
 
 @dataclasses.dataclass(eq=False)
 class _Session:
-    """One open stream session (compared by identity)."""
+    """One open stream session (compared by identity).
+
+    ``reset_to`` is the epoch a forced reset started while this session held the
+    service (0: none): its later steps are refused with ``EpochMismatch``.
+    """
 
     client_name: str
     cancel_stream: Callable[[], object]
+    reset_to: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,8 +169,8 @@ class DefragServicer:
 
     Invariants: ``next_seq - 1`` steps were applied in this epoch, each exactly once;
     the replay cache holds only replies of this epoch; at most one stream session is
-    open, and while it is, only that stream applies steps; ``_applied`` is ``(epoch,
-    next_seq)`` as of the last change to either.
+    open, and while it is, only that stream applies steps and Reset is refused unless
+    forced; ``_applied`` is ``(epoch, next_seq)`` as of the last change to either.
 
     Args:
         engine: The engine to serve (the one owner of the pool state).
@@ -458,7 +463,7 @@ class DefragServicer:
 
     def _release(self, session: _Session) -> None:
         if self._session is not session:
-            return  # NOTE: released already (by the callback); never ours again
+            return  # NOTE: ended already (a forced reset, or the callback); never ours again
         with self._lock:
             self._release_locked(session)
 
@@ -495,6 +500,12 @@ class DefragServicer:
                         "Step: a stream session (client_name="
                         f"{quote(self._session.client_name)}) is open; unary steps are refused "
                         "while it is"
+                    )
+                if session.reset_to:
+                    raise EpochMismatch(
+                        f"step.epoch {epoch or 'current'}: a forced reset started epoch "
+                        f"{session.reset_to} under this session and ended it; the client's "
+                        "state is stale"
                     )
                 raise SessionConflict("step: this stream's session is closed")
             reason = engine.unhealthy_reason
@@ -653,40 +664,73 @@ class DefragServicer:
         return _convert.defragment_response()
 
     def _reset(self, request: Message) -> Message:
-        epoch = self.reset(epoch=request.epoch, prefix_caching=request.prefix_caching)
+        epoch = self.reset(
+            epoch=request.epoch, prefix_caching=request.prefix_caching, force=request.force
+        )
         return _convert.reset_response(epoch)
 
-    def reset(self, *, epoch: int = 0, prefix_caching: bool | None = None) -> int:
+    def reset(
+        self, *, epoch: int = 0, prefix_caching: bool | None = None, force: bool = False
+    ) -> int:
         """Resets the engine and starts a new epoch: the one way to reset a served engine.
 
         The Reset RPC and ``ServerHandle.reset`` both come here, so every reset changes
         the epoch: a client of the old epoch gets ``EpochMismatch`` at its next step.
 
+        Refused while a writer session is open: a running vLLM's workers would go on
+        translating block ids with the new identity mapping while the KV data stays where
+        the moves put it (silent corruption). ``force`` resets anyway and ends that
+        session; it means restarting vLLM (its scheduler and workers fail at their next
+        step with ``EpochMismatch``).
+
         Args:
             epoch: The epoch being reset; 0 resets whatever is current.
             prefix_caching: The mode of the new epoch; None keeps the current one.
+            force: Reset even while a writer session is open (restart vLLM after it).
 
         Returns:
             The new epoch.
 
         Raises:
             EpochMismatch: ``epoch`` is not 0 and not the current epoch.
+            SessionConflict: A writer session is open and ``force`` is not set.
             StepInFlight: A step is still being applied; retry once it is done.
         """
         with self._locked("reset"):
             if epoch and epoch != self._epoch:
                 raise EpochMismatch(f"reset.epoch {epoch} is not the server epoch {self._epoch}")
+            session = self._session
+            if session is not None and not force:
+                raise SessionConflict(
+                    f"reset refused: a writer session (client_name="
+                    f"{quote(session.client_name)}) holds the service; resetting under it "
+                    "would corrupt a running vLLM, whose workers would translate block ids "
+                    "with the new identity mapping while the KV data stays where it was "
+                    "moved. Stop the writer first, or pass force to reset anyway, which "
+                    "means you must restart vLLM"
+                )
             self._reset_version += 1
             try:
                 self._engine.reset(prefix_caching=prefix_caching)
                 self._epoch = new_epoch(self._epoch)
                 self._next_seq = 1
                 self._replies.clear()
+                if session is not None:
+                    session.reset_to = self._epoch
+                    self._session = None
             finally:
                 self._reset_version += 1
                 self._publish_progress()
             epoch = self._epoch
             is_prefix_caching = self._engine.config.prefix_caching
+        if session is not None:
+            _LOGGER.warning(
+                "reset forced while %r held the writer session: its stream is ended and its "
+                "state is stale (new epoch %d); restart vLLM",
+                session.client_name,
+                epoch,
+            )
+            session.cancel_stream()
         _LOGGER.info("reset: new epoch %d (prefix_caching=%s)", epoch, is_prefix_caching)
         return epoch
 
