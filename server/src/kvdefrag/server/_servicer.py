@@ -278,7 +278,8 @@ class DefragServicer:
         NOTE: a step holds the lock for as long as its device copy takes. A call that
         waited for it without bound would keep its gRPC handler thread; a few retries
         behind a hung step would then take every thread, health checks' included. Bounded,
-        a client's retries (one after another) hold one thread at most, briefly.
+        each holds its thread for at most ``LOCK_WAIT_S``, so a client's retries (one
+        after another) never pile up.
 
         Raises:
             StepInFlight: The lock stayed held (by a step, or a reset) past the wait.
