@@ -129,7 +129,9 @@ def server_state(pool: Pool) -> tuple[Any, ...]:
 
 
 def client_state(client: DefragClient) -> tuple[Any, ...]:
-    return (client.epoch, client.next_seq, client.digest, client.live_requests())
+    """The client's epoch, seq and mirror, read even where its reads refuse (stale)."""
+    mirror = client._session.require_mirror()
+    return (client.epoch, client.next_seq, mirror.digest, dict(mirror.requests))
 
 
 def fragment(client: DefragClient, signed: SignedKv) -> None:
@@ -448,7 +450,11 @@ def test_an_executor_failure_refuses_steps_until_reset(socket_dir: Path, serve: 
         assert "injected" in stats.unhealthy_reason
         assert client_state(client) == before
         assert pool.handle.resolve([40, 41, 42, 23]).tolist() == live_before
-        assert lost_blocks(client, pool.signed) == []  # the failed pass committed nothing
+        # The failed pass committed nothing: every live block is where the server says.
+        live = sorted({i for ids in before[3].values() for i in ids})
+        assert pool.signed.mismatched(live, pool.handle.resolve(live).tolist()) == []
+        with pytest.raises(EngineUnhealthy, match="refused"):
+            client.resolve(live)  # the mirror is not trusted after a failure
 
         client.reset()
 
@@ -458,6 +464,39 @@ def test_an_executor_failure_refuses_steps_until_reset(socket_dir: Path, serve: 
         assert reply.seq == 1
         assert lost_blocks(client, pool.signed) == []
         assert client.audit().is_consistent
+
+
+def test_reads_refuse_after_an_engine_failure_until_the_mirror_is_rebuilt(
+    socket_dir: Path, serve: Serve
+) -> None:
+    pool = serve_pool(serve, socket_dir / "server.sock")
+    with DefragClient(pool.handle.address, timeout_s=5) as client:
+        step_and_write(client, pool.signed, new_blocks={"a": list(range(1, 11)), "b": [40]})
+        pool.executor.fail_next()  # the compaction of this step fails ...
+        with pytest.raises(EngineUnhealthy, match="injected KV copy failure"):
+            client.step(finished=["a"], new_blocks={"c": [50]})
+        # ... after the step was applied with c's block placed low: the server moved it,
+        # the mirror never heard of it.
+        assert pool.handle.resolve([50]).tolist() != [50]
+
+        for read in (
+            lambda: client.resolve([50]),
+            lambda: client.resolve_tables([[50]]),
+            client.live_requests,
+            lambda: client.digest,
+        ):
+            with pytest.raises(EngineUnhealthy, match=r"refused: .*rebuild_mirror\(\)"):
+                read()
+        with pytest.raises(EngineUnhealthy):
+            client.step(new_blocks={"d": [33]})
+
+        client.rebuild_mirror()  # adopts the server's state, the failed step included
+
+        assert client.resolve([50]) == pool.handle.resolve([50]).tolist()
+        assert client.live_requests() == {"b": [40], "c": [50]}
+        assert client.digest == pool.handle._engine.digest
+        pool.signed.write([50], client.resolve([50]))  # the forward pass writes where it is
+        assert lost_blocks(client, pool.signed) == []
 
 
 # --- sizes and malformed input ------------------------------------------------------------
@@ -737,6 +776,77 @@ def test_a_pending_step_survives_a_reopen_refused_by_a_session_the_server_still_
         assert completed is not None and completed.seq == 2
         assert pool.handle.stats().totals.num_steps == 2
         assert client.live_requests() == {"a": [1, 2], "b": [3]}
+
+
+def test_retries_behind_a_held_step_leave_probes_and_stats_answered(
+    socket_dir: Path, serve: Serve
+) -> None:
+    """Each retry of a step stuck in the executor must not keep a server thread: with the
+    default 8 handler threads, a Kubernetes probe would otherwise time out."""
+    pool = serve_pool(serve, socket_dir / "server.sock")
+    address = pool.handle.address
+    tool = grpc.insecure_channel(address)
+    stats_stub = pb_grpc.DefragServiceStub(tool)
+    health_stub = health_pb2_grpc.HealthStub(tool)
+    with DefragClient(address, timeout_s=5) as client:
+        step_and_write(client, pool.signed, new_blocks={"a": list(range(1, 11)), "b": [40]})
+        pool.executor.hold()  # a device copy that would take 20 s; released below
+        client.timeout_s = 0.3
+        try:
+            with pytest.raises(StepOutcomeUnknown):
+                client.step(finished=["a"])
+            assert pool.executor.entered.wait(10)
+            for _ in range(20):
+                with pytest.raises(StepOutcomeUnknown) as unknown:
+                    client.complete_pending_step()
+                assert unknown.value.pending_seq == 2
+                check = health_stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+                assert check.status == health_pb2.HealthCheckResponse.SERVING
+                assert stats_stub.GetStats(pb.GetStatsRequest(), timeout=5).next_seq == 2
+            client.timeout_s = 2  # longer than the server's wait: it answers StepInFlight
+            with pytest.raises(
+                StepOutcomeUnknown, match=r"still applying a step .*step seq 2 of epoch"
+            ):
+                client.complete_pending_step()
+        finally:
+            pool.executor.release()
+            tool.close()
+        client.timeout_s = 10
+        completed = client.complete_pending_step()
+
+        assert completed is not None and completed.seq == 2
+        assert pool.handle.stats().totals.num_steps == 2  # applied once, however many retries
+        assert len(pool.executor.calls) == 1
+        assert client.live_requests() == {"b": [40]}
+        assert lost_blocks(client, pool.signed) == []
+
+
+def test_reset_is_refused_while_another_writer_holds_the_session_unless_forced(
+    socket_dir: Path, serve: Serve
+) -> None:
+    pool = serve_pool(serve, socket_dir / "server.sock")
+    with DefragClient(pool.handle.address, timeout_s=5) as client:
+        step_and_write(client, pool.signed, new_blocks={"a": [1, 2]})
+        client._session.drop_stream(cancel=False)  # this client let go of its session ...
+        squatter = hold_the_session(pool.handle.address)  # ... and another writer took it
+        old_epoch = pool.handle.epoch
+        client.timeout_s = 0.5
+        try:
+            with pytest.raises(SessionConflict, match=r"'holder'.* pass force .*restart vLLM"):
+                client.reset()
+            assert pool.handle.epoch == old_epoch
+            assert pool.handle._engine.list_requests() == {"a": [1, 2]}
+
+            client.reset(force=True)
+
+            assert client.epoch == pool.handle.epoch != old_epoch
+            assert client.live_requests() == {} and client.next_seq == 1
+            with pytest.raises(grpc.RpcError):  # the other writer's session was ended
+                squatter.exchange(pb.StepStreamRequest(step=pb.StepRequest(seq=1)))
+            client.timeout_s = 5
+            assert client.step(new_blocks={"b": [3]}).seq == 1
+        finally:
+            squatter.close()
 
 
 def hold_the_session(address: str) -> RawStream:

@@ -34,6 +34,7 @@ def test_client_exports_are_pinned() -> None:
         "SessionInfo",
         "StalePageToken",
         "StepEvents",
+        "StepInFlight",
         "StepOutcomeUnknown",
         "StepPending",
         "StepReply",

@@ -28,6 +28,7 @@ COMMON_NAMES = {
     "SessionConflict",
     "StalePageToken",
     "StepEvents",
+    "StepInFlight",
     "StepOutcomeUnknown",
     "StepPending",
     "Totals",
@@ -44,7 +45,7 @@ def test_every_common_error_is_a_defrag_error() -> None:
     common = importlib.import_module("kvdefrag.common")
     classes = [getattr(common, name) for name in COMMON_NAMES]
     errors = {cls for cls in classes if isinstance(cls, type) and issubclass(cls, Exception)}
-    assert len(errors) == 13
+    assert len(errors) == 14
     assert all(issubclass(error, common.DefragError) for error in errors)
     client_only = {"DefragError", "MirrorDiverged", "ServiceUnavailable", "StepOutcomeUnknown"}
     client_only.add("StepPending")

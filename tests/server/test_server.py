@@ -3,11 +3,13 @@ sockets: 0600, stale, taken; TCP, TLS and mTLS), and the narrow ``ServerHandle``
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import socket
 import stat
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -15,13 +17,26 @@ import grpc
 import numpy as np
 import pytest
 
-from kvdefrag.client import DefragClient, EpochMismatch
+from kvdefrag.client import (
+    DefragClient,
+    DefragError,
+    EpochMismatch,
+    ServiceUnavailable,
+    SessionConflict,
+)
 from kvdefrag.common import InvalidArgument
-from kvdefrag.server import EngineConfig, ServiceConfig, load_config, serve_in_process
+from kvdefrag.server import (
+    EngineConfig,
+    ServerHandle,
+    ServiceConfig,
+    load_config,
+    serve_in_process,
+)
 from kvdefrag.server._server import parse_address
 from kvdefrag.v1 import defrag_pb2 as pb
 from kvdefrag.v1 import defrag_pb2_grpc as pb_grpc
 
+from support.doubles import ScriptedExecutor
 from support.kv import SignedKv
 from support.server import Serve
 from support.tls import make_certificates
@@ -110,8 +125,11 @@ def test_the_handle_has_no_engine_and_its_reset_starts_a_new_epoch(serve: Serve)
         client.step(new_blocks={"a": [3, 4]})
         old_epoch = handle.epoch
         assert client.epoch == old_epoch and handle.stats().num_live == 2
+        with pytest.raises(SessionConflict, match=r"writer session .* restart vLLM"):
+            handle.reset()  # the client's session holds the service
+        assert handle.epoch == old_epoch and handle.stats().num_live == 2
 
-        new_epoch = handle.reset()
+        new_epoch = handle.reset(force=True)
 
         assert new_epoch == handle.epoch != old_epoch
         stats = handle.stats()
@@ -121,6 +139,101 @@ def test_the_handle_has_no_engine_and_its_reset_starts_a_new_epoch(serve: Serve)
     with DefragClient(handle.address, timeout_s=10) as client:
         assert client.epoch == new_epoch  # a new session starts over at the new epoch
         client.step(new_blocks={"b": [5]})
+
+
+def held_step(serve: Serve) -> tuple[ServerHandle, ScriptedExecutor, DefragClient, int, int]:
+    """A server whose second step (it moves blocks) hangs in the executor until released.
+
+    Returns the handle, the executor (held: ``release()`` it), a client whose session
+    sent that step from another thread, and the step's epoch and seq.
+    """
+    kv = SignedKv.create(64, block_size=4)
+    executor = ScriptedExecutor.for_kv(kv)
+    handle = serve(kv=kv, executor=executor, threshold=0)
+    client = DefragClient(handle.address, timeout_s=30)
+    client.step(new_blocks={"a": list(range(1, 9)), "b": list(range(9, 17))})
+    epoch = client.epoch
+    executor.hold()
+
+    def step() -> None:
+        with contextlib.suppress(DefragError):  # a server stopped under it: no reply
+            client.step(finished=["a"])
+
+    threading.Thread(target=step, daemon=True).start()
+    assert executor.entered.wait(10), "the step never reached the executor"
+    return handle, executor, client, epoch, 2
+
+
+def wait_in_thread(handle: ServerHandle, epoch: int, seq: int, timeout_s: float) -> Any:
+    """Runs ``handle.wait_applied`` in a thread; returns the thread and its outcome list."""
+    outcome: list[BaseException | None] = []
+
+    def wait() -> None:
+        try:
+            handle.wait_applied(epoch, seq, timeout_s)
+            outcome.append(None)
+        except BaseException as err:
+            outcome.append(err)
+
+    thread = threading.Thread(target=wait, daemon=True)
+    thread.start()
+    return thread, outcome
+
+
+def test_wait_applied_keeps_its_bound_while_a_step_holds_the_service(serve: Serve) -> None:
+    handle, executor, client, epoch, seq = held_step(serve)
+    try:
+        thread, outcome = wait_in_thread(handle, epoch, seq, timeout_s=0.5)
+        thread.join(20)  # generous, and still long before the held step is released
+
+        assert not thread.is_alive(), "wait_applied outlived its 0.5 s bound"
+        assert isinstance(outcome[0], ServiceUnavailable), outcome
+        message = str(outcome[0])
+        assert f"step seq {seq} of epoch {epoch}" in message and "0.5 s" in message
+        assert handle.stats().totals.num_steps == 1  # the step was still held all along
+    finally:
+        executor.release()
+        client.close()
+    handle.wait_applied(epoch, seq, timeout_s=10)  # released: applied now
+
+
+def test_stop_ends_a_wait_applied_promptly_while_a_step_hangs(serve: Serve) -> None:
+    handle, executor, client, epoch, seq = held_step(serve)
+    try:
+        thread, outcome = wait_in_thread(handle, epoch, seq, timeout_s=600)
+        time.sleep(0.2)
+        stopping = threading.Thread(target=handle.stop, args=(0.5,), daemon=True)
+        stopping.start()
+        thread.join(20)  # far less than its 600 s bound, and the step is still held
+
+        assert not thread.is_alive(), "stop() did not end the wait"
+        assert isinstance(outcome[0], ServiceUnavailable)
+        assert f"step seq {seq} of epoch {epoch}" in str(outcome[0])
+        assert "stopping" in str(outcome[0])
+    finally:
+        executor.release()
+        client.close()
+    stopping.join(20)
+
+
+def test_wait_applied_raises_epoch_mismatch_after_a_forced_reset(serve: Serve) -> None:
+    handle = serve()
+    with DefragClient(handle.address, timeout_s=10) as client:
+        client.step(new_blocks={"a": [3, 4]})
+        epoch, seq = client.epoch, client.next_seq - 1
+        handle.wait_applied(epoch, seq, timeout_s=0)  # applied in this epoch
+
+        with pytest.raises(SessionConflict):
+            handle.reset()
+        handle.wait_applied(epoch, seq, timeout_s=0)  # refused: nothing changed
+        handle.reset(force=True)
+
+        # A worker's next pass names the step of the old epoch: it must not run.
+        for planned_seq in (seq, seq + 1):
+            with pytest.raises(EpochMismatch, match=f"seq {planned_seq} of epoch {epoch}"):
+                handle.wait_applied(epoch, planned_seq, timeout_s=5)
+        with pytest.raises(EpochMismatch):
+            client.step(new_blocks={"b": [5]})
 
 
 def test_the_handle_resolves_the_mapping_the_kv_lock_guards(serve: Serve) -> None:

@@ -6,8 +6,11 @@ the generated ``kvdefrag.v1`` stubs, as any client in any language would.
 
 from __future__ import annotations
 
+import base64
+import logging
 import queue
 import random
+import struct
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -271,6 +274,34 @@ def test_reset_starts_a_new_epoch_and_forgets_everything(harness: Harness) -> No
     assert stub.Step(pb.StepRequest(seq=1)).epoch == new_epoch
 
 
+def test_reset_is_refused_while_a_writer_session_is_open_unless_forced(harness: Harness) -> None:
+    handle = harness.serve()
+    stub = harness.stub(handle)
+    writer = harness.stream(handle)
+    writer.open(client_name="vllm-rank0")
+    writer.step(seq=1, new_blocks=[blocks("a", [9, 4])])
+    before = snapshot(stub)
+
+    details = expect_error(
+        lambda: stub.Reset(pb.ResetRequest()), FAILED_PRECONDITION, "SessionConflict"
+    )
+
+    assert "vllm-rank0" in details and "force" in details and "restart vLLM" in details
+    assert snapshot(stub) == before  # nothing changed: same epoch, seq, requests
+    old_epoch = handle.epoch
+
+    new_epoch = stub.Reset(pb.ResetRequest(force=True)).epoch
+
+    assert new_epoch == handle.epoch != old_epoch
+    stats = stub.GetStats(pb.GetStatsRequest())
+    assert (stats.next_seq, stats.stats.num_live) == (1, 0)
+    # The writer's session ended with the reset; its next step names the new epoch.
+    with pytest.raises(grpc.RpcError):
+        writer.step(seq=2, epoch=old_epoch, finished_request_ids=["a"])
+    wait_until(lambda: not session_is_open(stub))
+    stub.Reset(pb.ResetRequest())  # no session: no force needed
+
+
 # --- one writer -------------------------------------------------------------------------
 def test_second_writer_is_refused_until_the_first_closes(harness: Harness) -> None:
     handle = harness.serve()
@@ -403,6 +434,30 @@ def test_bad_reads_are_refused(harness: Harness) -> None:
         "NotFound",
     )
     assert "'nope'" in details
+
+
+def test_a_forged_page_token_is_invalid_argument_and_logs_no_traceback(
+    harness: Harness, caplog: pytest.LogCaptureFixture
+) -> None:
+    handle = harness.serve()
+    stub = harness.stub(handle)
+    stub.Step(pb.StepRequest(seq=1, new_blocks=[blocks("a", [3]), blocks("b", [4])]))
+    token = stub.ListRequests(pb.ListRequestsRequest(page_size=1)).next_page_token
+    epoch, generation, _ = struct.unpack("<QQQ", base64.urlsafe_b64decode(token))
+    # The right epoch and generation, and a position no page ever had (past int64).
+    forged = base64.urlsafe_b64encode(struct.pack("<QQQ", epoch, generation, 2**63)).decode()
+
+    with caplog.at_level(logging.ERROR):
+        details = expect_error(
+            lambda: stub.ListRequests(pb.ListRequestsRequest(page_token=forged)),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "InvalidArgument",
+        )
+
+    assert "page_token" in details and forged in details
+    assert [record for record in caplog.records if record.levelno >= logging.ERROR] == []
+    page = stub.ListRequests(pb.ListRequestsRequest(page_size=1, page_token=token))
+    assert [entry.request_id for entry in page.requests] == ["b"]  # the real token still works
 
 
 def test_oversized_messages_are_resource_exhausted(harness: Harness) -> None:

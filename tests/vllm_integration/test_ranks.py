@@ -8,11 +8,17 @@ import grpc
 import pytest
 
 from kvdefrag.client import DefragClient, StepEvents
-from kvdefrag.common import EpochMismatch, InvalidArgument, ServiceUnavailable
+from kvdefrag.common import EpochMismatch, InvalidArgument, ServiceUnavailable, SessionConflict
 from kvdefrag.v1 import defrag_pb2 as pb
 from kvdefrag.v1 import defrag_pb2_grpc as pb_grpc
 from kvdefrag.v1 import identity_pb2, identity_pb2_grpc
-from kvdefrag.vllm._ranks import RankGroup, RankNotVerified, connect_ranks, verify_rank
+from kvdefrag.vllm._ranks import (
+    RankGroup,
+    RankNotVerified,
+    RanksDiverged,
+    connect_ranks,
+    verify_rank,
+)
 from kvdefrag.vllm.common import PublishedRank
 
 from support.doubles import ScriptedExecutor
@@ -136,6 +142,31 @@ def test_waiting_for_a_step_that_never_comes_names_it(serve: Serve) -> None:
         client.reset()
         with pytest.raises(EpochMismatch, match=f"seq 1 of epoch {epoch}: the server is at"):
             handle.wait_applied(epoch, 1, timeout_s=5.0)
+
+
+@pytest.mark.parametrize("num_ranks", [1, 2])
+def test_a_rank_reset_by_force_stops_the_group_and_its_workers(
+    serve: Serve, num_ranks: int
+) -> None:
+    handles = [serve(kv=SignedKv.create(64), threshold=0) for _ in range(num_ranks)]
+    group = RankGroup([DefragClient(handle.address) for handle in handles])
+    try:
+        group.step(StepEvents.build(new_blocks={"a": [40, 41]}, fresh=[]))
+        last = handles[-1]
+        with pytest.raises(SessionConflict, match="restart vLLM"):
+            last.reset()  # the scheduler's session holds the service
+        last.reset(force=True)
+
+        in_flight = group.submit(StepEvents.build(new_blocks={"b": [50]}))
+        epoch, seq = in_flight.stamp.for_rank(num_ranks - 1)
+        with pytest.raises(EpochMismatch):
+            last.wait_applied(epoch, seq, timeout_s=10)  # the worker's pass must not run
+        with pytest.raises(RanksDiverged, match=f"rank {num_ranks - 1}: .*another epoch"):
+            in_flight.result()
+        with pytest.raises(RanksDiverged):
+            group.step(StepEvents.build(new_blocks={"c": [51]}))
+    finally:
+        group.close()
 
 
 @pytest.mark.parametrize("num_ranks", [1, 3])

@@ -22,9 +22,11 @@ import pytest
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
+from kvdefrag.common import EpochMismatch, SessionConflict
 from kvdefrag.server import Engine, ServerHandle
 from kvdefrag.vllm import _bridge, _ledger
 from kvdefrag.vllm import scheduler as vllm_scheduler
+from kvdefrag.vllm._ranks import RanksDiverged
 from kvdefrag.vllm.scheduler import DefragScheduler, UnsupportedByKvdefrag
 from kvdefrag.vllm.worker import BlockIdTranslator
 
@@ -279,6 +281,51 @@ def test_translating_workers_that_do_not_wait_for_their_step_corrupt(
     # copy) when its step is applied: after a worker that did not wait wrote it.
     _, workers, _ = _run(TwoRankScheduler, model_dir, ranks, prefix_caching=False)
     assert workers[0].num_corrupted > 0
+
+
+def test_a_forced_reset_of_one_rank_fails_its_next_pass_and_stops_the_scheduler(
+    model_dir: str, ranks: list[Any]
+) -> None:
+    """A Reset under a running vLLM would leave the workers translating with the identity
+    mapping: refused unless forced; forced, each of the rank's passes fails before it
+    runs, and the scheduler stops with RanksDiverged once it settles the next step sent."""
+    scheduler = make_scheduler(
+        TwoRankScheduler, model_dir, num_blocks=NUM_BLOCKS, prefix_caching=True
+    )
+    workers = [
+        SignedWorker(kv, translator_for(handle, NUM_BLOCKS), service=(handle, rank))
+        for rank, (handle, kv) in enumerate(ranks)
+    ]
+    resolve = scheduler.kvdefrag.ranks.primary.resolve
+    try:
+        workload = Workload(seed=3, num_requests=40)
+        run_loop(scheduler, workers, workload, resolve=resolve, max_steps=30)
+        assert scheduler.has_requests() and scheduler.kvdefrag.totals.num_steps > 0
+        handle = ranks[1][0]
+        old_epoch = handle.epoch
+        with pytest.raises(SessionConflict, match="restart vLLM"):
+            handle.reset()  # the scheduler's writer session holds the service
+        assert handle.epoch == old_epoch
+        handle.reset(force=True)
+
+        num_sent = scheduler.kvdefrag.totals.num_steps
+        was_sent = False
+        for _ in range(50):
+            if was_sent:
+                with pytest.raises(RanksDiverged, match=r"rank 1: .*another epoch"):
+                    scheduler.schedule()  # settles the step sent: rank 1 refused it
+                break
+            output = scheduler.schedule()
+            was_sent = scheduler.kvdefrag.totals.num_steps > num_sent
+            num_checked = workers[1].num_checked
+            with pytest.raises(EpochMismatch, match=f"of epoch {old_epoch}: the server is at"):
+                workers[1].execute(output)
+            assert workers[1].num_checked == num_checked  # the pass did not run
+            scheduler.update_from_output(output, workers[0].execute(output))
+        assert was_sent, "no step was sent after the reset"
+        assert workers[0].num_corrupted == workers[1].num_corrupted == 0
+    finally:
+        scheduler.kvdefrag.ranks.close()
 
 
 @pytest.mark.parametrize("cls", ["sync", "async"])

@@ -26,6 +26,9 @@ The pending-step contract, for a scheduler that calls ``step()`` once per iterat
   with the same events is refused, not duplicated.
 * Any other error: the step was refused and nothing changed (or, for ``EpochMismatch``
   and ``MirrorDiverged``, the client needs ``reset()`` or ``rebuild_mirror()``).
+* ``EngineUnhealthy``: a KV move failed on the server. The step may have been applied
+  without its compaction (its placements included), so the mirror may be stale: reads
+  and steps raise ``EngineUnhealthy`` until ``rebuild_mirror()`` or ``reset()``.
 """
 
 from __future__ import annotations
@@ -41,12 +44,19 @@ from typing import Any
 import grpc
 
 from kvdefrag.client import _convert
-from kvdefrag.client._channel import call_unary, open_channel
+from kvdefrag.client._channel import BACKOFF_MAX_S, BACKOFF_START_S, call_unary, open_channel
 from kvdefrag.client._rebuild import fetch_requests
 from kvdefrag.client._session import StepSession
 from kvdefrag.client._types import AuditReport, ServiceStats, StepReply
 from kvdefrag.client.record import StepRecorder
-from kvdefrag.common import DefragError, InvalidArgument, MirrorDiverged, StepEvents
+from kvdefrag.common import (
+    DefragError,
+    InvalidArgument,
+    MirrorDiverged,
+    SessionConflict,
+    StepEvents,
+    StepInFlight,
+)
 from kvdefrag.common._exit import call_at_exit
 from kvdefrag.common.events import step_call_events
 
@@ -181,8 +191,14 @@ class DefragClient:
 
     @property
     def digest(self) -> int:
-        """Digest of the mirror's live mapping."""
-        return self._session.require_mirror().digest
+        """Digest of the mirror's live mapping.
+
+        Raises:
+            StepPending: A step's outcome is unknown (see ``complete_pending_step()``).
+            EngineUnhealthy, EpochMismatch, MirrorDiverged: The mirror may be stale.
+        """
+        with self._lock:
+            return self._session.require_readable_mirror("digest").digest
 
     @property
     def has_pending_step(self) -> bool:
@@ -199,9 +215,10 @@ class DefragClient:
 
         Raises:
             StepPending: A step's outcome is unknown (see ``complete_pending_step()``).
+            EngineUnhealthy, EpochMismatch, MirrorDiverged: The mirror may be stale.
         """
         with self._lock:
-            requests = self._session.require_settled_mirror("live_requests").requests
+            requests = self._session.require_readable_mirror("live_requests").requests
             return {rid: list(ids) for rid, ids in requests.items()}
 
     # --- the step ---------------------------------------------------------------------
@@ -306,21 +323,24 @@ class DefragClient:
         Raises:
             InvalidArgument: An id is not an integer or is outside ``[0, num_blocks)``.
             StepPending: A step's outcome is unknown (see ``complete_pending_step()``).
-            EpochMismatch, MirrorDiverged: The mirror is stale.
+            EngineUnhealthy, EpochMismatch, MirrorDiverged: The mirror may be stale
+                (``rebuild_mirror()`` or ``reset()`` recovers).
         """
         with self._lock:
-            self._check_usable()
-            return self._session.require_settled_mirror("resolve").resolve(logical_ids)
+            self._check_open()
+            return self._session.require_readable_mirror("resolve").resolve(logical_ids)
 
     def resolve_tables(self, tables: Iterable[Iterable[int]]) -> list[list[int]]:
         """Maps every block table (logical ids per request) to physical ids, locally.
 
         Raises:
             StepPending: A step's outcome is unknown (see ``complete_pending_step()``).
+            EngineUnhealthy, EpochMismatch, MirrorDiverged: The mirror may be stale.
         """
         with self._lock:
-            self._check_usable()
-            return self._session.require_settled_mirror("resolve_tables").resolve_tables(tables)
+            self._check_open()
+            mirror = self._session.require_readable_mirror("resolve_tables")
+            return mirror.resolve_tables(tables)
 
     # --- unary calls ------------------------------------------------------------------
     def _unary(self, method: str, request: Any, context: str, *, is_idempotent: bool = True) -> Any:
@@ -389,22 +409,47 @@ class DefragClient:
             self._session.forget_state()
             self._session.open_stream(self._deadline())
 
-    def reset(self) -> None:
+    def reset(self, *, force: bool = False) -> None:
         """Resets the server (new epoch, identity mapping, healthy) and the mirror.
 
         The scheduler must drop its requests and prefix cache too: the KV data stays
-        where it is but no longer belongs to anyone.
+        where it is but no longer belongs to anyone. This client ends its own session
+        first; the server refuses a reset while another writer's session is open
+        (``SessionConflict``: a running vLLM would go on with the old mapping).
+
+        Args:
+            force: Reset even while another writer's session is open, ending it. That
+                writer (a vLLM scheduler and its workers) is then stale: restart vLLM.
+
+        Raises:
+            SessionConflict: Another writer's session is open and ``force`` is not set.
+            ServiceUnavailable: No answer within ``timeout_s`` (``StepInFlight``: the
+                server was still applying a step; nothing changed).
         """
         with self._lock:
             self._check_open()
             self._session.drop_stream(cancel=False)
+            had_session = self._session.has_had_session
             epoch = 0 if self._session.is_unusable else self._session.epoch
-            self._unary(
-                "Reset",
-                _convert.reset_request(epoch, self.prefix_caching),
-                "reset",
-                is_idempotent=False,
-            )
+            deadline = self._deadline()
+            backoff_s = BACKOFF_START_S
+            while True:
+                try:
+                    self._unary(
+                        "Reset",
+                        _convert.reset_request(epoch, self.prefix_caching, force),
+                        "reset",
+                        is_idempotent=False,
+                    )
+                    break
+                except (SessionConflict, StepInFlight):
+                    # NOTE: the session the server still holds may be this client's own
+                    # (its stream cut while a step ran, not yet noticed), or the server
+                    # is finishing a step; neither changed anything, so try again.
+                    if not had_session or time.monotonic() + backoff_s >= deadline:
+                        raise
+                    time.sleep(backoff_s)
+                    backoff_s = min(2 * backoff_s, BACKOFF_MAX_S)
             self._session.forget_state()
             self._session.open_stream(self._deadline())
 

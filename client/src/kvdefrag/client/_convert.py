@@ -154,8 +154,8 @@ def resolve_request(logical_ids: Sequence[int]) -> Message:
     return pb.ResolveRequest(logical_block_ids=logical_ids)
 
 
-def reset_request(epoch: int, prefix_caching: bool) -> Message:
-    return pb.ResetRequest(epoch=epoch, prefix_caching=prefix_caching)
+def reset_request(epoch: int, prefix_caching: bool, force: bool = False) -> Message:
+    return pb.ResetRequest(epoch=epoch, prefix_caching=prefix_caching, force=force)
 
 
 def get_stats_request() -> Message:

@@ -11,6 +11,12 @@ The pending-step contract: a step whose reply does not arrive by the deadline st
 *pending* (``StepOutcomeUnknown``). While it is, ``send_step`` refuses new events without
 sending them and ``require_settled_mirror`` refuses reads (``StepPending``); only
 ``complete_pending`` sends it again, and the server's replay cache makes that exactly once.
+A server busy with that step answers a resend ``StepInFlight`` at once; the session
+retries it with backoff until the deadline, and the step stays pending.
+
+After ``EngineUnhealthy`` the failed step may have been applied (its placements
+included) while the mirror did not change, so the session is unusable: reads and steps
+are refused until ``forget_state()`` (``rebuild_mirror()`` or ``reset()``).
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from kvdefrag.client._stream import ReplyTimeout, Stream, StreamEnded
 from kvdefrag.client._types import SessionInfo, StepReply
 from kvdefrag.common import (
     DefragError,
+    EngineUnhealthy,
     EpochMismatch,
     InvalidArgument,
     MessageTooLarge,
@@ -37,6 +44,7 @@ from kvdefrag.common import (
     ServiceUnavailable,
     SessionConflict,
     StepEvents,
+    StepInFlight,
     StepOutcomeUnknown,
     StepPending,
 )
@@ -115,8 +123,14 @@ class StepSession:
         return self._pending is not None
 
     @property
+    def has_had_session(self) -> bool:
+        """True once a session was opened (the server may still hold it after a cut)."""
+        return self._has_had_session
+
+    @property
     def is_unusable(self) -> bool:
-        """True after an epoch mismatch or a divergence, until ``forget_state()``."""
+        """True after an epoch mismatch, a divergence or an engine failure, until
+        ``forget_state()``."""
         return self._unusable is not None
 
     def check_usable(self) -> None:
@@ -128,6 +142,17 @@ class StepSession:
     def pending_seq(self) -> int | None:
         """The seq of the pending step, None without one."""
         return None if self._pending is None else self._pending.seq
+
+    def require_readable_mirror(self, what: str) -> Mirror:
+        """Returns the mirror for a read the caller acts on (``resolve``, ...).
+
+        Raises:
+            StepPending: A step's outcome is unknown.
+            EngineUnhealthy, EpochMismatch, MirrorDiverged: The session is unusable (the
+                mirror may be stale): ``rebuild_mirror()`` or ``reset()`` first.
+        """
+        self.check_usable()
+        return self.require_settled_mirror(what)
 
     def require_settled_mirror(self, what: str) -> Mirror:
         """Returns the mirror if no step's outcome is unknown; else raises ``StepPending``."""
@@ -245,9 +270,9 @@ class StepSession:
                         backoff_s = min(2 * backoff_s, BACKOFF_MAX_S)
                         continue
                     raise StepOutcomeUnknown(
-                        f"{context}: the stream to {settings.address} kept breaking for "
-                        f"{settings.timeout_s} s; the step stays pending: "
-                        "complete_pending_step() sends it again (the server applies it once)",
+                        f"{context}: {self._why_no_reply(ended.error)}; the step stays "
+                        "pending: complete_pending_step() sends it again (the server applies "
+                        "it once)",
                         pending_seq=pending.seq,
                     ) from ended.error
                 self._pending = None
@@ -300,6 +325,7 @@ class StepSession:
         """
         settings = self._settings
         backoff_s = BACKOFF_START_S
+        busy: grpc.RpcError | None = None  # the last StepInFlight answer, if any
         while True:
             message = _convert.stream_open(
                 self._epoch, settings.prefix_caching, settings.client_name
@@ -309,11 +335,18 @@ class StepSession:
                 reply = stream.receive(deadline - time.monotonic())
             except ReplyTimeout:
                 stream.cancel()
+                if busy is not None:
+                    raise ServiceUnavailable(f"open session: {self._why_no_reply(busy)}") from None
                 raise ServiceUnavailable(
                     f"open session: no answer from {settings.address} within {settings.timeout_s} s"
                 ) from None
             except StreamEnded as ended:
                 stream.cancel()
+                if (
+                    isinstance(ended.error, grpc.RpcError)
+                    and _convert.error_class(ended.error) is StepInFlight
+                ):
+                    busy = ended.error
                 if (
                     self._is_transient(ended.error, reopening=self._has_had_session)
                     and time.monotonic() + backoff_s < deadline
@@ -323,8 +356,7 @@ class StepSession:
                     continue
                 if self._is_transient(ended.error, reopening=False):
                     raise ServiceUnavailable(
-                        f"open session: the stream to {settings.address} kept breaking for "
-                        f"{settings.timeout_s} s"
+                        f"open session: {self._why_no_reply(ended.error)}"
                     ) from ended.error
                 if self._is_transient(ended.error, reopening=self._has_had_session):
                     # NOTE: not SessionConflict: a pending step must stay pending, and the
@@ -411,14 +443,27 @@ class StepSession:
         self._info = info
 
     # --- errors -----------------------------------------------------------------------
+    def _why_no_reply(self, error: BaseException | None) -> str:
+        """Why a transient failure lasted until the deadline, for a message."""
+        settings = self._settings
+        if isinstance(error, grpc.RpcError) and _convert.error_class(error) is StepInFlight:
+            return (
+                f"{settings.address} was still applying a step after {settings.timeout_s} s "
+                f"({_convert.describe(error)})"
+            )
+        return f"the stream to {settings.address} kept breaking for {settings.timeout_s} s"
+
     @staticmethod
     def _is_transient(error: BaseException | None, *, reopening: bool) -> bool:
-        """True for a broken transport (and, when reopening, our own stale session)."""
+        """True for a broken transport, a server still busy with a step (StepInFlight:
+        nothing changed, retry later), and, when reopening, our own stale session."""
         if error is None:
             return True
         if not isinstance(error, grpc.RpcError):
             return False
         if _convert.is_transport_failure(error):
+            return True
+        if _convert.error_class(error) is StepInFlight:
             return True
         # NOTE: after a cut, the server may not have noticed yet that our old stream
         # ended, so for a moment it still counts it as the open session.
@@ -430,6 +475,8 @@ class StepSession:
         mapped = _convert.defrag_error(error, context)
         if isinstance(mapped, EpochMismatch):
             return self._epoch_error(str(mapped))
+        if isinstance(mapped, EngineUnhealthy):
+            return self._unhealthy_error(str(mapped))
         return mapped
 
     def _epoch_error(self, message: str) -> EpochMismatch:
@@ -438,6 +485,24 @@ class StepSession:
             "restarted or was reset, so its mapping and KV data are new. Drop the "
             "scheduler's requests and call reset() (or rebuild_mirror() to adopt the "
             "server's state)"
+        )
+        self._unusable = err
+        self._pending = None
+        return err
+
+    def _unhealthy_error(self, message: str) -> EngineUnhealthy:
+        """Makes the session unusable after the server's engine failed a KV move.
+
+        NOTE: the step that failed was applied without its compaction, its placements
+        included (docs/design.md §4), and the client cannot tell whether this refusal was
+        that step or a later one, so the mirror may already differ from the server's
+        mapping. Answering reads from it would send the forward pass to the old places,
+        and whatever it wrote there would be lost once the mirror is rebuilt.
+        """
+        err = EngineUnhealthy(
+            f"{message.rstrip('.')}; refused: the failed step may have been applied (its "
+            "placements included) without this client's mirror, so reads and steps are "
+            "refused until rebuild_mirror() adopts the server's state (or reset() starts over)"
         )
         self._unusable = err
         self._pending = None

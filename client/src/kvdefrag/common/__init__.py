@@ -21,6 +21,7 @@ from kvdefrag.common.errors import (
     ServiceUnavailable,
     SessionConflict,
     StalePageToken,
+    StepInFlight,
     StepOutcomeUnknown,
     StepPending,
 )
@@ -44,6 +45,7 @@ __all__ = [
     "SessionConflict",
     "StalePageToken",
     "StepEvents",
+    "StepInFlight",
     "StepOutcomeUnknown",
     "StepPending",
     "Totals",

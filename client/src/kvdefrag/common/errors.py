@@ -76,7 +76,19 @@ class MirrorDiverged(DefragError):
 class ServiceUnavailable(DefragError):
     """The service could not be reached, or did not answer within the deadline.
 
-    Raised by the client only, for transport failures that carry no kvdefrag error.
+    Raised by the client for transport failures that carry no kvdefrag error, and in
+    process by ``ServerHandle.wait_applied`` when its step is not applied in time.
+    """
+
+
+class StepInFlight(ServiceUnavailable):
+    """Refused for now: a step (or a reset) is still being applied, and this call would
+    wait behind it.
+
+    The server answers at once (after a short bounded wait) instead of keeping one of its
+    few handler threads per waiting call, so retries behind a slow step never starve its
+    probes. Nothing changed: retry later. A resend of the step in flight is then answered
+    from the replay cache, so it is still applied once.
     """
 
 
@@ -115,7 +127,8 @@ class StepPending(DefragError):
 
 
 # Every class the server may name in ``ERROR_METADATA_KEY`` (the client-only classes,
-# MirrorDiverged, ServiceUnavailable and the pending-step ones, never cross the wire).
+# MirrorDiverged, ServiceUnavailable, StepOutcomeUnknown and StepPending, never cross the
+# wire).
 WIRE_ERRORS: dict[str, type[DefragError]] = {
     cls.__name__: cls
     for cls in (
@@ -127,5 +140,6 @@ WIRE_ERRORS: dict[str, type[DefragError]] = {
         MessageTooLarge,
         NotFound,
         StalePageToken,
+        StepInFlight,
     )
 }

@@ -225,12 +225,14 @@ class DefragmentResponse(_message.Message):
     def __init__(self, is_scheduled: _Optional[bool] = ...) -> None: ...
 
 class ResetRequest(_message.Message):
-    __slots__ = ("epoch", "prefix_caching")
+    __slots__ = ("epoch", "prefix_caching", "force")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHING_FIELD_NUMBER: _ClassVar[int]
+    FORCE_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     prefix_caching: bool
-    def __init__(self, epoch: _Optional[int] = ..., prefix_caching: _Optional[bool] = ...) -> None: ...
+    force: bool
+    def __init__(self, epoch: _Optional[int] = ..., prefix_caching: _Optional[bool] = ..., force: _Optional[bool] = ...) -> None: ...
 
 class ResetResponse(_message.Message):
     __slots__ = ("epoch",)

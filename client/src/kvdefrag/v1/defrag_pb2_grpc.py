@@ -135,6 +135,8 @@ class DefragServiceServicer:
 
     def Reset(self, request, context):
         """Forgets all state (identity mapping, healthy again) and starts a new epoch.
+        Refused (FAILED_PRECONDITION, kvdefrag-error SessionConflict) while a writer session
+        is open, unless forced: see ResetRequest.force.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -553,6 +553,8 @@ class Engine:
 
         Raises:
             StalePageToken: A step or a reset was applied since that generation.
+            InvalidArgument: ``start`` is past the last request (no page of this
+                generation ever started there: a forged or corrupted token).
         """
         assert max_requests >= 1, f"a page holds at least one request, got {max_requests}"
         with self._lock:
@@ -562,6 +564,10 @@ class Engine:
                     "was applied); list again from the first page"
                 )
             requests = self._tracker.requests
+            if not 0 <= start <= len(requests):
+                raise InvalidArgument(
+                    f"its position {start} is past the {len(requests)} running requests"
+                )
             page = {
                 request_id: list(logical_ids)
                 for request_id, logical_ids in itertools.islice(

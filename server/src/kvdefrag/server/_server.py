@@ -215,13 +215,15 @@ class ServerHandle:
         """Returns once the service has applied step ``seq`` of ``epoch``.
 
         For a worker told of a step that its scheduler sent without waiting for the reply
-        (``kvdefrag.client.vllm``): call it before taking ``kv_lock`` (the step may
-        need the lock to move KV data).
+        (``kvdefrag.vllm``): call it before taking ``kv_lock`` (the step may need the lock
+        to move KV data). ``timeout_s`` bounds it whatever the service is doing (a step
+        that hangs in the executor included), and ``stop()`` ends it at once.
 
         Raises:
             EpochMismatch: The service is at another epoch (restarted or reset).
             EngineUnhealthy: A KV move failed; the step may never be applied.
-            ServiceUnavailable: Not applied within ``timeout_s``, or the service stops.
+            ServiceUnavailable: Not applied within ``timeout_s``, or the service stops;
+                the message names the step (epoch, seq) and the bound.
         """
         self._servicer.wait_applied(epoch, seq, timeout_s)
 
@@ -235,20 +237,30 @@ class ServerHandle:
         """The server's current epoch."""
         return self._servicer.epoch
 
-    def reset(self, *, prefix_caching: bool | None = None) -> int:
+    def reset(self, *, prefix_caching: bool | None = None, force: bool = False) -> int:
         """Resets the served engine through the servicer, as the Reset RPC does.
 
         Forgets every request, restores the identity mapping and starts a new epoch
         (healthy again): a client of the old epoch gets ``EpochMismatch`` at its next
-        step. The KV data stays where it is.
+        step, and a worker's ``wait_applied`` for a step of the old epoch raises it too.
+        The KV data stays where it is.
+
+        Refused while a writer session is open (a running vLLM scheduler): its workers
+        would translate with the identity mapping while the data stays where it was
+        moved. ``force`` resets anyway and ends that session: restart vLLM after it.
 
         Args:
             prefix_caching: The mode of the new epoch; None keeps the current one.
+            force: Reset even while a writer session is open.
 
         Returns:
             The new epoch.
+
+        Raises:
+            SessionConflict: A writer session is open and ``force`` is not set.
+            StepInFlight: A step is still being applied; retry once it is done.
         """
-        return self._servicer.reset(prefix_caching=prefix_caching)
+        return self._servicer.reset(prefix_caching=prefix_caching, force=force)
 
     def stop(self, grace_s: float | None = 5.0) -> bool:
         """Stops serving: health NOT_SERVING first, then in-flight steps finish.

@@ -13,6 +13,14 @@ read what the engine published (or take the engine lock only to copy a request t
 and build their replies with no lock held, so a large read never stalls the writer's
 steps, and a step never stalls a probe.
 
+No call waits long for that lock either, since a step may hold it for as long as the
+device copy takes (or forever, if the executor hangs). gRPC has a few handler threads
+for every call, probes included, so a call that needs the lock (``open``, a step,
+Reset) waits at most ``LOCK_WAIT_S`` and is then answered ``StepInFlight``
+(UNAVAILABLE): its caller retries later, and a retry holds no thread meanwhile. The
+worker's ``wait_applied`` never takes the lock: it reads the published ``(epoch,
+next_seq)`` under a leaf lock that is only held to publish it.
+
 Every caller mistake is a ``DefragError``; ``ERROR_CODES`` is the one table that turns
 it into a gRPC status, and the class name travels in the trailing metadata
 ``kvdefrag-error`` so the client can raise the same class.
@@ -21,6 +29,7 @@ it into a gRPC status, and the class name travels in the trailing metadata
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -46,6 +55,7 @@ from kvdefrag.common import (
     SessionConflict,
     StalePageToken,
     StepEvents,
+    StepInFlight,
 )
 from kvdefrag.common.errors import quote
 from kvdefrag.server import _convert
@@ -56,8 +66,10 @@ from kvdefrag.server.config import ServiceConfig
 
 _LOGGER = logging.getLogger(__name__)
 
-# How often wait_applied looks at what is signalled without the lock (stopping).
-_WAIT_SLICE_S = 0.1
+# How long a call that needs the servicer lock (open, a step, Reset) waits for it before
+# it is answered StepInFlight: long enough for any ordinary step, short enough that no
+# handler thread stays behind a step that hangs.
+LOCK_WAIT_S = 0.5
 
 ERROR_CODES: dict[type[DefragError], grpc.StatusCode] = {
     InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
@@ -68,6 +80,7 @@ ERROR_CODES: dict[type[DefragError], grpc.StatusCode] = {
     MessageTooLarge: grpc.StatusCode.RESOURCE_EXHAUSTED,
     NotFound: grpc.StatusCode.NOT_FOUND,
     StalePageToken: grpc.StatusCode.ABORTED,
+    StepInFlight: grpc.StatusCode.UNAVAILABLE,
 }
 
 Message = Any
@@ -131,10 +144,24 @@ class _ShuttingDown(Exception):
 
 @dataclasses.dataclass(eq=False)
 class _Session:
-    """One open stream session (compared by identity)."""
+    """One open stream session (compared by identity).
+
+    ``reset_to`` is the epoch a forced reset started while this session held the
+    service (0: none): its later steps are refused with ``EpochMismatch``.
+    """
 
     client_name: str
     cancel_stream: Callable[[], object]
+    reset_to: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class _StepInProgress:
+    """The step the engine is applying (published without the lock, for messages)."""
+
+    epoch: int
+    seq: int
+    started_s: float
 
 
 class DefragServicer:
@@ -142,7 +169,8 @@ class DefragServicer:
 
     Invariants: ``next_seq - 1`` steps were applied in this epoch, each exactly once;
     the replay cache holds only replies of this epoch; at most one stream session is
-    open, and while it is, only that stream applies steps.
+    open, and while it is, only that stream applies steps and Reset is refused unless
+    forced; ``_applied`` is ``(epoch, next_seq)`` as of the last change to either.
 
     Args:
         engine: The engine to serve (the one owner of the pool state).
@@ -166,10 +194,14 @@ class DefragServicer:
         self._max_message_bytes = config.max_message_bytes
         self._metrics = metrics
         self._lock = threading.Lock()
-        # Notified (under the lock) whenever _next_seq or _epoch changes: wait_applied.
-        self._seq_changed = threading.Condition(self._lock)
+        self._in_progress: _StepInProgress | None = None
         self._epoch = new_epoch()
         self._next_seq = 1
+        # NOTE: (epoch, next_seq) published as one tuple, so a reader without the lock
+        # never pairs one epoch's seq with another epoch. The condition's own lock is a
+        # leaf, held only to publish or to check: wait_applied never waits behind a step.
+        self._applied = (self._epoch, self._next_seq)
+        self._progress = threading.Condition(threading.Lock())
         self._replies: collections.OrderedDict[int, Message] = collections.OrderedDict()
         self._session: _Session | None = None
         # Set without the lock: stop() must not wait behind a step that hangs.
@@ -180,42 +212,92 @@ class DefragServicer:
 
     @property
     def epoch(self) -> int:
-        """The current epoch."""
-        with self._lock:
-            return self._epoch
+        """The current epoch (lock-free: never waits for a step in flight)."""
+        return self._applied[0]
 
     def wait_applied(self, epoch: int, seq: int, timeout_s: float) -> None:
         """Returns once step ``seq`` of ``epoch`` has been applied (for an in-process
         reader that must not act before a step it was told of, sent by someone else).
 
+        Bounded by ``timeout_s`` whatever holds the servicer lock (a step that hangs in
+        the executor included): it never takes that lock. ``begin_shutdown`` ends it at
+        once.
+
         Raises:
             EpochMismatch: The server is at another epoch (restarted or reset).
             EngineUnhealthy: A KV move failed: the step may never be applied.
             ServiceUnavailable: The step was not applied within ``timeout_s``, or the
-                server is stopping.
+                server is stopping; the message names the step and the bound.
         """
         deadline = time.monotonic() + timeout_s
-        with self._seq_changed:
+        with self._progress:
             while True:
-                if self._epoch != epoch:
+                current_epoch, next_seq = self._applied
+                if current_epoch != epoch:
                     raise EpochMismatch(
                         f"waiting for step seq {seq} of epoch {epoch}: the server is at "
-                        f"epoch {self._epoch} (it restarted or was reset)"
+                        f"epoch {current_epoch} (it restarted or was reset)"
                     )
-                if self._next_seq > seq:
+                if next_seq > seq:
                     return
                 reason = self._engine.unhealthy_reason
                 if reason is not None:
-                    raise EngineUnhealthy(reason)
+                    raise EngineUnhealthy(f"waiting for step seq {seq} of epoch {epoch}: {reason}")
                 remaining_s = deadline - time.monotonic()
-                if remaining_s <= 0 or self._is_stopping.is_set():
+                is_stopping = self._is_stopping.is_set()
+                if remaining_s <= 0 or is_stopping:
                     raise ServiceUnavailable(
-                        f"step seq {seq} of epoch {epoch} was not applied within "
-                        f"{timeout_s} s (next seq {self._next_seq})"
-                        + ("; the server is stopping" if self._is_stopping.is_set() else "")
+                        f"step seq {seq} of epoch {epoch} was not applied within the "
+                        f"{timeout_s} s bound (next seq {next_seq}"
+                        + self._describe_in_progress()
+                        + ")"
+                        + ("; the server is stopping" if is_stopping else "")
                     )
-                # NOTE: in slices: stopping is signalled without the lock.
-                self._seq_changed.wait(min(remaining_s, _WAIT_SLICE_S))
+                self._progress.wait(remaining_s)
+
+    def _publish_progress(self) -> None:
+        """Publishes ``(epoch, next_seq)`` and wakes ``wait_applied`` (under the lock)."""
+        with self._progress:
+            self._applied = (self._epoch, self._next_seq)
+            self._progress.notify_all()
+
+    def _describe_in_progress(self) -> str:
+        """``; step seq N of epoch E has been running for T s`` when one is, else ``""``."""
+        step = self._in_progress
+        if step is None:
+            return ""
+        return (
+            f"; step seq {step.seq} of epoch {step.epoch} has been running for "
+            f"{time.monotonic() - step.started_s:.1f} s"
+        )
+
+    @contextlib.contextmanager
+    def _locked(self, what: str) -> Iterator[None]:
+        """Holds the servicer lock, waiting at most ``LOCK_WAIT_S`` for it.
+
+        NOTE: a step holds the lock for as long as its device copy takes. A call that
+        waited for it without bound would keep its gRPC handler thread; a few retries
+        behind a hung step would then take every thread, health checks' included. Bounded,
+        each holds its thread for at most ``LOCK_WAIT_S``, so a client's retries (one
+        after another) never pile up.
+
+        Raises:
+            StepInFlight: The lock stayed held (by a step, or a reset) past the wait.
+        """
+        if not self._lock.acquire(timeout=LOCK_WAIT_S):
+            raise self._busy(what)
+        try:
+            yield
+        finally:
+            self._lock.release()
+
+    def _busy(self, what: str) -> StepInFlight:
+        return StepInFlight(
+            f"{what}: refused for now: the service stayed busy for {LOCK_WAIT_S} s"
+            + self._describe_in_progress()
+            + "; nothing changed, retry later (a resend of the step in flight is then "
+            "answered from the replay cache)"
+        )
 
     def begin_shutdown(self, timeout_s: float) -> bool:
         """Refuses every later step and ends the open stream once its step is done.
@@ -229,6 +311,8 @@ class DefragServicer:
             it (a step in flight, or with no grace at all also a read that was running).
         """
         self._is_stopping.set()
+        with self._progress:
+            self._progress.notify_all()  # every wait_applied ends now
         is_idle = self._lock.acquire(timeout=max(timeout_s, 0.0))
         try:
             session = self._session
@@ -262,7 +346,7 @@ class DefragServicer:
                     session, reply = self._call(
                         "StepStream", context, functools.partial(self._open, request, context)
                     )
-                    context.add_callback(functools.partial(self._release, session))
+                    context.add_callback(functools.partial(self._release_soon, session))
                 else:
                     reply = self._call(
                         "StepStream",
@@ -330,7 +414,7 @@ class DefragServicer:
         args = _convert.open_args(body)
         check_client_name(args.client_name)
         engine = self._engine
-        with self._lock:
+        with self._locked("open"):
             if self._is_stopping.is_set():
                 raise _ShuttingDown("the server is shutting down")
             if self._session is not None:
@@ -379,17 +463,35 @@ class DefragServicer:
             self._metrics.record_error("StepStream", grpc.StatusCode.CANCELLED.name)
 
     def _release(self, session: _Session) -> None:
+        if self._session is not session:
+            return  # NOTE: ended already (a forced reset, or the callback); never ours again
         with self._lock:
-            if self._session is session:
-                self._session = None
-                _LOGGER.info("stream session of %r closed", session.client_name)
+            self._release_locked(session)
+
+    def _release_soon(self, session: _Session) -> None:
+        """Releases the session when its stream ends, if the lock is free now.
+
+        NOTE: gRPC runs this callback in its one polling thread: waiting there for the
+        lock, which a step may hold for long, would stall every call of the server. When
+        the lock is busy, the stream's handler releases the session as it finishes.
+        """
+        if self._lock.acquire(blocking=False):
+            try:
+                self._release_locked(session)
+            finally:
+                self._lock.release()
+
+    def _release_locked(self, session: _Session) -> None:
+        if self._session is session:
+            self._session = None
+            _LOGGER.info("stream session of %r closed", session.client_name)
 
     def _step(self, request: Message, session: _Session | None) -> Message:
         """Applies one step once; returns its reply as the stream sends it (a
         StepStreamResponse; the unary Step returns its ``step``)."""
         seq, epoch = request.seq, request.epoch
         engine = self._engine
-        with self._lock:
+        with self._locked(f"step seq {seq}"):
             if self._is_stopping.is_set():
                 raise _ShuttingDown("the server is shutting down")
             if self._session is not session:
@@ -399,6 +501,12 @@ class DefragServicer:
                         "Step: a stream session (client_name="
                         f"{quote(self._session.client_name)}) is open; unary steps are refused "
                         "while it is"
+                    )
+                if session.reset_to:
+                    raise EpochMismatch(
+                        f"step.epoch {epoch or 'current'}: a forced reset started epoch "
+                        f"{session.reset_to} under this session and ended it; the client's "
+                        "state is stale"
                     )
                 raise SessionConflict("step: this stream's session is closed")
             reason = engine.unhealthy_reason
@@ -429,6 +537,7 @@ class DefragServicer:
             events = _convert.step_events(request)
             self._check_reply_bound(events)
             num_steps = engine.stats().totals.num_steps
+            self._in_progress = _StepInProgress(self._epoch, seq, time.monotonic())
             try:
                 result = engine.apply_events(events)
             except EngineUnhealthy:
@@ -437,14 +546,16 @@ class DefragServicer:
                     # is used up. A resend gets EngineUnhealthy, as every step does until
                     # a Reset starts a new epoch, so no reply is cached for it.
                     self._next_seq += 1
-                    self._seq_changed.notify_all()
+                self._publish_progress()  # wait_applied sees the failure at once
                 raise
+            finally:
+                self._in_progress = None
             response = _convert.step_response(result, seq, self._epoch)
             self._replies[seq] = response
             while len(self._replies) > self._replay_cache_size:
                 self._replies.popitem(last=False)
             self._next_seq += 1
-            self._seq_changed.notify_all()
+            self._publish_progress()
         return response
 
     # --- reads (no servicer lock) -----------------------------------------------------
@@ -454,16 +565,22 @@ class DefragServicer:
         NOTE: a seqlock. Reset makes ``_reset_version`` odd, resets the engine, changes
         the epoch, and makes it even again, all under the lock. A read that saw the same
         even version before and after ran wholly within one epoch; one that raced a
-        Reset (rare) reads again under the lock, which waits for the Reset.
+        Reset (rare) reads again once it is over, never waiting for the lock itself
+        (a step may hold it for long).
         """
-        version = self._reset_version
-        if version % 2 == 0:
-            epoch = self._epoch
-            value = read()
-            if self._reset_version == version:
-                return epoch, value
-        with self._lock:
-            return self._epoch, read()
+        deadline = time.monotonic() + LOCK_WAIT_S
+        while True:
+            version = self._reset_version
+            if version % 2 == 0:
+                epoch = self._epoch
+                value = read()
+                if self._reset_version == version:
+                    return epoch, value
+            if time.monotonic() > deadline:
+                raise StepInFlight(
+                    f"read: a reset kept changing the state for {LOCK_WAIT_S} s; retry"
+                )
+            time.sleep(0.001)
 
     def _resolve(self, request: Message) -> Message:
         engine = self._engine
@@ -521,7 +638,14 @@ class DefragServicer:
             _convert.parse_page_token(token) if token else (None, None, 0)
         )
         engine = self._engine
-        epoch, page = self._read(lambda: engine.list_requests_page(start, max_requests, generation))
+        try:
+            epoch, page = self._read(
+                lambda: engine.list_requests_page(start, max_requests, generation)
+            )
+        except InvalidArgument as err:
+            raise InvalidArgument(
+                f"page_token {quote(token)} is not a next_page_token this server issued: {err}"
+            ) from None
         if token_epoch is not None and token_epoch != epoch:
             raise StalePageToken(
                 f"page_token belongs to epoch {token_epoch}, not to the server's epoch "
@@ -541,39 +665,73 @@ class DefragServicer:
         return _convert.defragment_response()
 
     def _reset(self, request: Message) -> Message:
-        epoch = self.reset(epoch=request.epoch, prefix_caching=request.prefix_caching)
+        epoch = self.reset(
+            epoch=request.epoch, prefix_caching=request.prefix_caching, force=request.force
+        )
         return _convert.reset_response(epoch)
 
-    def reset(self, *, epoch: int = 0, prefix_caching: bool | None = None) -> int:
+    def reset(
+        self, *, epoch: int = 0, prefix_caching: bool | None = None, force: bool = False
+    ) -> int:
         """Resets the engine and starts a new epoch: the one way to reset a served engine.
 
         The Reset RPC and ``ServerHandle.reset`` both come here, so every reset changes
         the epoch: a client of the old epoch gets ``EpochMismatch`` at its next step.
 
+        Refused while a writer session is open: a running vLLM's workers would go on
+        translating block ids with the new identity mapping while the KV data stays where
+        the moves put it (silent corruption). ``force`` resets anyway and ends that
+        session; it means restarting vLLM (its scheduler and workers fail at their next
+        step with ``EpochMismatch``).
+
         Args:
             epoch: The epoch being reset; 0 resets whatever is current.
             prefix_caching: The mode of the new epoch; None keeps the current one.
+            force: Reset even while a writer session is open (restart vLLM after it).
 
         Returns:
             The new epoch.
 
         Raises:
             EpochMismatch: ``epoch`` is not 0 and not the current epoch.
+            SessionConflict: A writer session is open and ``force`` is not set.
+            StepInFlight: A step is still being applied; retry once it is done.
         """
-        with self._lock:
+        with self._locked("reset"):
             if epoch and epoch != self._epoch:
                 raise EpochMismatch(f"reset.epoch {epoch} is not the server epoch {self._epoch}")
+            session = self._session
+            if session is not None and not force:
+                raise SessionConflict(
+                    f"reset refused: a writer session (client_name="
+                    f"{quote(session.client_name)}) holds the service; resetting under it "
+                    "would corrupt a running vLLM, whose workers would translate block ids "
+                    "with the new identity mapping while the KV data stays where it was "
+                    "moved. Stop the writer first, or pass force to reset anyway, which "
+                    "means you must restart vLLM"
+                )
             self._reset_version += 1
             try:
                 self._engine.reset(prefix_caching=prefix_caching)
                 self._epoch = new_epoch(self._epoch)
                 self._next_seq = 1
                 self._replies.clear()
+                if session is not None:
+                    session.reset_to = self._epoch
+                    self._session = None
             finally:
                 self._reset_version += 1
-                self._seq_changed.notify_all()
+                self._publish_progress()
             epoch = self._epoch
             is_prefix_caching = self._engine.config.prefix_caching
+        if session is not None:
+            _LOGGER.warning(
+                "reset forced while %r held the writer session: its stream is ended and its "
+                "state is stale (new epoch %d); restart vLLM",
+                session.client_name,
+                epoch,
+            )
+            session.cancel_stream()
         _LOGGER.info("reset: new epoch %d (prefix_caching=%s)", epoch, is_prefix_caching)
         return epoch
 

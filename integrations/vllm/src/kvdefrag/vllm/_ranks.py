@@ -19,7 +19,13 @@ import grpc
 
 from kvdefrag.client import DefragClient, StepReply
 from kvdefrag.client._channel import open_channel
-from kvdefrag.common import DefragError, ServiceUnavailable, StepEvents, StepOutcomeUnknown
+from kvdefrag.common import (
+    DefragError,
+    EpochMismatch,
+    ServiceUnavailable,
+    StepEvents,
+    StepOutcomeUnknown,
+)
 from kvdefrag.common.events import checked_step_events
 from kvdefrag.common.identity import identity_proof
 from kvdefrag.v1 import identity_pb2, identity_pb2_grpc
@@ -168,14 +174,16 @@ class RankGroup:
         Raises:
             InvalidArgument: ``events`` is not a ``StepEvents``, or a field has the wrong
                 type; no rank was sent anything.
-            RanksDiverged: The ranks' digests differ, or a rank's epoch changed.
+            RanksDiverged: The ranks' digests differ, or a rank's epoch changed (its
+                service restarted, or a forced reset: it refuses the step with
+                ``EpochMismatch``).
             StepOutcomeUnknown: A rank did not answer, even after its pending step was
                 resent ``MAX_COMPLETION_ATTEMPTS`` times (it stays pending there).
             DefragError: A rank refused the step (the first such error, by rank).
         """
         events = checked_step_events(events)
         if len(self.clients) == 1:
-            return self._checked([step_through_timeouts(self.primary, events)])
+            return self._checked([_rank_step(0, self.primary, events)])
         return self.submit(events).result()
 
     def submit(self, events: StepEvents) -> InFlightStep:
@@ -192,7 +200,8 @@ class RankGroup:
         events = checked_step_events(events)
         stamp = StepStamp(tuple((client.epoch, client.next_seq) for client in self.clients))
         futures = [
-            self._pool.submit(step_through_timeouts, client, events) for client in self.clients
+            self._pool.submit(_rank_step, rank, client, events)
+            for rank, client in enumerate(self.clients)
         ]
         return InFlightStep(stamp, lambda: self._checked([f.result() for f in futures]))
 
@@ -227,6 +236,22 @@ class InFlightStep:
     def result(self) -> StepReply:
         """Waits for every rank's reply; raises as ``RankGroup.step`` does."""
         return self._wait()
+
+
+def _rank_step(rank: int, client: DefragClient, events: StepEvents) -> StepReply:
+    """One rank's step; a rank at another epoch is a divergence of the group.
+
+    NOTE: a rank's service that restarted, or was reset by force, refuses the step with
+    ``EpochMismatch``: its mapping is the identity while its KV data stayed where the
+    moves put it, and the other ranks go on with theirs, so the group has diverged.
+    """
+    try:
+        return step_through_timeouts(client, events)
+    except EpochMismatch as err:
+        raise RanksDiverged(
+            f"rank {rank}: its service is at another epoch (it restarted or was reset by "
+            f"force: {err}); restart vLLM to start every rank over"
+        ) from err
 
 
 def step_through_timeouts(client: DefragClient, events: StepEvents) -> StepReply:
