@@ -490,6 +490,23 @@ def test_the_runners_rows_follow_the_blocks_that_moved() -> None:
     assert translator.advance()[1] is None
 
 
+def test_the_lists_of_requests_in_the_batch_follow_their_rows_and_the_others_are_scanned() -> None:
+    runner = _v1_runner([[1, 2, 3], [4, 6]])
+    runner.input_batch.req_ids = ["r0", "r1", None, None]
+    runner.requests["out"] = SimpleNamespace(block_ids=([6, 2],))  # preempted: not in the batch
+    table = runner.input_batch.block_table.block_tables[0].block_table.np
+    table[1, 2] = 1  # a stale entry past row 1's length (2): rewritten, but no list holds it
+    # swapped the data of physical 1 and 6, moved 4 to 5
+    remap = Remap(np.array([0, 6, 2, 3, 5, 4, 1, 7]), np.array([1, 4, 6]))
+
+    remap_v1_runner_rows(runner, remap)
+
+    assert runner.requests["r0"].block_ids == ([6, 2, 3],)
+    assert runner.requests["r1"].block_ids == ([5, 1],)
+    assert runner.requests["out"].block_ids == ([1, 2],)
+    assert table[0, :3].tolist() == [6, 2, 3] and table[1, :3].tolist() == [5, 1, 6]
+
+
 def test_moves_over_several_compactions_compose() -> None:
     """Data that moved twice between two passes is followed to where it is now; a slot
     whose data moved away one way is not where anything went."""

@@ -45,12 +45,13 @@ def remap_v1_runner_rows(model_runner: Any, remap: Remap) -> None:
     block tables of the persistent batch (``input_batch.block_table``, committed to the
     device at every step) and each request's ``block_ids`` lists (rows of requests outside
     the batch come back from these). Cost: one gather over the batch's rows in use, then
-    only the lists of requests that name a moved block.
+    one assignment per entry that changed in the lists of the batch's requests (their
+    lists equal their rows), and a scan of the lists of requests outside the batch.
     """
     batch = model_runner.input_batch
-    affected: set[str] = set()
     row_to_request = getattr(batch, "req_ids", None)
-    for table in batch.block_table.block_tables:
+    followed: set[str] = set()
+    for group_index, table in enumerate(batch.block_table.block_tables):
         lengths = table.num_blocks_per_row
         in_use = np.flatnonzero(lengths)
         if in_use.size == 0:
@@ -59,16 +60,24 @@ def remap_v1_runner_rows(model_runner: Any, remap: Remap) -> None:
         num_columns = int(lengths[:num_rows].max())
         rows = table.block_table.np[:num_rows, :num_columns]
         remapped = remap.table[rows]
-        changed = np.flatnonzero((remapped != rows).any(axis=1))
+        changed_rows, changed_columns = np.nonzero(remapped != rows)
         rows[...] = remapped
         if row_to_request is None:
             continue
-        affected.update(str(row_to_request[row]) for row in changed.tolist() if row_to_request[row])
-    in_batch = getattr(batch, "req_id_to_index", None)
+        for row in range(num_rows):
+            request_id = row_to_request[row]
+            if request_id:
+                followed.add(str(request_id))
+        for row, column in zip(changed_rows.tolist(), changed_columns.tolist(), strict=True):
+            if column >= lengths[row]:
+                continue  # past the row's length: stale, and no list holds it
+            state = model_runner.requests.get(row_to_request[row])
+            if state is not None:
+                state.block_ids[group_index][column] = int(remapped[row, column])
     moved = set(remap.old_ids.tolist())
     for request_id, state in model_runner.requests.items():
-        if in_batch is not None and request_id in in_batch and request_id not in affected:
-            continue  # its row in the batch names no moved block, nor does its list
+        if request_id in followed:
+            continue  # its list followed its row in the batch
         for group in state.block_ids:
             if group and not moved.isdisjoint(group):
                 group[:] = remap[group].tolist()
