@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from vllm.v1.core.sched.output import SchedulerOutput
 
+from kvdefrag.common import InvalidArgument, StepEvents
 from kvdefrag.vllm.common import map_block_ids
 from kvdefrag.vllm.gaudi import DefragHPUSwitch
 
@@ -103,6 +104,81 @@ def test_sabotage_a_runner_that_skips_the_resolve_corrupts(
 ) -> None:
     _, workers, _ = _run(model_dir, ranks, is_async=False, skip_resolve=True)
     assert workers[0].num_corrupted > 0
+
+
+class _SeedOrder:
+    """Each step's events sent to the ranks as vllm-gaudi's runner hook orders them
+    (``update_state(new | cached, finished_req_ids)``): first the blocks handed out (new,
+    resumed, fresh, evicted), then, as a step of its own, the requests that let go of
+    theirs. With ``reorder`` False the events go through unchanged (the control)."""
+
+    def __init__(self, scheduler: Any, *, reorder: bool) -> None:
+        self.ranks = scheduler.kvdefrag.ranks
+        self.submit = self.ranks.submit
+        self.reorder = reorder
+        self.num_split = 0
+        self.ranks.submit = self.seed_order  # what SchedulerBridge.apply calls
+
+    def seed_order(self, events: StepEvents) -> Any:
+        if not self.reorder or not events.finished:
+            return self.submit(events)
+        taken = StepEvents.build(
+            new_blocks=events.new_blocks,
+            resumed=events.resumed,
+            fresh=events.fresh,
+            evicted=events.evicted,
+        )
+        released = StepEvents.build(finished=events.finished, fresh=[])
+        if taken.is_empty:
+            return self.submit(released)
+        self.num_split += 1
+        self.submit(taken).result()  # one step in flight at a time, as the bridge keeps
+        return self.submit(released)
+
+
+@pytest.mark.parametrize("reorder", [False, True], ids=["kvdefrag-order", "seed-order"])
+def test_sabotage_new_blocks_before_finished_ones_is_refused(
+    model_dir: str, ranks: list[Any], reorder: bool
+) -> None:
+    """The seed's order, new blocks before finished ones, is refused by the engine.
+
+    In vLLM's synchronous loop a request finishes in ``update_from_output`` and its blocks
+    go back to the pool at once; the next ``schedule()`` may hand them to a new request,
+    and the same output lists the finished one. Sent new-first, the step that hands such a
+    block out names it ``fresh`` while the finished request still holds it, and the engine
+    refuses that step outright (``InvalidArgument``, nothing applied) rather than move or
+    overwrite live data; the error surfaces from ``schedule()``. kvdefrag's own order
+    (finished, then new, in one step) runs the same workload with every read signed right.
+    """
+    scheduler = make_scheduler(
+        TwoRankScheduler, model_dir, num_blocks=NUM_BLOCKS, prefix_caching=False
+    )
+    order = _SeedOrder(scheduler, reorder=reorder)
+    workers = _workers(ranks, NUM_BLOCKS)
+    try:
+        if reorder:
+            with pytest.raises(InvalidArgument, match=r"fresh: block id \d+ still holds data"):
+                run_loop(
+                    scheduler,
+                    workers,  # type: ignore[arg-type]
+                    Workload(seed=1, num_requests=80),
+                    resolve=scheduler.kvdefrag.ranks.primary.resolve,
+                )
+            assert order.num_split > 0
+        else:
+            run_loop(
+                scheduler,
+                workers,  # type: ignore[arg-type]
+                Workload(seed=1, num_requests=80),
+                resolve=scheduler.kvdefrag.ranks.primary.resolve,
+            )
+            scheduler.kvdefrag.settle()
+            assert not scheduler.has_requests()
+            assert ranks[0][0].stats().totals.num_moves > 0, "kvdefrag never moved a block"
+            assert workers[0].num_checked > 10_000
+            assert all(worker.num_corrupted == 0 for worker in workers)
+    finally:
+        scheduler.kvdefrag.ranks.close()
 
 
 class _RewritingPath:
