@@ -5,7 +5,8 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
 .PHONY: install system-deps proto proto-check lint typecheck test bench cuda-check hpu-check demo run \
-        image clean install-vllm test-vllm install-vllm-cpu test-vllm-cpu demo-vllm bench-vllm
+        image clean install-vllm test-vllm install-vllm-cpu test-vllm-cpu demo-vllm bench-vllm \
+        record-gaudi-traces
 
 install: $(STAMP)
 
@@ -108,6 +109,11 @@ bench: $(STAMP)
 # blocks, against vLLM alone in the same run (.venv-vllm); BENCH_VLLM_ARGS=--quick for less.
 bench-vllm: $(VLLM_STAMP)
 	$(VLLM_PY) bench/vllm_scale.py $(BENCH_VLLM_ARGS)
+
+# Re-records bench/traces/vllm-*.jsonl.gz (committed; gaudi_buckets.py reads them in .venv):
+# vLLM 0.33's real Scheduler in the Gaudi configuration, both free-block orders.
+record-gaudi-traces: $(VLLM_STAMP)
+	$(VLLM_PY) bench/record_vllm_gaudi_traces.py
 
 # On a machine with a GPU: engine + executor on CUDA tensors, integrity and bandwidth.
 cuda-check: $(STAMP)

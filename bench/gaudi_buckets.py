@@ -29,13 +29,17 @@ last, "fifo").
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import statistics
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 from seed_baseline import SeedEquivalentDefragmenter
 
+from kvdefrag.client.record import parse_trace
+from kvdefrag.common import NULL_BLOCK_ID, StepEvents
 from kvdefrag.server import Engine, EngineConfig
 from kvdefrag.server.config import decode_bucket, exponential_decode_buckets
 from kvdefrag.tools.workload import SyntheticWorkload, WorkloadConfig, WorkloadStep
@@ -48,6 +52,8 @@ MAX_NUM_SEQS = 128  # also vllm-gaudi's bucket step (it uses max_num_seqs)
 LOADS = {"light": 0.03, "mid": 0.08, "heavy": 0.4}
 FREE_ORDERS = ("lifo", "fifo")
 POLICIES = ("none", "seed", "kvdefrag threshold", "kvdefrag buckets")
+TRACES_DIR = Path(__file__).resolve().parent / "traces"
+SIMULATOR, RECORDED = "sim", "vllm"  # where a trace's steps come from
 
 # Goals, from the Gaudi issue: the bucket-aware policy reads and writes no more blocks
 # than the seed with at most half its moves, on every trace, and decode runs in no more
@@ -162,33 +168,104 @@ def make_trace(load: str, free_order: str, num_steps: int) -> list[WorkloadStep]
     return list(SyntheticWorkload(config))
 
 
+def steps_from_events(events: Sequence[StepEvents]) -> list[WorkloadStep]:
+    """Steps of a recorded trace (prefix caching off), with the live blocks after each
+    step worked out from the events: a block is live while a request's list names it."""
+    held: dict[str, list[int]] = {}
+    refs: dict[int, int] = {}
+
+    def drop(block_ids: Iterable[int]) -> None:
+        for block_id in block_ids:
+            refs[block_id] -= 1
+            if not refs[block_id]:
+                del refs[block_id]
+
+    def take(block_ids: Iterable[int]) -> None:
+        for block_id in block_ids:
+            refs[block_id] = refs.get(block_id, 0) + 1
+
+    steps = []
+    for index, step in enumerate(events):
+        for request_id in step.finished:
+            drop(held.pop(request_id, ()))
+        for request_id, block_ids in step.resumed.items():
+            drop(held.pop(request_id, ()))
+            held[request_id] = list(block_ids)
+            take(block_ids)
+        for request_id, block_ids in step.new_blocks.items():
+            held.setdefault(request_id, []).extend(block_ids)
+            take(block_ids)
+        refs.pop(NULL_BLOCK_ID, None)
+        steps.append(
+            WorkloadStep(
+                index=index,
+                events=step,
+                num_scheduled_tokens={},
+                num_live_blocks=len(refs),
+                max_live_block_id=max(refs, default=0),
+                num_running=0,
+                num_waiting=0,
+                num_preempted=0,
+                num_prefix_hit_blocks=0,
+            )
+        )
+    return steps
+
+
+def recorded_traces(folder: Path = TRACES_DIR) -> list[tuple[dict[str, Any], list[WorkloadStep]]]:
+    """The traces ``record_vllm_gaudi_traces.py`` recorded from vLLM 0.33's scheduler:
+    each one's header metadata (``load``, ``free_order``, ...) and its steps."""
+    found = []
+    for path in sorted(folder.glob("vllm-*.jsonl.gz")):
+        with gzip.open(path, "rt", encoding="utf-8") as file:
+            trace = parse_trace(file, path.name)
+        header = trace.header
+        assert not header.prefix_caching, f"{path.name}: recorded with prefix caching"
+        assert (header.num_blocks, header.block_size) == (NUM_BLOCKS, BLOCK_SIZE), path.name
+        found.append((header.metadata, steps_from_events(trace.steps)))
+    order = {load: index for index, load in enumerate(LOADS)}
+    found.sort(key=lambda item: (order.get(item[0]["load"], 99), item[0]["free_order"] != "lifo"))
+    return found
+
+
+def _trace_row(
+    source: str, load: str, free_order: str, steps: Sequence[WorkloadStep], buckets: Sequence[int]
+) -> dict[str, Any]:
+    costs = run_trace(steps, NUM_BLOCKS, buckets)
+    return {
+        "source": source,
+        "load": load,
+        "free_order": free_order,
+        "num_steps": len(steps),
+        "mean_live": statistics.fmean(step.num_live_blocks for step in steps),
+        "mean_max_id": statistics.fmean(step.max_live_block_id for step in steps),
+        "policies": [
+            {
+                "policy": cost.policy,
+                "blocks_read": cost.blocks_read,
+                "blocks_moved": cost.blocks_moved,
+                "blocks_read_written": cost.blocks_read_written,
+                "buckets": sorted(cost.buckets),
+            }
+            for cost in costs
+        ],
+    }
+
+
 def run_gaudi_buckets(quick: bool) -> dict[str, Any]:
-    """Every policy on every trace; ratios against no defragmentation and the seed."""
+    """Every policy on every trace, simulated then recorded; ratios against no
+    defragmentation and the seed."""
     num_steps = 1_500 if quick else 3_000
     buckets = exponential_decode_buckets(NUM_BLOCKS, step=MAX_NUM_SEQS)
     traces = []
     for load in LOADS:
         for free_order in FREE_ORDERS:
             steps = make_trace(load, free_order, num_steps)
-            costs = run_trace(steps, NUM_BLOCKS, buckets)
-            traces.append(
-                {
-                    "load": load,
-                    "free_order": free_order,
-                    "mean_live": statistics.fmean(step.num_live_blocks for step in steps),
-                    "mean_max_id": statistics.fmean(step.max_live_block_id for step in steps),
-                    "policies": [
-                        {
-                            "policy": cost.policy,
-                            "blocks_read": cost.blocks_read,
-                            "blocks_moved": cost.blocks_moved,
-                            "blocks_read_written": cost.blocks_read_written,
-                            "buckets": sorted(cost.buckets),
-                        }
-                        for cost in costs
-                    ],
-                }
-            )
+            traces.append(_trace_row(SIMULATOR, load, free_order, steps, buckets))
+    for metadata, steps in recorded_traces():
+        traces.append(
+            _trace_row(RECORDED, metadata["load"], metadata["free_order"], steps, buckets)
+        )
     return {
         "num_blocks": NUM_BLOCKS,
         "block_size": BLOCK_SIZE,
@@ -198,15 +275,27 @@ def run_gaudi_buckets(quick: bool) -> dict[str, Any]:
     }
 
 
-def goals(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
+def trace_label(trace: dict[str, Any]) -> str:
+    """``"[source] load free_order"`` (no source for a row that has none)."""
+    source = trace.get("source")
+    return f"{source + ' ' if source else ''}{trace['load']} {trace['free_order']}"
+
+
+def goals(results: dict[str, Any], source: str | None = None) -> dict[str, dict[str, Any]]:
     """The worst trace for each goal: bucket-aware read+written over the seed's, its moves
     over the seed's, and its distinct buckets over those without defragmentation.
+
+    Args:
+        results: What ``run_gaudi_buckets`` returned.
+        source: Only the traces of this source (``SIMULATOR``, ``RECORDED``); None: all.
 
     Returns:
         Goal -> ``ratio``, ``trace``, ``measured`` and ``baseline`` on the worst trace.
     """
     worst: dict[str, dict[str, Any]] = {}
     for trace in results["traces"]:
+        if source is not None and trace.get("source") != source:
+            continue
         by_name = {row["policy"]: row for row in trace["policies"]}
         aware, seed, none = by_name["kvdefrag buckets"], by_name["seed"], by_name["none"]
         pairs = {
@@ -219,7 +308,7 @@ def goals(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
             if key not in worst or ratio > worst[key]["ratio"]:
                 worst[key] = {
                     "ratio": ratio,
-                    "trace": f"{trace['load']} {trace['free_order']}",
+                    "trace": trace_label(trace),
                     "measured": measured,
                     "baseline": baseline,
                 }
@@ -252,7 +341,7 @@ def format_gaudi_buckets(results: dict[str, Any]) -> str:
             first = index == 0
             rows.append(
                 [
-                    f"{trace['load']} {trace['free_order']}" if first else "",
+                    trace_label(trace) if first else "",
                     f"{trace['mean_live']:.0f}/{trace['mean_max_id']:.0f}" if first else "",
                     row["policy"],
                     f"{row['blocks_read_written']:,}",
@@ -264,18 +353,20 @@ def format_gaudi_buckets(results: dict[str, Any]) -> str:
                 ]
             )
     lines.append(_table(headers, rows))
-    worst = goals(results)
-    for key, what, goal in (
-        ("read_written_vs_seed", "r+w over the seed's", 1.0),
-        ("moved_vs_seed", "moves over the seed's", GOAL_MOVED_VS_SEED),
-        ("buckets_vs_none", "distinct buckets over no defragmentation's", 1.0),
-    ):
-        ratio = worst[key]["ratio"]
-        verdict = "met" if ratio <= goal else f"NOT met (by {ratio / goal - 1:.1%})"
-        lines.append(
-            f"   goal: bucket-aware {what} <= {goal}x on every trace: worst "
-            f"{ratio:.3f}x ({worst[key]['trace']}), {verdict}"
-        )
+    sources = dict.fromkeys(trace.get("source") for trace in results["traces"])
+    for source in sources:
+        worst = goals(results, source)
+        for key, what, goal in (
+            ("read_written_vs_seed", "r+w over the seed's", 1.0),
+            ("moved_vs_seed", "moves over the seed's", GOAL_MOVED_VS_SEED),
+            ("buckets_vs_none", "distinct buckets over no defragmentation's", 1.0),
+        ):
+            ratio = worst[key]["ratio"]
+            verdict = "met" if ratio <= goal else f"NOT met (by {ratio / goal - 1:.1%})"
+            lines.append(
+                f"   goal: bucket-aware {what} <= {goal}x on every {source or ''} trace: worst "
+                f"{ratio:.3f}x ({worst[key]['trace']}), {verdict}"
+            )
     return "\n".join(lines)
 
 

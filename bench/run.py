@@ -19,7 +19,8 @@ Three parts, printed as tables and written to ``out/bench.json``:
 6. KV traffic over its packed bound per prefix-caching mode (``traffic.py``);
 7. Gaudi decode buckets: blocks read and written per policy when decode reads whole
    buckets, and the distinct buckets (compiles), on light, mid and heavy load with both
-   free-block orders (``gaudi_buckets.py``).
+   free-block orders, on simulated traces and on traces recorded from vLLM 0.33's
+   scheduler (``bench/traces/``; ``gaudi_buckets.py``).
 
 The report ends with ONE table of what a user waits for: each row measured, its baseline
 (measured in the same run), the ratio, the goal and whether it is met.

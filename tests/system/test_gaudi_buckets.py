@@ -119,3 +119,45 @@ def test_goals_report_the_worst_trace(bench: ModuleType) -> None:
     }
     assert (worst["moved_vs_seed"]["ratio"], worst["moved_vs_seed"]["trace"]) == (0.75, "mid lifo")
     assert worst["buckets_vs_none"]["ratio"] == 1.5
+
+
+def test_recorded_events_give_the_live_blocks_after_each_step(bench: ModuleType) -> None:
+    events = [
+        StepEvents.build(new_blocks={"a": [3, 1], "b": [2]}, fresh=[1, 2, 3]),
+        StepEvents.build(new_blocks={"a": [7]}, fresh=[7]),
+        StepEvents.build(finished=["a"], new_blocks={"c": [3]}, fresh=[3]),
+        StepEvents.build(resumed={"b": [5, 4]}, fresh=[5, 4]),
+        StepEvents.build(finished=["b", "c"]),
+    ]
+    steps = bench.steps_from_events(events)
+    assert [(s.num_live_blocks, s.max_live_block_id) for s in steps] == [
+        (3, 3),
+        (4, 7),
+        (2, 3),
+        (3, 5),
+        (0, 0),
+    ]
+    assert [s.events for s in steps] == events
+
+
+def test_recorded_traces_are_read_back(bench: ModuleType, tmp_path: Path) -> None:
+    import gzip
+
+    from kvdefrag.client.record import StepRecorder
+
+    path = tmp_path / "vllm-mid-fifo.jsonl.gz"
+    with (
+        gzip.open(path, "wt", encoding="utf-8") as file,
+        StepRecorder(
+            file,
+            num_blocks=bench.NUM_BLOCKS,
+            block_size=bench.BLOCK_SIZE,
+            metadata={"load": "mid", "free_order": "fifo"},
+            close_file=False,
+        ) as recorder,
+    ):
+        recorder.record(StepEvents.build(new_blocks={"a": [9]}, fresh=[9]))
+        recorder.record(StepEvents.build())
+    ((metadata, steps),) = bench.recorded_traces(tmp_path)
+    assert (metadata["load"], metadata["free_order"]) == ("mid", "fifo")
+    assert [s.max_live_block_id for s in steps] == [9, 9]
