@@ -19,11 +19,20 @@ policy and kvdefrag's bucket-aware policy (``EngineConfig.decode_buckets``), the
 through the real ``Engine`` in process on a tiny KV tensor (one element per block: the
 bookkeeping is real, the copies are trivial).
 
-Traces: the synthetic workload (``kvdefrag.tools.workload``, vLLM's block pool) in a
-Gaudi configuration (128-token blocks, prefix caching off, ``max_num_seqs`` 128) at light,
-mid and heavy load, each with vLLM 0.33's free order (freed blocks reused first, "lifo")
-and with the one of the earlier vLLM v1 releases vllm-gaudi pinned (freed blocks reused
-last, "fifo").
+Traces, both kinds in one table (the first column names the source):
+
+* ``sim``: the synthetic workload (``kvdefrag.tools.workload``, vLLM's block pool) in a
+  Gaudi configuration (128-token blocks, prefix caching off, ``max_num_seqs`` 128) at
+  light, mid and heavy load, each with vLLM 0.33's free order (freed blocks reused first,
+  "lifo") and with the one of the earlier vLLM v1 releases vllm-gaudi pinned (freed blocks
+  reused last, "fifo").
+* ``vllm``: the same loads and orders recorded from vLLM 0.33's real ``Scheduler``
+  (``bench/traces/vllm-{load}-{order}.jsonl.gz``, kvdefrag's trace format gzipped; see
+  ``record_vllm_gaudi_traces.py``, which re-records them in ``.venv-vllm``). This bench
+  only reads them, so it needs no vLLM; the live blocks after each step are worked out
+  from the recorded events (``steps_from_events``).
+
+The goals are checked per source, each over all of its traces.
 """
 
 from __future__ import annotations
