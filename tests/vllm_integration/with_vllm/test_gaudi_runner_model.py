@@ -149,6 +149,9 @@ def test_sabotage_new_blocks_before_finished_ones_is_refused(
     refuses that step outright (``InvalidArgument``, nothing applied) rather than move or
     overwrite live data; the error surfaces from ``schedule()``. kvdefrag's own order
     (finished, then new, in one step) runs the same workload with every read signed right.
+    (Sent new-first without ``fresh``, as the seed knows no freshness, the engine counts
+    the block as shared for one step and nothing is corrupted in this model: the refusal
+    comes from ``fresh``, not from the order alone.)
     """
     scheduler = make_scheduler(
         TwoRankScheduler, model_dir, num_blocks=NUM_BLOCKS, prefix_caching=False
