@@ -69,6 +69,7 @@ import os
 import pickle
 import platform
 import pstats
+import secrets
 import statistics
 import sys
 import tempfile
@@ -106,7 +107,9 @@ from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
+from kvdefrag.common.identity import IDENTITY_SECRET_BYTES
 from kvdefrag.server import ServerHandle, ServiceConfig, serve_in_process
+from kvdefrag.vllm.common import PublishedRank
 from kvdefrag.vllm.scheduler import DefragAsyncScheduler, DefragScheduler
 from kvdefrag.vllm.worker import (
     BlockIdTranslator,
@@ -282,17 +285,17 @@ class VllmScheduleTimer(Scheduler):
         return output
 
 
-def one_service_class(base: type[DefragScheduler], address: str) -> type[DefragScheduler]:
-    """``base`` stepping the one service at ``address`` (the bench's only rank), with
+def one_service_class(base: type[DefragScheduler], rank: PublishedRank) -> type[DefragScheduler]:
+    """``base`` stepping the one service ``rank`` names (the bench's only rank), with
     vLLM's part of ``schedule()`` timed (``VllmScheduleTimer``)."""
 
-    def kvdefrag_addresses(self: DefragScheduler) -> list[str]:
-        return [address]
+    def kvdefrag_ranks(self: DefragScheduler) -> list[PublishedRank]:
+        return [rank]
 
     cls = type(
         f"Bench{base.__name__}",
         (base, VllmScheduleTimer),
-        {"kvdefrag_addresses": kvdefrag_addresses},
+        {"kvdefrag_ranks": kvdefrag_ranks},
     )
     mro = cls.__mro__
     assert mro.index(VllmScheduleTimer) + 1 == mro.index(Scheduler), mro
@@ -671,21 +674,31 @@ def run_config(
     workload = Workload(config.num_requests, config.num_blocks)
     key = torch.zeros(config.num_blocks * BLOCK_SIZE, 1, dtype=torch.uint8)
     socket_path = os.path.join(run_dir, f"rank0-{config.num_blocks}.sock")
+    secret = secrets.token_bytes(IDENTITY_SECRET_BYTES)
     handle = serve_in_process(
-        [(key, None)], BLOCK_SIZE, service_config=ServiceConfig(address=f"unix:{socket_path}")
+        [(key, None)],
+        BLOCK_SIZE,
+        service_config=ServiceConfig(address=f"unix:{socket_path}"),
+        identity_secret=secret,
     )
     try:
-        return _run_config(config, workload, handle, iterations, profile)
+        rank = PublishedRank(handle.address, secret)
+        return _run_config(config, workload, handle, rank, iterations, profile)
     finally:
         handle.stop(grace_s=0.5)
 
 
 def _run_config(
-    config: Config, workload: Workload, handle: ServerHandle, iterations: int, profile: bool
+    config: Config,
+    workload: Workload,
+    handle: ServerHandle,
+    rank: PublishedRank,
+    iterations: int,
+    profile: bool,
 ) -> dict[str, Any]:
     vllm_cls: type[Scheduler] = AsyncScheduler if config.is_async else Scheduler
     defrag_base = DefragAsyncScheduler if config.is_async else DefragScheduler
-    defrag_cls = one_service_class(defrag_base, handle.address)
+    defrag_cls = one_service_class(defrag_base, rank)
     sizes = {
         "num_requests": config.num_requests,
         "num_blocks": config.num_blocks,
