@@ -34,21 +34,16 @@ from __future__ import annotations
 import argparse
 import gzip
 import io
-import json
 import math
 import random
-import tempfile
 from pathlib import Path
 from typing import Any
 
-import torch
-from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
 from vllm.sampling_params import SamplingParams
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request
-from vllm.v1.structured_output import StructuredOutputManager
+from vllm_engineless import build_scheduler
 
 from kvdefrag.client.record import StepRecorder
 from kvdefrag.vllm._bridge import ParkedBlocks, changes_from_output
@@ -68,56 +63,16 @@ AUDIT_EVERY = 50
 OUT_DIR = Path(__file__).resolve().parent / "traces"
 
 
-def _model_config() -> ModelConfig:
-    folder = tempfile.mkdtemp(prefix="kvdefrag-gaudi-traces-")
-    config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "num_hidden_layers": 2,
-        "vocab_size": 32_000,
-        "max_position_embeddings": MAX_MODEL_LEN,
-        "rms_norm_eps": 1e-5,
-        "torch_dtype": "float32",
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-    }
-    Path(folder, "config.json").write_text(json.dumps(config))
-    return ModelConfig(
-        model=folder, skip_tokenizer_init=True, dtype="float32", max_model_len=MAX_MODEL_LEN
-    )
-
-
-def make_scheduler(model_config: ModelConfig, free_order: str) -> Scheduler:
+def make_scheduler(free_order: str) -> Scheduler:
     """vLLM's ``Scheduler`` as ``EngineCore`` builds it, in the Gaudi configuration."""
-    vllm_config = VllmConfig(
-        model_config=model_config,
-        cache_config=CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=False),
-        scheduler_config=SchedulerConfig(
-            max_num_seqs=MAX_NUM_SEQS,
-            max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
-            max_model_len=MAX_MODEL_LEN,
-            is_encoder_decoder=False,
-            async_scheduling=False,
-        ),
-        device_config=DeviceConfig(device="cpu"),
-    )
-    vllm_config.cache_config.num_gpu_blocks = NUM_BLOCKS
-    spec = FullAttentionSpec(
-        block_size=BLOCK_SIZE, num_kv_heads=1, head_size=8, dtype=torch.float32
-    )
-    scheduler = Scheduler(
-        vllm_config=vllm_config,
-        kv_cache_config=KVCacheConfig(
-            num_blocks=NUM_BLOCKS,
-            kv_cache_tensors=[],
-            kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)],
-        ),
-        structured_output_manager=StructuredOutputManager(vllm_config),
+    scheduler = build_scheduler(
+        Scheduler,
         block_size=BLOCK_SIZE,
+        num_blocks=NUM_BLOCKS,
+        max_num_seqs=MAX_NUM_SEQS,
+        max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
+        max_model_len=MAX_MODEL_LEN,
+        prefix_caching=False,
     )
     if free_order == "fifo":
         queue = scheduler.kv_cache_manager.block_pool.free_block_queue
@@ -160,11 +115,9 @@ def _sample(scheduler: Scheduler, output: Any) -> ModelRunnerOutput:
     )
 
 
-def record(
-    model_config: ModelConfig, load: str, free_order: str, num_steps: int, seed: int
-) -> Path:
+def record(load: str, free_order: str, num_steps: int, seed: int) -> Path:
     """Records one trace; returns its path."""
-    scheduler = make_scheduler(model_config, free_order)
+    scheduler = make_scheduler(free_order)
     parked = ParkedBlocks(getattr(scheduler, "deferred_frees", ()))
     scheduler.deferred_frees = parked  # type: ignore[attr-defined]
     ledger = BlockLedger(num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, prefix_caching=False)
@@ -230,10 +183,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--loads", nargs="*", default=list(LOADS))
     args = parser.parse_args()
-    model_config = _model_config()
     for load in args.loads:
         for free_order in FREE_ORDERS:
-            record(model_config, load, free_order, args.steps, args.seed)
+            record(load, free_order, args.steps, args.seed)
 
 
 if __name__ == "__main__":

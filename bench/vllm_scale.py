@@ -86,26 +86,14 @@ os.environ.pop("KVDEFRAG_VLLM_AUDIT_EVERY", None)  # audits are O(pool): once, a
 
 import numpy as np
 import torch
-from vllm.config import (
-    CacheConfig,
-    DeviceConfig,
-    ModelConfig,
-    SchedulerConfig,
-    VllmConfig,
-)
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import (
-    FullAttentionSpec,
-    KVCacheConfig,
-    KVCacheGroupSpec,
-)
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request
-from vllm.v1.structured_output import StructuredOutputManager
+from vllm_engineless import build_scheduler
 
 from kvdefrag.common.identity import IDENTITY_SECRET_BYTES
 from kvdefrag.server import ServerHandle, ServiceConfig, serve_in_process
@@ -204,70 +192,18 @@ class Workload:
 
 
 # --- vLLM's scheduler, built as EngineCore builds it ----------------------------------------
-_MODEL_CONFIG: list[ModelConfig] = []
-
-
-def model_config() -> ModelConfig:
-    """A tiny Llama's config (no weights, no tokenizer), ``MAX_MODEL_LEN`` tokens."""
-    if not _MODEL_CONFIG:
-        folder = tempfile.mkdtemp(prefix="kvdefrag-bench-model-")
-        config = {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "num_hidden_layers": 2,
-            "vocab_size": 32_000,
-            "max_position_embeddings": MAX_MODEL_LEN,
-            "rms_norm_eps": 1e-5,
-            "torch_dtype": "float32",
-            "bos_token_id": 1,
-            "eos_token_id": 2,
-        }
-        Path(folder, "config.json").write_text(json.dumps(config))
-        _MODEL_CONFIG.append(
-            ModelConfig(
-                model=folder,
-                skip_tokenizer_init=True,
-                dtype="float32",
-                max_model_len=MAX_MODEL_LEN,
-            )
-        )
-    return _MODEL_CONFIG[0]
-
-
 def make_scheduler(
     cls: type[Scheduler], *, num_requests: int, num_blocks: int, prefix_caching: bool
 ) -> Scheduler:
-    is_async = issubclass(cls, AsyncScheduler)
-    vllm_config = VllmConfig(
-        model_config=model_config(),
-        cache_config=CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=prefix_caching),
-        scheduler_config=SchedulerConfig(
-            max_num_seqs=num_requests,
-            max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
-            max_model_len=MAX_MODEL_LEN,
-            is_encoder_decoder=False,
-            async_scheduling=is_async,
-        ),
-        device_config=DeviceConfig(device="cpu"),
-    )
-    vllm_config.cache_config.num_gpu_blocks = num_blocks
-    spec = FullAttentionSpec(
-        block_size=BLOCK_SIZE, num_kv_heads=1, head_size=8, dtype=torch.float32
-    )
-    kv_cache_config = KVCacheConfig(
-        num_blocks=num_blocks,
-        kv_cache_tensors=[],
-        kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)],
-    )
-    return cls(
-        vllm_config=vllm_config,
-        kv_cache_config=kv_cache_config,
-        structured_output_manager=StructuredOutputManager(vllm_config),
+    return build_scheduler(
+        cls,
         block_size=BLOCK_SIZE,
+        num_blocks=num_blocks,
+        max_num_seqs=num_requests,
+        max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
+        max_model_len=MAX_MODEL_LEN,
+        prefix_caching=prefix_caching,
+        async_scheduling=issubclass(cls, AsyncScheduler),
     )
 
 
