@@ -35,7 +35,6 @@ from kvdefrag.vllm.common import (
     publish_ranks,
     published_ranks,
     read_step_stamp,
-    scheduled_num_computed_tokens,
     step_wait_s,
     tcp_address,
 )
@@ -311,13 +310,12 @@ def test_copy_pairs_keep_their_type() -> None:
     assert type(out.kv_cache_block_copies[0]) is BlockCopy
 
 
-def test_the_readers_take_computed_tokens_and_copy_targets_from_the_output() -> None:
+def test_copy_targets_come_from_the_outputs_copy_pairs() -> None:
     out = output(
         new=[NewRequestData("a", ([3],), 5)],
         running=cached(("b", ([6],), 8), ("c", None, 4)),
         kv_cache_block_copies=[(4, 6), (2, 9)],
     )
-    assert scheduled_num_computed_tokens(out) == {"a": 5, "b": 8, "c": 4}
     assert copy_destinations(out) == frozenset({6, 9})
     assert copy_destinations(output()) == frozenset()
 
@@ -360,7 +358,6 @@ def test_common_exports_are_pinned() -> None:
             "rank_address",
             "read_step_stamp",
             "run_dir_from_env",
-            "scheduled_num_computed_tokens",
             "step_wait_s",
             "tcp_address",
             "uses_v2_model_runner",

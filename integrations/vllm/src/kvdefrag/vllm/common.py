@@ -65,7 +65,6 @@ __all__ = [
     "rank_address",
     "read_step_stamp",
     "run_dir_from_env",
-    "scheduled_num_computed_tokens",
     "step_wait_s",
     "tcp_address",
     "uses_v2_model_runner",
@@ -391,17 +390,6 @@ def map_block_ids(output: Any, to_physical: Callable[[Sequence[int]], list[int]]
             (src, dst) if type(copy) is tuple else type(copy)(src, dst)
             for copy, (src, dst) in zip(copies, pairs, strict=True)
         ]
-
-
-def scheduled_num_computed_tokens(output: Any) -> dict[str, int]:
-    """Request id -> tokens computed before this step, for every request ``output``
-    schedules (new and cached)."""
-    num_computed = {
-        request.req_id: int(request.num_computed_tokens) for request in output.scheduled_new_reqs
-    }
-    cached = output.scheduled_cached_reqs
-    num_computed.update(zip(cached.req_ids, map(int, cached.num_computed_tokens), strict=True))
-    return num_computed
 
 
 def copy_destinations(output: Any) -> frozenset[int]:
