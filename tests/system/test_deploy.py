@@ -6,8 +6,10 @@ Real tools: promtool (Debian package ``prometheus``; ``make test`` installs it),
 
 from __future__ import annotations
 
+import ast
 import importlib
 import importlib.metadata
+import importlib.util
 import json
 import re
 import shutil
@@ -257,6 +259,15 @@ def vllm_flags(container: dict[str, Any]) -> dict[str, str]:
     return dict(arg.removeprefix("--").split("=", 1) for arg in container["args"] if "=" in arg)
 
 
+def defined_classes(module_name: str) -> set[str]:
+    """The classes a module defines at its top level, read from its source (for a module
+    that cannot be imported here)."""
+    spec = importlib.util.find_spec(module_name)
+    assert spec is not None and spec.origin is not None, module_name
+    tree = ast.parse(Path(spec.origin).read_text())
+    return {node.name for node in tree.body if isinstance(node, ast.ClassDef)}
+
+
 @pytest.mark.parametrize("name", WORKER_PODS)
 def test_the_pods_switches_name_kvdefrag_classes_that_exist(name: str) -> None:
     """Each ``--scheduler-cls`` / ``--worker-cls`` names a module that imports and a name
@@ -272,6 +283,7 @@ def test_the_pods_switches_name_kvdefrag_classes_that_exist(name: str) -> None:
                 module = importlib.import_module(module_name)
             except ModuleNotFoundError as err:  # the scheduler module imports vLLM
                 assert (err.name or "").split(".")[0] == "vllm", err
+                assert class_name in defined_classes(module_name), flags[flag]
                 continue
         try:
             getattr(module, class_name)
