@@ -43,6 +43,7 @@ import json
 import os
 import random
 import sys
+import time
 from typing import Any
 
 MODES = ("plain", "defrag", "corrupt", "unfollowed_rows")
@@ -211,25 +212,42 @@ def run(mode: str, args: argparse.Namespace) -> dict[str, Any]:
 def scrape_rank_metrics(num_ranks: int) -> list[dict[str, Any]]:
     """Each rank's kvdefrag metrics, when ``KVDEFRAG_METRICS_PORT`` is set: rank ``i`` (local
     rank ``i`` here, one host) serves on that port + ``i``. Per rank: the port and its
-    ``kvdefrag_*`` samples (``name{labels}`` -> value); none when the variable is unset."""
-    import urllib.request
+    ``kvdefrag_*`` samples (``name{labels}`` -> value); none when the variable is unset.
 
+    NOTE: the engine core may still send one step after the last output returns (the one
+    that releases the finished requests), without waiting for it; until every rank has
+    applied it their step counts differ, so the ranks are scraped again (for up to 10 s)
+    until the counts agree.
+    """
     base = os.environ.get("KVDEFRAG_METRICS_PORT", "").strip()
     if not base:
         return []
     host = os.environ.get("KVDEFRAG_METRICS_HOST", "").strip() or "127.0.0.1"
-    scraped = []
-    for local_rank in range(num_ranks):
-        port = int(base) + local_rank
-        with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=10) as response:
-            text = response.read().decode()
-        samples = {}
-        for line in text.splitlines():
-            if line.startswith("kvdefrag_"):
-                name, _, value = line.rpartition(" ")
-                samples[name] = float(value)
-        scraped.append({"port": port, "samples": samples})
-    return scraped
+    deadline = time.monotonic() + 10.0
+    while True:
+        scraped = [_scrape(host, int(base) + local_rank) for local_rank in range(num_ranks)]
+        steps = {
+            value
+            for rank in scraped
+            for name, value in rank["samples"].items()
+            if name.startswith("kvdefrag_steps_total")
+        }
+        if len(steps) <= 1 or time.monotonic() > deadline:
+            return scraped
+        time.sleep(0.2)
+
+
+def _scrape(host: str, port: int) -> dict[str, Any]:
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    samples = {}
+    for line in text.splitlines():
+        if line.startswith("kvdefrag_"):
+            name, _, value = line.rpartition(" ")
+            samples[name] = float(value)
+    return {"port": port, "samples": samples}
 
 
 def main() -> None:
