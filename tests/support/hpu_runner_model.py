@@ -22,10 +22,24 @@ Modelled on vllm-project/vllm-gaudi (main, 2026-08-21), file
   indexed by physical id, over a bucket of at least ``max(block_list) + 1`` blocks, and
   attention reads the first ``bucket`` blocks, each tagged with its request (group).
 
-Every (request, position) written gets the signature ``vllm_harness.SignedWorker`` uses;
-every read (prefill context and new tokens, every decode block the dense layout assigns
-to a request, and every block a request's table names but the bucket leaves out) is
-checked. ``HPUModelWorker`` is the worker with ``DefragHPUWorkerMixin`` in front.
+With ``num_speculative_tokens`` > 0 the runner also runs the Eagle draft step of
+``vllm_gaudi/v1/spec_decode/hpu_eagle.py`` on a draft KV layer of its own: the first draft
+forward writes the draft KV of the scheduled tokens through the target's (already
+resolved) slots; each further draft token (``HpuEagleProposer.propose``'s loop,
+``num_speculative_tokens - 1`` of them) builds its metadata in ``prepare_attn_metadata``:
+the rows cut to ``ceil((position + 1) / block_size)`` blocks through
+``defragmenter.resolve_all``, the slot's block through ``defragmenter.resolve``
+(``block_ids.apply_``), then the same dense layout over the draft layer. The scheduler
+allocates the lookahead slots those positions need (``num_lookahead_tokens``), as it
+does with Eagle configured; drafts are never accepted (one token per step), which
+leaves the block handling as it is.
+
+Every (request, position) written gets the signature ``vllm_harness.SignedWorker`` uses
+(the draft layer its own); every read (prefill context and new tokens, every decode
+block the dense layout assigns to a request) is checked, and the token a request samples
+is a digest of the values its attention read, in position order: a run that reads a
+wrong value samples a different token from there on, so outputs compare across runs.
+``HPUModelWorker`` is the worker with ``DefragHPUWorkerMixin`` in front.
 """
 
 from __future__ import annotations
@@ -81,24 +95,42 @@ class HPURunnerModel:
     Attributes:
         defragmenter: What the runner resolves through (``model_runner.defragmenter``).
         skip_resolve: A sabotage: the input build takes row ids as physical.
-        kv_caches: ``[(key, None)]``, the layout vllm-gaudi hands its defragmenter.
+        skip_draft_resolve: A sabotage: only the Eagle draft step takes row ids as
+            physical (``prepare_attn_metadata`` without its two resolves).
+        kv_caches: ``[(key, None)]`` (then the draft layer's), the layout vllm-gaudi
+            hands its defragmenter.
+        num_speculative_tokens: Draft tokens per step (0: no Eagle draft step).
+        num_draft_resolved: Block ids the draft step resolved.
     """
 
-    def __init__(self, kv: torch.Tensor, num_blocks: int) -> None:
+    def __init__(
+        self,
+        kv: torch.Tensor,
+        num_blocks: int,
+        *,
+        draft_kv: torch.Tensor | None = None,
+        num_speculative_tokens: int = 0,
+    ) -> None:
+        assert (draft_kv is None) == (num_speculative_tokens == 0)
         self.kv = kv
+        self.draft_kv = draft_kv
         self.num_blocks = num_blocks
-        self.kv_caches = [(kv, None)]
+        self.num_speculative_tokens = num_speculative_tokens
+        self.kv_caches = [(kv, None)] + ([] if draft_kv is None else [(draft_kv, None)])
         self.defragmenter: Any = IdentityDefragmenter()
         self.skip_resolve = False
+        self.skip_draft_resolve = False
         self.requests: dict[str, _State] = {}
         self.batch_rows: dict[str, list[int]] = {}  # the persistent batch's block table
         self.num_checked = 0
         self.num_corrupted = 0
+        self.num_draft_resolved = 0
 
     # -- execute_model -------------------------------------------------------------------
 
     def execute_model(self, output: SchedulerOutput) -> ModelRunnerOutput:
-        """``run_defragmenter``, ``_update_states``, the input build, the signed pass."""
+        """``run_defragmenter``, ``_update_states``, the input build, the signed pass, the
+        Eagle draft step."""
         self._run_defragmenter(output)
         self._update_states(output)
         sampled: dict[str, list[int]] = {}
@@ -107,12 +139,14 @@ class HPURunnerModel:
             row = self.batch_rows[request_id]
             start = state.num_computed_tokens
             if start >= state.num_prompt_tokens:
-                self._decode(state, row, start, num_tokens)
+                read = self._decode(state, row, start, num_tokens)
             else:
-                self._prefill(state, row, start, num_tokens)
+                read = self._prefill(state, row, start, num_tokens)
+            if self.num_speculative_tokens:
+                self._draft(state, row, start, num_tokens)
             state.num_computed_tokens = start + num_tokens
             if start + num_tokens >= len(state.token_ids):
-                token = _signature(tuple(state.token_ids)) % 500 + 3
+                token = _signature(tuple(read[position] for position in sorted(read))) % 500 + 3
                 state.token_ids.append(token)
                 sampled[request_id] = [token]
         request_ids = list(output.num_scheduled_tokens)
@@ -188,57 +222,118 @@ class HPURunnerModel:
     def _sign(self, state: _State, position: int) -> int:
         return _signature(tuple(state.token_ids[: position + 1]))
 
-    def _check(self, slot: int, expected: int) -> None:
+    def _read(self, kv: torch.Tensor, slot: int, expected: int) -> int:
+        """The value at ``slot`` (0 off the cache), checked against ``expected``."""
         self.num_checked += 1
-        if not 0 <= slot < self.kv.shape[0] or int(self.kv[slot, 0]) != expected:
+        value = int(kv[slot, 0]) if 0 <= slot < kv.shape[0] else 0
+        if value != expected:
             self.num_corrupted += 1
+        return value
 
-    def _prefill(self, state: _State, row: list[int], start: int, num_tokens: int) -> None:
+    def _prefill(
+        self, state: _State, row: list[int], start: int, num_tokens: int
+    ) -> dict[int, int]:
         """``_extract_prefill_batch_contents`` + ``_form_prefill_batch``: one resolved
-        block list; slots for the new tokens; the context read from its first blocks."""
+        block list; slots for the new tokens; the context read from its first blocks.
+        Returns the values read, by position."""
         num_blocks = -(-(start + num_tokens) // BLOCK_SIZE)
         blocks = [self._resolve(block_id) for block_id in row[:num_blocks]]
         for position in range(start, start + num_tokens):
             slot = blocks[position // BLOCK_SIZE] * BLOCK_SIZE + position % BLOCK_SIZE
             self.kv[slot, 0] = self._sign(state, position)
-        for position in range(start + num_tokens):
-            slot = blocks[position // BLOCK_SIZE] * BLOCK_SIZE + position % BLOCK_SIZE
-            self._check(slot, self._sign(state, position))
+        return {
+            position: self._read(
+                self.kv,
+                blocks[position // BLOCK_SIZE] * BLOCK_SIZE + position % BLOCK_SIZE,
+                self._sign(state, position),
+            )
+            for position in range(start + num_tokens)
+        }
 
-    def _decode(self, state: _State, row: list[int], start: int, num_tokens: int) -> None:
+    def _decode(self, state: _State, row: list[int], start: int, num_tokens: int) -> dict[int, int]:
         """``_create_decode_input_data`` with contiguous PA: the slot mapping through
         ``resolve`` (element by element), the block table through ``resolve_all``, then
-        the dense block list over a bucket >= max id + 1 that attention reads."""
+        the dense block list over a bucket >= max id + 1 that attention reads. Returns
+        the values read, by position."""
         for position in range(start, start + num_tokens):
             block = self._resolve(row[position // BLOCK_SIZE])
             self.kv[block * BLOCK_SIZE + position % BLOCK_SIZE, 0] = self._sign(state, position)
         num_blocks = -(-(start + num_tokens) // BLOCK_SIZE)
         (table,) = self._resolve_all([row[:num_blocks]])
-        needed = max(table) + 1
-        bucket = -(-needed // DECODE_BUCKET_STEP) * DECODE_BUCKET_STEP
+        return self._attend(self.kv, table, start + num_tokens, lambda p: self._sign(state, p))
+
+    def _attend(
+        self, kv: torch.Tensor, table: list[int], end: int, expected: Any
+    ) -> dict[int, int]:
+        """Contiguous-PA attention over ``table`` (physical ids) for positions below
+        ``end``: the dense list over a bucket >= max id + 1, read block by block in
+        physical order (``get_habana_paged_attn_buffers``, ``flat_pa``)."""
+        bucket = -(-(max(table) + 1) // DECODE_BUCKET_STEP) * DECODE_BUCKET_STEP
         dense: list[int | None] = [None] * bucket  # physical id -> index in the table
         for index, block_id in enumerate(table):
             dense[block_id] = index
-        end = start + num_tokens
+        read: dict[int, int] = {}
         for physical in range(bucket):  # attention over the first ``bucket`` blocks
             index = dense[physical]
             if index is None:
                 continue
             for offset in range(min(BLOCK_SIZE, end - index * BLOCK_SIZE)):
                 position = index * BLOCK_SIZE + offset
-                self._check(physical * BLOCK_SIZE + offset, self._sign(state, position))
+                read[position] = self._read(kv, physical * BLOCK_SIZE + offset, expected(position))
         self.num_checked += 1
         if len(set(table)) != len(table):  # two table entries on one block: one is lost
             self.num_corrupted += 1
+            read[-1] = 0
+        return read
+
+    # -- the Eagle draft step -------------------------------------------------------------
+
+    def _draft_sign(self, state: _State, position: int, last: int) -> int:
+        """The draft layer's value at ``position``: from the verified tokens when
+        ``position <= last`` (the first draft forward over the scheduled tokens), else
+        from the verified prefix and the draft position."""
+        if position <= last:
+            return _signature((-1, *state.token_ids[: position + 1]))
+        return _signature((-2, position, *state.token_ids[: last + 1]))
+
+    def _draft(self, state: _State, row: list[int], start: int, num_tokens: int) -> None:
+        """``HpuEagleProposer.propose`` on the draft layer: the first forward writes the
+        scheduled positions through the target's resolved slots; each further draft token
+        builds ``prepare_attn_metadata`` (the rows through ``resolve_all``, the slot's
+        block through ``resolve``) and attends over the draft layer."""
+        assert self.draft_kv is not None
+        draft_kv = self.draft_kv
+        last = start + num_tokens - 1
+        for position in range(start, last + 1):
+            block = self._resolve(row[position // BLOCK_SIZE])
+            draft_kv[block * BLOCK_SIZE + position % BLOCK_SIZE, 0] = self._draft_sign(
+                state, position, last
+            )
+        if last + 1 < len(state.token_ids):
+            return  # a prefill chunk that samples nothing: no draft tokens
+        resolve = (lambda b: int(b)) if self.skip_draft_resolve else self._resolve
+        for position in range(last + 1, last + self.num_speculative_tokens):
+            num_blocks = -(-(position + 1) // BLOCK_SIZE)
+            assert len(row) >= num_blocks, "the scheduler allocated no lookahead slot"
+            if self.skip_draft_resolve:
+                (table,) = [list(map(int, row[:num_blocks]))]
+            else:
+                (table,) = self._resolve_all([row[:num_blocks]])
+            block = resolve(row[position // BLOCK_SIZE])
+            self.num_draft_resolved += num_blocks + 1
+            draft_kv[block * BLOCK_SIZE + position % BLOCK_SIZE, 0] = self._draft_sign(
+                state, position, last
+            )
+            self._attend(draft_kv, table, position + 1, lambda p: self._draft_sign(state, p, last))
 
 
 class HPUWorkerModel(SignedWorker):
     """vllm-gaudi's ``HPUWorker`` around ``HPURunnerModel``; each rank runs its own copy
     of the output (vLLM's executor pickles one to each)."""
 
-    def __init__(self, kv: torch.Tensor, num_blocks: int, rank: int = 0) -> None:
+    def __init__(self, kv: torch.Tensor, num_blocks: int, rank: int = 0, **runner: Any) -> None:
         super().__init__(kv)
-        self.model_runner = HPURunnerModel(kv, num_blocks)
+        self.model_runner = HPURunnerModel(kv, num_blocks, **runner)
         self.rank = rank
 
     def execute_model(self, output: SchedulerOutput) -> ModelRunnerOutput:
@@ -256,12 +351,18 @@ class HPUWorkerModel(SignedWorker):
 
 class HPUModelWorker(DefragHPUWorkerMixin, HPUWorkerModel):
     """``DefragHPUWorkerMixin`` in front of the model: what ``DefragHPUWorker`` is on
-    Gaudi. With a rank's ``handle`` it installs the switch; without, it runs plain."""
+    Gaudi. With a rank's ``handle`` it installs the switch; without, it runs plain.
+    ``runner`` goes to ``HPURunnerModel`` (the Eagle draft layer and its token count)."""
 
     def __init__(
-        self, kv: torch.Tensor, num_blocks: int, handle: ServerHandle | None = None, rank: int = 0
+        self,
+        kv: torch.Tensor,
+        num_blocks: int,
+        handle: ServerHandle | None = None,
+        rank: int = 0,
+        **runner: Any,
     ) -> None:
-        super().__init__(kv, num_blocks, rank)
+        super().__init__(kv, num_blocks, rank, **runner)
         if handle is not None:
             self.kvdefrag_attach(handle, num_blocks)
 

@@ -16,7 +16,7 @@ import dataclasses
 import hashlib
 import os
 import random
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from types import SimpleNamespace
 from typing import Any
 
@@ -52,9 +52,11 @@ from kvdefrag.vllm.worker import (
 BLOCK_SIZE = 16
 MAX_MODEL_LEN = 1024
 NUM_BLOCKS = 96  # small: preemption happens
-# NOTE: under async scheduling vLLM 0.33 re-sends a preempted request with in-flight
-# tokens in a way this harness's workers (V1 and V2) do not model (plain vLLM "corrupts"
-# in it too), so the async runs use a pool where nothing is preempted.
+# NOTE: under async scheduling with prefix caching on, a request preempted while a step
+# of it is in flight leaves this harness's cached-block check (``check_cached_free``)
+# failing with plain vLLM too (it does not model which in-flight writes a cached block
+# may still receive), so the async runs WITH prefix caching use a pool where nothing is
+# preempted; async runs without it use ``NUM_BLOCKS`` and preempt.
 ASYNC_NUM_BLOCKS = 400
 _MASK = (1 << 62) - 1
 
@@ -163,13 +165,16 @@ def make_scheduler(
 
 
 def serve_rank(
-    socket_path: str, num_blocks: int, secret: bytes | None = None
+    socket_path: str,
+    num_blocks: int,
+    secret: bytes | None = None,
+    extra_layers: Sequence[torch.Tensor] = (),
 ) -> tuple[Any, torch.Tensor]:
-    """One rank's service on a tiny int64 KV cache: one layer, one slot per token; it
-    proves ``secret`` when given one."""
+    """One rank's service on a tiny int64 KV cache: one layer, one slot per token (then
+    ``extra_layers``, bound and moved with it); it proves ``secret`` when given one."""
     key = torch.zeros(num_blocks * BLOCK_SIZE, 1, dtype=torch.int64)
     handle = serve_in_process(
-        [(key, None)],
+        [(key, None), *((layer, None) for layer in extra_layers)],
         BLOCK_SIZE,
         engine_config=EngineConfig(threshold=2),
         service_config=ServiceConfig(address=f"unix:{socket_path}"),
@@ -178,12 +183,16 @@ def serve_rank(
     return handle, key
 
 
-def serve_two_ranks(run_dir: str, num_blocks: int) -> Iterator[list[Any]]:
+def serve_two_ranks(
+    run_dir: str, num_blocks: int, extra_layers: Sequence[Sequence[torch.Tensor]] = ((), ())
+) -> Iterator[list[Any]]:
     """Rank 0 and rank 1 served in ``run_dir`` and published there as DefragWorker's rank 0
-    publishes them (a fixture's body: stops them after)."""
+    publishes them (a fixture's body: stops them after); ``extra_layers[rank]`` are
+    bound after each rank's first layer."""
     secrets = [os.urandom(32) for _ in range(2)]
     served = [
-        serve_rank(f"{run_dir}/rank{rank}.sock", num_blocks, secrets[rank]) for rank in range(2)
+        serve_rank(f"{run_dir}/rank{rank}.sock", num_blocks, secrets[rank], extra_layers[rank])
+        for rank in range(2)
     ]
     publish_ranks(
         run_dir,

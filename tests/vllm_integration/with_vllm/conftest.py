@@ -77,7 +77,8 @@ def ranks(run_dir: str) -> Iterator[list[Any]]:
 
 @pytest.fixture
 def async_ranks(run_dir: str) -> Iterator[list[Any]]:
-    """Two ranks' services on the pool where nothing is preempted (``ASYNC_NUM_BLOCKS``)."""
+    """Two ranks' services on the pool where nothing is preempted (``ASYNC_NUM_BLOCKS``),
+    for async runs with prefix caching on."""
     from support.vllm_harness import ASYNC_NUM_BLOCKS, serve_two_ranks
 
     yield from serve_two_ranks(run_dir, ASYNC_NUM_BLOCKS)

@@ -5,34 +5,52 @@ The runner model (``support.hpu_runner_model``) keeps logical rows, appends
 ``new_block_ids`` even to resumed rows still in its batch, and resolves every block id at
 input build through ``model_runner.defragmenter``; with ``DefragHPUWorkerMixin`` that is
 kvdefrag's ``DefragHPUSwitch``. Prefix caching is off (contiguous PA turns it off on
-Gaudi). Every read must find its own signature; the sabotages must not.
+Gaudi) and the pool is small enough to preempt, sync and async. Every read must find its
+own signature, and since the model samples from what it read, every request's tokens
+must be those of the same workload under plain vLLM (the runner's own identity
+defragmenter); the sabotages must corrupt and change the outputs.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import sys
 import types
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import pytest
+import torch
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.core.sched.scheduler import Scheduler
 
 from kvdefrag.common import InvalidArgument, StepEvents
 from kvdefrag.vllm.common import map_block_ids
 from kvdefrag.vllm.gaudi import DefragHPUSwitch
+from kvdefrag.vllm.scheduler import DefragScheduler
 
 from support.hpu_runner_model import HPUModelWorker
 from support.vllm_harness import (
-    ASYNC_NUM_BLOCKS,
+    BLOCK_SIZE,
     NUM_BLOCKS,
     TwoRankAsyncScheduler,
     TwoRankScheduler,
     Workload,
     make_scheduler,
     run_loop,
+    serve_two_ranks,
     spy_preemptions,
 )
+
+EAGLE_TOKENS = 3
+"""Draft tokens per step in the Eagle runs (``num_speculative_tokens``)."""
+
+
+def _draft_layers() -> list[torch.Tensor]:
+    return [torch.zeros(NUM_BLOCKS * BLOCK_SIZE, 1, dtype=torch.int64) for _ in range(2)]
 
 
 def _workers(ranks: list[Any], num_blocks: int, *, attach: bool = True) -> list[HPUModelWorker]:
@@ -42,47 +60,113 @@ def _workers(ranks: list[Any], num_blocks: int, *, attach: bool = True) -> list[
     ]
 
 
+def _outputs(scheduler: Any) -> list[tuple[str, list[int]]]:
+    """Every finished request's tokens, in finishing order, as ``update_from_output``
+    delivers them (the list fills as the scheduler runs)."""
+    finished: list[tuple[str, list[int]]] = []
+    running: dict[str, list[int]] = {}
+    update = scheduler.update_from_output
+
+    def collect(*args: Any, **kwargs: Any) -> Any:
+        outputs = update(*args, **kwargs)
+        for engine_outputs in outputs.values():
+            for output in engine_outputs.outputs:
+                tokens = running.setdefault(output.request_id, [])
+                tokens.extend(output.new_token_ids)
+                if output.finish_reason is not None:
+                    finished.append((output.request_id, running.pop(output.request_id)))
+        return outputs
+
+    scheduler.update_from_output = collect
+    return finished
+
+
+@dataclasses.dataclass
+class _Run:
+    """What one run left: the scheduler, the workers, the preempted ids, the outputs."""
+
+    scheduler: Any
+    workers: list[HPUModelWorker]
+    preempted: list[str]
+    outputs: list[tuple[str, list[int]]]
+
+
 def _run(
     model_dir: str,
-    ranks: list[Any],
+    ranks: list[Any] | None,
     *,
     is_async: bool,
     skip_resolve: bool = False,
+    skip_draft_resolve: bool = False,
+    drafts: Sequence[torch.Tensor] = (),
     seed: int = 1,
-) -> tuple[Any, list[HPUModelWorker], list[str]]:
-    num_blocks = ASYNC_NUM_BLOCKS if is_async else NUM_BLOCKS
+) -> _Run:
+    """One workload on the small pool; ``ranks`` None runs plain vLLM (the runner's
+    identity defragmenter, no kvdefrag; async with ``DefragAsyncScheduler``'s block-free
+    fence); ``drafts`` (a draft layer per rank) turns the Eagle draft step on."""
+    if ranks is None:
+        cls: type[Scheduler] = AsyncScheduler if is_async else Scheduler
+        ranks = [(None, torch.zeros(NUM_BLOCKS * BLOCK_SIZE, 1, dtype=torch.int64))]
+    else:
+        cls = TwoRankAsyncScheduler if is_async else TwoRankScheduler
     scheduler = make_scheduler(
-        TwoRankAsyncScheduler if is_async else TwoRankScheduler,
-        model_dir,
-        num_blocks=num_blocks,
-        prefix_caching=False,
-        async_scheduling=is_async,
+        cls, model_dir, num_blocks=NUM_BLOCKS, prefix_caching=False, async_scheduling=is_async
     )
+    if is_async and not isinstance(scheduler, DefragScheduler):
+        # NOTE: the fence DefragAsyncScheduler turns on (freed blocks return to the pool
+        # once the steps in flight have run), so that plain vLLM makes the same
+        # scheduling decisions (without it, it preempts other requests at other steps).
+        scheduler.defer_block_free = True
+    if drafts:
+        # NOTE: what speculative_config sets with Eagle (it needs a draft model here):
+        # every request gets lookahead slots for the draft tokens.
+        scheduler.num_lookahead_tokens = EAGLE_TOKENS
     preempted = spy_preemptions(scheduler)
-    workers = _workers(ranks, num_blocks)
+    outputs = _outputs(scheduler)
+    workers = [
+        HPUModelWorker(
+            kv,
+            NUM_BLOCKS,
+            handle,
+            rank=rank,
+            **(
+                {"draft_kv": drafts[rank], "num_speculative_tokens": EAGLE_TOKENS} if drafts else {}
+            ),
+        )
+        for rank, (handle, kv) in enumerate(ranks)
+    ]
     for worker in workers:
         worker.model_runner.skip_resolve = skip_resolve
+        worker.model_runner.skip_draft_resolve = skip_draft_resolve
+    is_defrag = isinstance(scheduler, DefragScheduler)
     run_loop(
         scheduler,
         workers,  # type: ignore[arg-type]
         Workload(seed=seed, num_requests=80),
-        resolve=scheduler.kvdefrag.ranks.primary.resolve,
+        resolve=scheduler.kvdefrag.ranks.primary.resolve if is_defrag else (lambda ids: ids),
         in_flight=2 if is_async else 1,
         abort_every=37,
     )
-    scheduler.kvdefrag.settle()
-    scheduler.kvdefrag.ranks.close()
-    return scheduler, workers, preempted
+    if is_defrag:
+        scheduler.kvdefrag.settle()
+        scheduler.kvdefrag.ranks.close()
+    return _Run(scheduler, workers, preempted, outputs)
 
 
-def test_sync_scheduler_with_preemption_reads_every_signature(
-    model_dir: str, ranks: list[Any]
+@pytest.mark.parametrize("is_async", [False, True], ids=["sync", "async"])
+def test_outputs_are_plain_vllms_with_preemption(
+    model_dir: str, ranks: list[Any], is_async: bool
 ) -> None:
-    scheduler, workers, preempted = _run(model_dir, ranks, is_async=False)
-    assert not scheduler.has_requests()
-    assert len(preempted) >= 3, "the small pool never preempted"
+    plain = _run(model_dir, None, is_async=is_async)
+    run = _run(model_dir, ranks, is_async=is_async)
+    assert not run.scheduler.has_requests()
+    assert len(run.preempted) >= 3, "the small pool never preempted"
+    assert run.preempted == plain.preempted
     assert ranks[0][0].stats().totals.num_moves > 0, "kvdefrag never moved a block"
-    for worker in workers:
+    assert plain.workers[0].num_corrupted == 0
+    assert len(run.outputs) >= 70  # the aborted ones deliver no finish
+    assert run.outputs == plain.outputs
+    for worker in run.workers:
         switch = worker.kvdefrag_switch
         assert isinstance(switch, DefragHPUSwitch) and switch.num_resolved > 1000
         assert worker.model_runner.defragmenter is switch
@@ -90,20 +174,54 @@ def test_sync_scheduler_with_preemption_reads_every_signature(
         assert worker.num_corrupted == 0
 
 
-def test_async_scheduler_reads_every_signature(model_dir: str, async_ranks: list[Any]) -> None:
-    scheduler, workers, _ = _run(model_dir, async_ranks, is_async=True)
-    assert not scheduler.has_requests()
-    assert async_ranks[0][0].stats().totals.num_moves > 0, "kvdefrag never moved a block"
-    for worker in workers:
+@pytest.mark.parametrize("is_async", [False, True], ids=["sync", "async"])
+def test_the_eagle_draft_step_resolves_through_the_switch(
+    model_dir: str, run_dir: str, is_async: bool
+) -> None:
+    """The draft layer is bound with the target layer, so it moves with it, and the draft
+    step's ``prepare_attn_metadata`` resolves through the switch inside the pass."""
+    plain = _run(model_dir, None, is_async=is_async, drafts=_draft_layers()[:1])
+    drafts = _draft_layers()
+    with contextlib.contextmanager(serve_two_ranks)(
+        run_dir, NUM_BLOCKS, [[draft] for draft in drafts]
+    ) as served:
+        run = _run(model_dir, served, is_async=is_async, drafts=drafts)
+        assert served[0][0].stats().totals.num_moves > 0, "kvdefrag never moved a block"
+    assert len(run.preempted) >= 3, "the small pool never preempted"
+    assert plain.workers[0].num_corrupted == 0
+    assert run.outputs == plain.outputs
+    for worker in run.workers:
+        assert worker.model_runner.num_draft_resolved > 1000
         assert worker.num_checked > 10_000
         assert worker.num_corrupted == 0
+
+
+def test_sabotage_a_draft_step_that_skips_the_resolve_corrupts(
+    model_dir: str, run_dir: str
+) -> None:
+    drafts = _draft_layers()
+    with contextlib.contextmanager(serve_two_ranks)(
+        run_dir, NUM_BLOCKS, [[draft] for draft in drafts]
+    ) as served:
+        run = _run(model_dir, served, is_async=False, drafts=drafts, skip_draft_resolve=True)
+    assert run.workers[0].num_corrupted > 0
+
+
+def test_sabotage_a_draft_layer_the_service_does_not_move_corrupts(
+    model_dir: str, ranks: list[Any]
+) -> None:
+    run = _run(model_dir, ranks, is_async=False, drafts=_draft_layers())
+    assert ranks[0][0].stats().totals.num_moves > 0
+    assert run.workers[0].num_corrupted > 0
 
 
 def test_sabotage_a_runner_that_skips_the_resolve_corrupts(
     model_dir: str, ranks: list[Any]
 ) -> None:
-    _, workers, _ = _run(model_dir, ranks, is_async=False, skip_resolve=True)
-    assert workers[0].num_corrupted > 0
+    plain = _run(model_dir, None, is_async=False)
+    run = _run(model_dir, ranks, is_async=False, skip_resolve=True)
+    assert run.workers[0].num_corrupted > 0
+    assert run.outputs != plain.outputs
 
 
 class _SeedOrder:

@@ -67,7 +67,7 @@ def _run(
     as they come (a sabotage).
     """
     is_async = issubclass(cls, AsyncScheduler)
-    num_blocks = ASYNC_NUM_BLOCKS if is_async else NUM_BLOCKS
+    num_blocks = ASYNC_NUM_BLOCKS if is_async and prefix_caching else NUM_BLOCKS
     with pytest.MonkeyPatch.context() as patch:
         if zero_new_blocks:
             # vLLM 0.33 zeroes new blocks only for Mamba and mixed-precision caches (which
@@ -202,20 +202,25 @@ def test_without_kvdefrag_async_scheduling_sees_no_corruption(
 
 @pytest.mark.parametrize("prefix_caching", [False, True])
 def test_async_scheduling_with_translating_workers_reads_every_signature(
-    model_dir: str, async_ranks: list[Any], prefix_caching: bool
+    model_dir: str, request: pytest.FixtureRequest, prefix_caching: bool
 ) -> None:
+    # NOTE: with prefix caching on, on the pool where nothing is preempted (see
+    # ASYNC_NUM_BLOCKS); without it, on the small pool, with preemption.
+    served: list[Any] = request.getfixturevalue("async_ranks" if prefix_caching else "ranks")
     scheduler, workers, steps = _run(
         TwoRankAsyncScheduler,
         model_dir,
-        async_ranks,
+        served,
         prefix_caching=prefix_caching,
         abort_every=37,
         reset_prefix_cache_every=53 if prefix_caching else 0,
     )
     assert not scheduler.has_requests(), f"unfinished after {steps} steps"
-    stats = [handle.stats() for handle, _ in async_ranks]
+    stats = [handle.stats() for handle, _ in served]
     assert stats[0].totals.num_moves > 0, "the workload never made kvdefrag move a block"
     assert stats[0] == stats[1]
+    if not prefix_caching:
+        assert scheduler.kvdefrag.totals.num_preempted >= 3, "the small pool never preempted"
     for worker in workers:
         assert worker.num_checked > 10_000
         assert worker.num_corrupted == 0
@@ -233,7 +238,7 @@ def test_workers_that_do_not_follow_moves_corrupt(
 
     monkeypatch.setattr(BlockIdTranslator, "advance", advance_without_remap)
     cls = TwoRankAsyncScheduler if is_async else TwoRankScheduler
-    pool = request.getfixturevalue("async_ranks" if is_async else "ranks")
+    pool = request.getfixturevalue("ranks")  # prefix caching off: the small pool, async too
     _, workers, _ = _run(cls, model_dir, pool, prefix_caching=False)
     assert workers[0].num_corrupted > 0
 
@@ -349,7 +354,7 @@ def test_the_audit_stops_a_ledger_that_misread_a_change(
         monkeypatch.setattr(_bridge, "changes_from_output", without_preemptions)
         monkeypatch.setattr(vllm_scheduler, "changes_from_output", without_preemptions)
         scheduler_cls, expected = TwoRankScheduler, "request"
-    pool = request.getfixturevalue("async_ranks" if cls == "async" else "ranks")
+    pool = request.getfixturevalue("ranks")  # prefix caching off: the small pool, async too
     with pytest.raises(_ledger.LedgerDiverged, match=expected):
         _run(scheduler_cls, model_dir, pool, prefix_caching=False, abort_every=7)
 

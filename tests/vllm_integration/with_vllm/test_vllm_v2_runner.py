@@ -5,9 +5,9 @@ v2=True)``: resumed requests come as new ones, with every token), real rank serv
 ``V2SignedWorker``: ``DefragWorkerMixin`` in front of a simulated V2 runner whose block
 table is a torch int32 tensor where vLLM's ``BlockTables`` keeps it. Every read of a
 computed token, and of every block vLLM keeps in its prefix cache, must find its own
-signature. Synchronous runs preempt (a 96-block pool); async runs, as the V1 ones, use a
-pool where nothing is preempted (``ASYNC_NUM_BLOCKS``). Simulated on CPU: never run on a
-GPU.
+signature. Runs preempt (a 96-block pool) except async ones with prefix caching on, which,
+as the V1 ones, use a pool where nothing is preempted (``ASYNC_NUM_BLOCKS``). Simulated on
+CPU: never run on a GPU.
 """
 
 from __future__ import annotations
@@ -80,9 +80,12 @@ def _run_v2(
     return scheduler, workers, preempted, steps
 
 
-def _served(request: pytest.FixtureRequest, cls: type[Scheduler]) -> tuple[list[Any], int]:
-    """The ranks for ``cls``: async classes run on the pool where nothing is preempted."""
-    if issubclass(cls, AsyncScheduler):
+def _served(
+    request: pytest.FixtureRequest, cls: type[Scheduler], prefix_caching: bool
+) -> tuple[list[Any], int]:
+    """The ranks for ``cls``: async classes with prefix caching run on the pool where
+    nothing is preempted (see ``ASYNC_NUM_BLOCKS``)."""
+    if issubclass(cls, AsyncScheduler) and prefix_caching:
         return request.getfixturevalue("async_ranks"), ASYNC_NUM_BLOCKS
     return request.getfixturevalue("ranks"), NUM_BLOCKS
 
@@ -91,7 +94,7 @@ def _served(request: pytest.FixtureRequest, cls: type[Scheduler]) -> tuple[list[
 def test_without_kvdefrag_the_v2_harness_sees_no_corruption(
     model_dir: str, request: pytest.FixtureRequest, cls: type[Scheduler]
 ) -> None:
-    ranks, num_blocks = _served(request, cls)
+    ranks, num_blocks = _served(request, cls, prefix_caching=True)
     _, workers, preempted, _ = _run_v2(
         cls, model_dir, ranks, prefix_caching=True, num_blocks=num_blocks
     )
@@ -110,7 +113,7 @@ def test_v2_runner_workers_read_every_signature(
     cls: type[Scheduler],
     prefix_caching: bool,
 ) -> None:
-    ranks, num_blocks = _served(request, cls)
+    ranks, num_blocks = _served(request, cls, prefix_caching)
     is_async = cls is TwoRankAsyncScheduler
     num_remaps = [0]
     original = vllm_worker.remap_v2_runner_rows
@@ -135,7 +138,7 @@ def test_v2_runner_workers_read_every_signature(
     assert stats[0] == stats[1]
     assert num_remaps[0] > 0, "no table ever followed a move"
     assert scheduler.kvdefrag.totals.num_audits == scheduler._kvdefrag_num_schedules > 100
-    if not is_async:
+    if num_blocks == NUM_BLOCKS:
         assert len(preempted) >= 3  # resumed requests came back as new ones, with their rows
         assert scheduler.kvdefrag.totals.num_preempted == len(preempted)
     for worker in workers:
@@ -151,7 +154,7 @@ def test_v2_tables_that_do_not_follow_moves_corrupt(
     monkeypatch: pytest.MonkeyPatch,
     cls: type[Scheduler],
 ) -> None:
-    ranks, num_blocks = _served(request, cls)
+    ranks, num_blocks = _served(request, cls, prefix_caching=False)
     monkeypatch.setattr(vllm_worker, "remap_v2_runner_rows", lambda model_runner, remap: None)
     _, workers, _, _ = _run_v2(cls, model_dir, ranks, prefix_caching=False, num_blocks=num_blocks)
     assert workers[0].num_corrupted > 0
