@@ -36,12 +36,15 @@ SERVER_HANDLE_MEMBERS = {
     "kv_lock",
     "metrics_port",
     "moves_since",
+    "rebind_kv_caches",
+    "release_kv_caches",
     "reset",
     "resolve",
     "stats",
     "stop",
     "wait",
     "wait_applied",
+    "warmup",
 }
 
 

@@ -1,5 +1,7 @@
 """The Gaudi switch without vLLM or vllm-gaudi: ``DefragHPUSwitch`` in the runner's place,
-``DefragHPUWorkerMixin``'s pass, and the startup check on the scheduler class."""
+``DefragHPUWorkerMixin``'s pass, its sleep and wake-up (the service lets go of the
+discarded caches, binds the re-allocated ones and warms up), and the startup check on
+the scheduler class."""
 
 from __future__ import annotations
 
@@ -15,6 +17,9 @@ import numpy.typing as npt
 import pytest
 import torch
 
+from kvdefrag.client import DefragClient
+from kvdefrag.common import InvalidArgument
+from kvdefrag.server import ServerHandle
 from kvdefrag.vllm import gaudi
 from kvdefrag.vllm.common import StepStamp, attach_step_stamp
 from kvdefrag.vllm.gaudi import (
@@ -24,9 +29,12 @@ from kvdefrag.vllm.gaudi import (
     check_gaudi_scheduler,
 )
 
+from support.kv import SignedKv, kv_tensors, make_kv_caches
 from support.public_api import assert_public_names
+from support.server import Serve
 
 NUM_BLOCKS = 8
+BLOCK_SIZE = 2
 
 
 class FakeService:
@@ -37,6 +45,20 @@ class FakeService:
         self.kv_lock = threading.Lock()
         self.num_lookups = 0
         self.waited: list[tuple[int, int]] = []
+        self.kv_calls: list[str] = []  # warmup, release, rebind, in order
+        self.rebound: list[Any] = []
+
+    def warmup(self) -> int:
+        assert not self.kv_lock.locked(), "warmed up holding kv_lock"
+        self.kv_calls.append("warmup")
+        return 0
+
+    def release_kv_caches(self) -> None:
+        self.kv_calls.append("release")
+
+    def rebind_kv_caches(self, kv_caches: Any) -> None:
+        self.kv_calls.append("rebind")
+        self.rebound.append(kv_caches)
 
     def resolve(self, logical_ids: Any = None) -> npt.NDArray[np.int64]:
         self.num_lookups += 1
@@ -93,22 +115,32 @@ def test_memo_does_not_outlive_the_pass() -> None:
     switch.end_pass()
 
 
+def online_defragmenter() -> Any:
+    """vllm-gaudi's own ``OnlineDefragmenter``, as far as its worker touches it."""
+    return SimpleNamespace(enabled=False, cache_utils=SimpleNamespace(kv_caches=None))
+
+
 class FakeHPURunner:
     """What the mixin touches of vllm-gaudi's HPU runner."""
 
-    def __init__(self, kv: torch.Tensor) -> None:
-        self.kv_caches = [(kv, kv)]
-        self.defragmenter: Any = SimpleNamespace(enabled=False)  # vllm-gaudi's own
+    def __init__(self, kv_caches: list[Any]) -> None:
+        self.kv_caches = kv_caches
+        self.defragmenter: Any = online_defragmenter()
         self.seen: list[tuple[Any, bool]] = []
 
 
 class FakeHPUWorker:
-    """vllm-gaudi's HPUWorker, as far as the mixin goes."""
+    """vllm-gaudi's HPUWorker, as far as the mixin goes: ``sleep`` discards the KV caches
+    and ``wake_up`` re-allocates them (laid out as ``wake_up_layout`` says) with a new
+    ``OnlineDefragmenter``, as ``vllm_gaudi/v1/worker/hpu_worker.py`` does."""
 
-    def __init__(self, runner: FakeHPURunner, service: FakeService) -> None:
+    def __init__(self, runner: FakeHPURunner, service: Any, num_blocks: int = NUM_BLOCKS) -> None:
         self.model_runner = runner
         self.rank = 0
+        self.cache_config = SimpleNamespace(block_size=BLOCK_SIZE)
         self._service = service
+        self.num_blocks = num_blocks
+        self.wake_up_layout: dict[str, Any] = {}
 
     def execute_model(self, scheduler_output: Any) -> str:
         runner = self.model_runner
@@ -118,8 +150,19 @@ class FakeHPUWorker:
         runner.seen.append((defragmenter.resolve(1), self._service.kv_lock.locked()))
         return "ran"
 
-    def wake_up(self, tags: Any = None) -> None:
-        self.model_runner.defragmenter = SimpleNamespace(enabled=True)  # re-created
+    def sleep(self, level: int = 1) -> None:
+        runner = self.model_runner
+        if runner.kv_caches:
+            runner.defragmenter.cache_utils.kv_caches = None
+            runner.kv_caches = []
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        runner = self.model_runner
+        if "kv_cache" in (tags if tags is not None else ["weights", "kv_cache"]):
+            if not runner.kv_caches:
+                layout = {"num_layers": 2, **self.wake_up_layout}
+                runner.kv_caches = make_kv_caches(self.num_blocks, block_size=BLOCK_SIZE, **layout)
+            runner.defragmenter = online_defragmenter()  # re-created
 
     def shutdown(self) -> None:
         pass
@@ -133,7 +176,7 @@ class Worker(DefragHPUWorkerMixin, FakeHPUWorker):
 def worker() -> Iterator[tuple[Worker, FakeService]]:
     service = FakeService()
     service.mapping[[1, 7]] = [7, 1]
-    built = Worker(FakeHPURunner(torch.zeros(NUM_BLOCKS * 2, 1)), service)
+    built = Worker(FakeHPURunner(make_kv_caches(NUM_BLOCKS, block_size=BLOCK_SIZE)), service)
     built.kvdefrag_attach(service, NUM_BLOCKS)  # type: ignore[arg-type]
     yield built, service
 
@@ -165,20 +208,103 @@ def test_an_output_without_a_stamp_is_refused_by_name(
         built.execute_model(SimpleNamespace())
 
 
-def test_wake_up_puts_the_switch_back(worker: tuple[Worker, FakeService]) -> None:
-    built, _ = worker
-    built.wake_up()
-    assert built.model_runner.defragmenter is built.kvdefrag_switch
+def test_the_switch_warms_the_service_up() -> None:
+    service = FakeService()
+    DefragHPUSwitch(service, NUM_BLOCKS).warmup()
+    assert service.kv_calls == ["warmup"]
 
 
-def test_wake_up_that_reallocated_the_kv_caches_is_refused(
+def test_wake_up_that_kept_the_caches_warms_the_service_and_puts_the_switch_back(
     worker: tuple[Worker, FakeService],
 ) -> None:
-    built, _ = worker
-    kv = torch.zeros(NUM_BLOCKS * 2, 1)
-    built.model_runner.kv_caches = [(kv, kv)]
-    with pytest.raises(RuntimeError, match="re-allocated"):
+    built, service = worker
+    built.wake_up()  # nothing slept: vllm-gaudi re-creates its defragmenter all the same
+    assert built.model_runner.defragmenter is built.kvdefrag_switch
+    assert service.kv_calls == ["warmup"]  # no rebind: the caches are the bound ones
+
+
+def test_sleep_releases_and_wake_up_rebinds_only_once_the_caches_are_back(
+    worker: tuple[Worker, FakeService],
+) -> None:
+    built, service = worker
+    built.sleep()  # vllm-gaudi clears the switch's cache_utils.kv_caches, then the caches
+    assert built.model_runner.kv_caches == []
+    assert service.kv_calls == ["release"]
+    built.sleep()  # already asleep: nothing more to let go
+    assert service.kv_calls == ["release"]
+
+    built.wake_up(tags=["weights"])  # the KV caches stay asleep
+    assert service.kv_calls == ["release", "warmup"]  # nothing bound (0 batches there)
+    assert built.model_runner.defragmenter is built.kvdefrag_switch
+
+    built.wake_up(tags=["kv_cache"])
+    assert service.kv_calls == ["release", "warmup", "rebind"]  # rebind warms the new one
+    (rebound,) = service.rebound
+    runner_tensors = {tensor.data_ptr() for tensor in kv_tensors(built.model_runner.kv_caches)}
+    assert {tensor.data_ptr() for pair in rebound for tensor in pair} == runner_tensors
+    assert built.model_runner.defragmenter is built.kvdefrag_switch
+
+    built.wake_up()  # awake already: the bound caches are warmed, not bound again
+    assert service.kv_calls[-1] == "warmup"
+
+
+def run_workload(client: DefragClient, kv: SignedKv, **fields: Any) -> None:
+    client.step(**fields)
+    new_ids = sorted({i for ids in fields.get("new_blocks", {}).values() for i in ids})
+    kv.write(new_ids, client.resolve(new_ids))
+
+
+def served_worker(serve: Serve, num_blocks: int) -> tuple[Worker, ServerHandle, SignedKv]:
+    """A worker whose runner's caches a real service serves, bound as the worker binds
+    them at start (``kvdefrag_kv_caches``), every block signed."""
+    runner = FakeHPURunner(make_kv_caches(num_blocks, block_size=BLOCK_SIZE))
+    built = Worker(runner, None, num_blocks)
+    kv = SignedKv(built.kvdefrag_kv_caches(num_blocks), BLOCK_SIZE)
+    handle = serve(kv=kv, threshold=0)
+    built._service = handle
+    built.kvdefrag_attach(handle, num_blocks)
+    return built, handle, kv
+
+
+def test_after_sleep_and_wake_up_the_service_moves_blocks_in_the_new_caches(serve: Serve) -> None:
+    built, handle, old = served_worker(serve, 64)
+    live = [40, 41, 42]
+    with DefragClient(handle.address, timeout_s=10) as client:
+        run_workload(client, old, new_blocks={"a": list(range(1, 11)), "b": live})
+        epoch = handle.epoch
+        built.sleep()
         built.wake_up()
+        switch = built.kvdefrag_switch
+        assert built.model_runner.defragmenter is switch and switch is not None
+        old_before = [tensor.clone() for tensor in kv_tensors(old.kv_caches)]
+
+        new = SignedKv(built.kvdefrag_kv_caches(64), BLOCK_SIZE)  # the re-allocated caches
+        new.write(live, handle.resolve(live).tolist())  # b recomputed after the wake-up
+        reply = client.step(finished=["a"])  # same session, same epoch: b moves down
+        assert reply.num_moves == len(live) and handle.epoch == epoch
+        assert new.lost_blocks(handle, live) == []
+        for tensor, before in zip(kv_tensors(old.kv_caches), old_before, strict=True):
+            assert torch.equal(tensor, before)  # the discarded caches were not written
+
+        output = SimpleNamespace()
+        attach_step_stamp(output, StepStamp(((client.epoch, client.next_seq - 1),)))
+        assert built.execute_model(output) == "ran"
+    assert built.model_runner.seen == [(int(handle.resolve([1])[0]), True)]
+    assert switch.num_passes == 1
+
+
+def test_wake_up_with_caches_of_another_layout_is_refused_and_the_switch_stays(
+    serve: Serve,
+) -> None:
+    built, _, _ = served_worker(serve, 64)
+    built.sleep()
+    built.wake_up_layout = {"num_heads": 4}
+    with pytest.raises(
+        InvalidArgument, match=r"kv_caches\[0\]\.key is .* \(128, 16\), the bound one .* \(128, 8\)"
+    ):
+        built.wake_up()
+    assert built.model_runner.defragmenter is built.kvdefrag_switch
+    assert built.kvdefrag_kv_released  # the service still holds none
 
 
 @pytest.fixture

@@ -39,8 +39,15 @@ from kvdefrag.common import (
 from kvdefrag.common.errors import quote
 from kvdefrag.common.events import step_call_events
 from kvdefrag.server import _policy
-from kvdefrag.server._executor import KvCaches, SwapExecutor, make_executor
-from kvdefrag.server._moves import MoveBatch, MoveReport
+from kvdefrag.server._executor import (
+    KvCaches,
+    SwapExecutor,
+    check_same_geometry,
+    kv_geometry,
+    make_executor,
+    warm_up,
+)
+from kvdefrag.server._moves import Move, MoveBatch, MoveReport
 from kvdefrag.server._snapshot import MappingSnapshots
 from kvdefrag.server._tracker import BlockTracker
 from kvdefrag.server._validate import validate_step
@@ -126,8 +133,10 @@ class Engine:
 
     Invariants (between calls): the mapping is a permutation of ``[0, num_blocks)`` with
     ``resolve(0) == 0``; the KV data of every live block (and, with prefix caching, of
-    every cached free block) sits at ``resolve(logical_id)``; every running request
-    holds a block other than the null block. A new or resumed request whose list holds
+    every cached free block) sits at ``resolve(logical_id)``, except after
+    ``rebind_kv_caches`` (new memory: its caller vouches that no old content is read
+    again, and each block is written there anew); every running request holds a block
+    other than the null block. A new or resumed request whose list holds
     none (``[]``, ``[0]``) is not kept: it is not counted in ``num_requests``, and
     finishing it later counts as an unknown finished id.
 
@@ -171,10 +180,12 @@ class Engine:
                 f"config must be an EngineConfig, got {type(self.config).__name__}"
             )
         self.block_size = block_size
-        self._executor = executor or make_executor(
-            kv_caches, block_size, stream=stream, pad_buckets=self.config.pad_buckets
-        )
+        self._stream = stream
+        self._executor = executor or self._bind_executor(kv_caches)
         self.num_blocks = self._executor.num_blocks
+        # NOTE: the layout, never the tensors: a worker that frees its KV caches
+        # (``release_kv_caches``) must not find the engine still holding them.
+        self._kv_geometry = kv_geometry(kv_caches, block_size)
         self.kv_lock = kv_lock or threading.Lock()
         self._observers: list[StepObserver] = [] if observer is None else [observer]
         self._lock = threading.Lock()
@@ -577,6 +588,83 @@ class Engine:
             end = start + len(page)
             return RequestPage(page, self._generation, end if end < len(requests) else None)
 
+    # --- the KV tensors ---------------------------------------------------------------
+    def _bind_executor(self, kv_caches: KvCaches) -> SwapExecutor:
+        """The executor for ``kv_caches``' device, built (and warmed) as at start."""
+        return make_executor(
+            kv_caches, self.block_size, stream=self._stream, pad_buckets=self.config.pad_buckets
+        )
+
+    def warmup(self) -> int:
+        """Runs the executor's warm-up again, holding ``kv_lock``.
+
+        The HPU executor runs every pad bucket, one-way and two-way, with pad-only
+        batches (they move nothing), so no graph is compiled inside a later step; the
+        CPU and CUDA executors compile nothing and run no batch.
+
+        Returns:
+            The batches run: 0 for executors without graphs, one without a warm-up, or
+            while the KV caches are released.
+        """
+        with self.kv_lock:
+            return warm_up(self._executor)
+
+    def release_kv_caches(self) -> None:
+        """Lets go of the KV tensors (the worker freed its caches: vLLM's sleep).
+
+        The mapping, the requests and the totals stay. Until ``rebind_kv_caches`` binds
+        new tensors, a step that needs to move blocks fails (``EngineUnhealthy``, naming
+        the release; a reset is then required), as no memory is there to move; steps
+        that move nothing still apply.
+        """
+        with self._lock, self.kv_lock:
+            self._executor = _ReleasedKvCaches(self.num_blocks)
+        _LOGGER.info("kvdefrag: the KV caches are released; steps may not move blocks")
+
+    def rebind_kv_caches(self, kv_caches: KvCaches, executor: SwapExecutor | None = None) -> None:
+        """Moves blocks in ``kv_caches`` from now on, in place of the bound tensors.
+
+        For a worker that re-allocated its KV caches (vllm-gaudi's ``wake_up`` after a
+        sleep that discarded them). The new tensors must be laid out as the bound ones:
+        the same layers, and per tensor the same shape, dtype and device kind. Their
+        executor is built as at start (the HPU one warms every pad bucket as it binds)
+        before it is swapped in, holding the engine lock and ``kv_lock``: no step moves
+        blocks half in the old memory, half in the new.
+
+        The mapping, the requests, the totals and the health stay as they are, and no new
+        epoch starts: the scheduler's open session goes on. That is right only because
+        nothing reads the old content again: whatever the tensors hold, the mapping
+        names where each block's data goes from now on (any permutation is as good as
+        another for memory no request reads), and vLLM drops every block's content
+        before the caches are discarded: ``EngineCore.sleep`` (level 1 and up) pauses
+        the scheduler with ``clear_cache``, whose ``reset_prefix_cache(
+        reset_running_requests=True)`` preempts every running request (they recompute
+        from their first token: every block they get is fresh) and empties the prefix
+        cache, before the workers sleep. Requests and cached blocks the engine still
+        lists are released by the scheduler's next step (preempted, aborted, evicted).
+        A caller whose requests would read their old KV data after the rebind must not
+        rebind: that data is gone, and the engine has to be restarted.
+
+        Args:
+            kv_caches: The worker's new per-layer ``(key, value)`` KV tensors.
+            executor: A swap executor for them, instead of the one built for them.
+
+        Raises:
+            InvalidArgument: ``kv_caches`` is malformed, or not laid out as the bound
+                caches (the message names the first difference), or ``executor`` moves
+                another number of blocks; nothing changed.
+        """
+        check_same_geometry(self._kv_geometry, kv_caches, self.block_size)
+        bound = executor or self._bind_executor(kv_caches)
+        if bound.num_blocks != self.num_blocks:
+            raise InvalidArgument(
+                f"rebind_kv_caches: the executor moves {bound.num_blocks} blocks, the pool "
+                f"has {self.num_blocks}"
+            )
+        with self._lock, self.kv_lock:
+            self._executor = bound
+        _LOGGER.info("kvdefrag: the service now moves blocks in the re-allocated KV caches")
+
     def reset(self, *, prefix_caching: bool | None = None) -> None:
         """Forgets every request, restores the identity mapping and zeroes the totals;
         healthy again.
@@ -602,3 +690,19 @@ class Engine:
                 self._reset_version = self._num_compactions
                 self._move_log.clear()
         self._notify("on_reset")
+
+
+class _ReleasedKvCaches:
+    """The executor while the worker's KV caches are released: there is nothing to move."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+
+    def warmup(self) -> int:
+        return 0
+
+    def execute(self, moves: Sequence[Move]) -> MoveReport:
+        raise RuntimeError(
+            "the KV caches are released (the worker freed them: it sleeps); no block can "
+            "move until rebind_kv_caches binds new ones"
+        )

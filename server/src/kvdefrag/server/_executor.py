@@ -30,13 +30,26 @@ KvCaches = Sequence[tuple[torch.Tensor, torch.Tensor | None]]
 
 
 class SwapExecutor(Protocol):
-    """Moves whole blocks inside the bound KV tensors."""
+    """Moves whole blocks inside the bound KV tensors.
+
+    An executor may also offer ``warmup() -> int``: it runs every static batch shape once
+    with batches that move nothing (the HPU backend: each pad bucket, one-way and
+    two-way) and returns how many batches it ran. The built-in backends all have it
+    (CPU and CUDA run none: they compile no graphs); ``warm_up`` calls it where it exists.
+    """
 
     num_blocks: int
 
     def execute(self, moves: Sequence[Move]) -> MoveReport:
         """Copies (or swaps) every move's block; raises on failure."""
         ...
+
+
+def warm_up(executor: SwapExecutor) -> int:
+    """Runs ``executor``'s warm-up (see ``SwapExecutor``); returns the batches it ran, 0
+    for an executor without one."""
+    warmup = getattr(executor, "warmup", None)
+    return 0 if warmup is None else int(warmup())
 
 
 def bind_kv_caches(kv_caches: KvCaches, block_size: int) -> tuple[list[torch.Tensor], int]:
@@ -78,6 +91,62 @@ def bind_kv_caches(kv_caches: KvCaches, block_size: int) -> tuple[list[torch.Ten
     if num_blocks < 2:
         raise InvalidArgument(f"the pool needs at least 2 blocks, got {num_blocks}")
     return tensors, num_blocks
+
+
+TensorGeometry = tuple[tuple[int, ...], torch.dtype, str]
+"""A KV tensor's shape, dtype and device kind (``cpu``, ``cuda``, ``hpu``)."""
+
+KvGeometry = tuple[tuple[TensorGeometry, TensorGeometry | None], ...]
+"""Per layer, its key's and its value's ``TensorGeometry`` (None for an MLA value)."""
+
+
+def kv_geometry(kv_caches: KvCaches, block_size: int) -> KvGeometry:
+    """What new KV tensors must keep to be bound in place of ``kv_caches``.
+
+    Raises:
+        InvalidArgument: As ``bind_kv_caches``.
+    """
+    bind_kv_caches(kv_caches, block_size)
+    return tuple(
+        (_tensor_geometry(key), None if value is None else _tensor_geometry(value))
+        for key, value in kv_caches
+    )
+
+
+def check_same_geometry(bound: KvGeometry, kv_caches: KvCaches, block_size: int) -> None:
+    """Refuses KV tensors that are not laid out as the bound ones.
+
+    Raises:
+        InvalidArgument: ``kv_caches`` is malformed (as ``bind_kv_caches``), or differs
+            from ``bound`` in its number of layers, or in a tensor's shape, dtype or
+            device kind, or has a value where the bound caches have none (or the other
+            way round); the message names the first difference.
+    """
+    geometry = kv_geometry(kv_caches, block_size)
+    if len(geometry) != len(bound):
+        raise InvalidArgument(
+            f"kv_caches has {len(geometry)} layers, the bound caches {len(bound)}: new KV "
+            "caches must keep the bound caches' geometry (layers, shapes, dtypes, device kind)"
+        )
+    for layer, (was, now) in enumerate(zip(bound, geometry, strict=True)):
+        for name, was_tensor, now_tensor in zip(("key", "value"), was, now, strict=True):
+            if was_tensor != now_tensor:
+                raise InvalidArgument(
+                    f"kv_caches[{layer}].{name} is {_describe(now_tensor)}, the bound one "
+                    f"{_describe(was_tensor)}: new KV caches must keep the bound caches' "
+                    "geometry (layers, shapes, dtypes, device kind)"
+                )
+
+
+def _tensor_geometry(tensor: torch.Tensor) -> TensorGeometry:
+    return tuple(tensor.shape), tensor.dtype, tensor.device.type
+
+
+def _describe(geometry: TensorGeometry | None) -> str:
+    if geometry is None:
+        return "None"
+    shape, dtype, device_type = geometry
+    return f"a {str(dtype).removeprefix('torch.')} {device_type} tensor of shape {shape}"
 
 
 def block_views(tensors: list[torch.Tensor], num_blocks: int) -> list[torch.Tensor]:

@@ -81,6 +81,10 @@ class CpuSwapExecutor:
         self._staging_bytes = max(_STAGING_BYTES_PER_THREAD, 2 * max_row_bytes)
         self._buffers = threading.local()
 
+    def warmup(self) -> int:
+        """Nothing to warm: no graph is compiled on the CPU. Runs no batch (returns 0)."""
+        return 0
+
     def execute(self, moves: Sequence[Move]) -> MoveReport:
         batch = MoveBatch.of(moves)
         num_moves = len(batch)

@@ -81,6 +81,11 @@ class CudaSwapExecutor:
                 )
         self.bytes_per_block = sum(v.shape[1] * v.element_size() for v in self._views)
 
+    def warmup(self) -> int:
+        """Nothing to warm: the index kernels compile no graph per batch size. Runs no
+        batch (returns 0)."""
+        return 0
+
     def execute(self, moves: Sequence[Move]) -> MoveReport:
         batch = MoveBatch.of(moves)
         one_way = batch.pairs(two_way=False)

@@ -3,7 +3,8 @@
 Imported by ``_executor.make_executor`` only when the KV tensors live on an HPU. Gaudi
 graphs want static shapes, so every batch is padded to a bucket with the null pair
 (0 -> 0) and the swap is pre-warmed for every bucket at bind time, so no graph is
-compiled inside a worker step.
+compiled inside a worker step (``HpuSwapExecutor.warmup``, which the service runs again
+when the worker asks: ``ServerHandle.warmup``).
 
 NOTE: this backend cannot run on the CPU/CUDA machines kvdefrag is developed on; its
 logic mirrors the CUDA backend (``_executor_cuda``), and it is tested on CPU tensors with
@@ -73,9 +74,23 @@ class HpuSwapExecutor:
                     swap.forward, backend="hpu_backend", fullgraph=True, dynamic=False
                 )
         self._swap = swap
-        for bucket in self._buckets:  # pre-warm: a pad-only batch moves nothing
+        self.warmup()
+
+    def warmup(self) -> int:
+        """Runs every pad bucket once, one-way and two-way, with pad-only batches.
+
+        A pad-only batch copies the null block onto itself: it moves nothing, and
+        compiles (or captures) the bucket's graph, so none is compiled inside a step.
+        The constructor runs it; run it again when the graphs may have been dropped (the
+        worker woke up).
+
+        Returns:
+            The batches run: two per bucket.
+        """
+        for bucket in self._buckets:
             for two_way in (False, True):
                 self._run([0] * bucket, [0] * bucket, two_way)
+        return 2 * len(self._buckets)
 
     def _run(self, src_ids: list[int], dst_ids: list[int], two_way: bool) -> None:
         src = torch.tensor(src_ids, dtype=torch.long).to(self._device, non_blocking=True)

@@ -140,6 +140,12 @@ class ServerHandle:
     the served state goes through the servicer, so a reset (``reset``) always starts a
     new epoch and no client keeps stepping an engine that changed under it.
 
+    The worker also owns its KV tensors' lifetime, so three calls follow it without
+    touching the served state (mapping, requests, epoch): ``release_kv_caches`` when it
+    frees them (vLLM's sleep), ``rebind_kv_caches`` when it allocates new ones (its
+    wake-up), and ``warmup``, which runs the swap executor's warm-up again (after a
+    wake-up: no graph is compiled inside a step).
+
     Built by ``serve_in_process``; call ``stop()`` (or use it as a context manager) when
     the worker shuts down.
     """
@@ -261,6 +267,52 @@ class ServerHandle:
             StepInFlight: A step is still being applied; retry once it is done.
         """
         return self._servicer.reset(prefix_caching=prefix_caching, force=force)
+
+    def warmup(self) -> int:
+        """Runs the swap executor's warm-up again, holding ``kv_lock``; call it without
+        holding ``kv_lock``.
+
+        On HPU every pad bucket runs once, one-way and two-way, as when the service bound
+        the caches, with pad-only batches that move nothing, so no graph is compiled
+        inside a step; the CPU and CUDA executors compile nothing and run no batch.
+
+        Returns:
+            The batches run (0 on CPU and CUDA, and while the KV caches are released).
+        """
+        return self._engine.warmup()
+
+    def release_kv_caches(self) -> None:
+        """Lets go of the KV tensors the service moves blocks in, so that freeing them
+        frees their memory (vLLM's sleep discards the KV caches).
+
+        The mapping, the requests and the epoch stay. Until ``rebind_kv_caches``, a step
+        that needs to move blocks fails (the engine then needs a reset); vLLM schedules
+        none while it sleeps.
+        """
+        self._engine.release_kv_caches()
+
+    def rebind_kv_caches(
+        self, kv_caches: KvCaches, *, executor: SwapExecutor | None = None
+    ) -> None:
+        """Moves blocks in ``kv_caches`` from now on: the worker re-allocated its KV caches.
+
+        The tensors must be laid out as the bound ones (layers, shapes, dtypes, device
+        kind). Their executor is built as ``serve_in_process`` builds it (on HPU it warms
+        every pad bucket as it binds) and swapped in holding ``kv_lock``. The mapping,
+        the requests and the epoch stay, so the scheduler's session goes on: correct
+        when no request reads its KV data from before the re-allocation, as after vLLM's
+        sleep, which preempts every running request and empties the prefix cache before
+        the workers discard their caches (``Engine.rebind_kv_caches`` has the details).
+
+        Args:
+            kv_caches: The worker's new per-layer ``(key, value)`` KV tensors.
+            executor: A swap executor for them, instead of the one built for them.
+
+        Raises:
+            InvalidArgument: ``kv_caches`` is malformed or not laid out as the bound
+                caches (the message names the first difference); nothing changed.
+        """
+        self._engine.rebind_kv_caches(kv_caches, executor)
 
     def stop(self, grace_s: float | None = 5.0) -> bool:
         """Stops serving: health NOT_SERVING first, then in-flight steps finish.

@@ -21,9 +21,21 @@ own ``OnlineDefragmenter``). What this module relies on, as read in vllm-project
   of at least ``max(block_list) + 1``.
 * ``vllm_gaudi/v1/spec_decode/hpu_eagle.py``: the Eagle draft step calls
   ``defragmenter.resolve_all`` / ``resolve`` directly.
-* ``vllm_gaudi/v1/worker/hpu_worker.py``: warm-up calls ``defragmenter.warmup()``;
-  ``sleep()`` sets ``model_runner.defragmenter = None`` and ``wake_up()`` re-creates an
-  ``OnlineDefragmenter`` (and re-allocates the KV caches).
+* ``vllm_gaudi/v1/worker/hpu_worker.py``: ``initialize_from_config`` allocates the KV
+  caches and warms the model up (``HPUModelRunner.warmup_model``, which warms its own
+  ``OnlineDefragmenter`` through ``cache_utils`` and then re-creates it) before the
+  mixin installs the switch. ``sleep()``, at every level (level 2 runs as level 1),
+  sets ``model_runner.defragmenter.cache_utils.kv_caches = None`` and discards the KV
+  caches (``model_runner.kv_caches = []``); ``wake_up()`` with the ``kv_cache`` tag
+  (the default) re-allocates them (``initialize_kv_cache``: new, zero-filled tensors)
+  and re-creates an ``OnlineDefragmenter``; it warms nothing.
+* vLLM 0.33's engine side (``vllm/v1/engine/core.py``): ``EngineCore.sleep`` at level 1
+  and up pauses the scheduler with ``clear_cache``, whose ``_reset_caches`` calls
+  ``Scheduler.reset_prefix_cache(reset_running_requests=True)``: every running request
+  is preempted (``_preempt_request``: its blocks freed, ``num_computed_tokens = 0``),
+  the prefix cache is emptied, and only then do the workers sleep. The preemptions
+  reach kvdefrag's ledger in the first output after ``wake_up`` (``preempted_req_ids``,
+  from ``reset_preempted_req_ids``); scheduling resumes only once every worker is awake.
 * ``vllm_gaudi/utils.py`` rebinds vLLM's ``AsyncScheduler`` to vllm-gaudi's
   ``HPUAsyncScheduler`` (``vllm_gaudi.v1.core.sched.hpu_async_scheduler``), which
   carries HPU fixes; a scheduler class built on the upstream class silently loses them.
@@ -44,6 +56,14 @@ ones), deferred frees and prefix-cache state, which the worker-side
 for preempted blocks"; it also applies new blocks before finished requests, so a request
 id reused in the same step loses its new blocks). Then cost: one plan per step for all
 ranks, off the forward pass, instead of one per rank inside it.
+
+Sleep and wake-up: the mixin's ``sleep`` lets the service drop the discarded caches
+(``ServerHandle.release_kv_caches``), so their memory is freed; its ``wake_up`` binds the
+service to the re-allocated ones (``ServerHandle.rebind_kv_caches``, which warms the new
+executor) or warms the bound one (``ServerHandle.warmup``), then puts the switch back.
+The mapping and the epoch stay across it: when the caches are discarded vLLM holds no
+block whose content it reads again (above), so whatever the mapping names is as good as
+any other place in fresh memory, and the scheduler's session goes on.
 
 Importing this module imports neither vLLM nor vllm-gaudi; the classes built from them
 (``DefragHPUAsyncScheduler``, ``DefragHPUWorker``) are made on first lookup.
@@ -88,6 +108,21 @@ class SwitchService(Protocol):
 
     def resolve(self, logical_ids: Any = None) -> npt.NDArray[np.int64]: ...
 
+    def warmup(self) -> int: ...
+
+
+class _CacheUtilsSlot:
+    """Stands where ``OnlineDefragmenter.cache_utils`` is, for vllm-gaudi's ``sleep``,
+    which sets its ``kv_caches`` to None. It holds no tensor (the rank's service binds
+    the caches) and swaps nothing.
+
+    Attributes:
+        kv_caches: What ``sleep`` clears; always None here.
+    """
+
+    def __init__(self) -> None:
+        self.kv_caches: Any = None
+
 
 class DefragHPUSwitch:
     """Stands where vllm-gaudi's HPU runner keeps its ``OnlineDefragmenter``.
@@ -107,6 +142,8 @@ class DefragHPUSwitch:
 
     Attributes:
         enabled: Read by the runner (``run_defragmenter``); always True.
+        cache_utils: What vllm-gaudi's ``sleep`` clears (``cache_utils.kv_caches =
+            None``); holds no tensor.
         num_blocks: Blocks in the pool.
         num_passes: Passes begun.
         num_update_states: ``update_state`` calls seen (each planned nothing).
@@ -118,6 +155,7 @@ class DefragHPUSwitch:
 
     def __init__(self, service: SwitchService, num_blocks: int) -> None:
         self._service = service
+        self.cache_utils = _CacheUtilsSlot()
         self.num_blocks = num_blocks
         self.num_passes = 0
         self.num_update_states = 0
@@ -159,11 +197,12 @@ class DefragHPUSwitch:
         """Nothing to do: the step stamped on the output already moved the blocks."""
 
     def warmup(self) -> None:
-        """Nothing to compile here: the kvdefrag service's HPU executor
-        (``kvdefrag.server._executor_hpu.HpuSwapExecutor``) already ran every swap pad
-        bucket, one-way and two-way, when it bound the caches, so no graph is compiled
-        inside a step. The service does not expose its executor to the worker
-        (``ServerHandle`` is narrow on purpose), so this cannot re-run them."""
+        """Runs the rank's service warm-up (``ServerHandle.warmup``): on HPU every swap
+        pad bucket once, one-way and two-way, with pad-only batches that move nothing, so
+        no graph is compiled inside a step. For a runner that asks its defragmenter to
+        warm up; ``DefragHPUWorkerMixin.wake_up`` calls it too. Call it between passes,
+        without holding ``kv_lock`` (the warm-up takes it)."""
+        self._service.warmup()
 
     def resolve(self, block_id: int) -> int:
         """The physical id of logical ``block_id`` (ids outside the pool unchanged)."""
@@ -222,42 +261,42 @@ class DefragHPUWorkerMixin(DefragWorkerMixin):
     ``execute_model`` waits for the step stamped on its output, then runs vLLM's pass
     holding ``kv_lock`` with the switch marking the pass; the output is NOT translated
     and the runner's rows are NOT remapped (they stay logical; the runner resolves them
-    at input build). ``wake_up`` puts the switch back (vllm-gaudi re-creates its own).
+    at input build).
 
-    Invariant: while the service runs, ``model_runner.defragmenter`` is
-    ``kvdefrag_switch`` whenever ``execute_model`` runs.
+    Sleep and wake-up follow vllm-gaudi's: ``sleep`` discards the KV caches, and the
+    service lets go of them too (``release_kv_caches``) so their memory is freed;
+    ``wake_up`` re-allocates them, and the service binds the new tensors
+    (``rebind_kv_caches``, its new executor warmed as at start) or, when they were not
+    re-allocated, runs its warm-up again (``warmup``); then the switch goes back in
+    place of the ``OnlineDefragmenter`` that vllm-gaudi re-created.
+
+    Invariants: while the service runs, ``model_runner.defragmenter`` is
+    ``kvdefrag_switch`` whenever ``execute_model`` runs; outside a sleep the service
+    moves blocks in the runner's KV caches (``kvdefrag_kv_ptr`` is the address of
+    their first tensor).
     """
 
     kvdefrag_switch: DefragHPUSwitch | None = None
     kvdefrag_kv_ptr: int = 0
+    kvdefrag_num_blocks: int = 0
+    kvdefrag_kv_released: bool = False
 
     def kvdefrag_attach(self, handle: Any, num_blocks: int) -> None:
         """Keeps the service (and its step wait), installs the switch; no translator."""
         super().kvdefrag_attach(handle, num_blocks)
         self.kvdefrag_translator = None  # the HPU runner resolves at input build
         self.kvdefrag_switch = DefragHPUSwitch(handle, num_blocks)
+        self.kvdefrag_num_blocks = num_blocks
         runner: Any = getattr(self, "model_runner")  # noqa: B009
         self.kvdefrag_kv_ptr = _first_kv_pointer(getattr(runner, "kv_caches", ()))
         self.kvdefrag_install()
 
     def kvdefrag_install(self) -> None:
-        """Puts the switch on ``model_runner.defragmenter``.
-
-        Raises:
-            RuntimeError: The runner's KV caches are not the ones the service serves
-                (re-allocated by ``wake_up`` after a sleep that discarded them).
-        """
+        """Puts the switch on ``model_runner.defragmenter`` (nothing before attach)."""
         switch = self.kvdefrag_switch
         if switch is None:
             return
         runner: Any = getattr(self, "model_runner")  # noqa: B009
-        pointer = _first_kv_pointer(getattr(runner, "kv_caches", ()))
-        if self.kvdefrag_kv_ptr and pointer != self.kvdefrag_kv_ptr:
-            raise RuntimeError(
-                "kvdefrag: the HPU runner's KV caches were re-allocated (sleep mode "
-                "discarded them); the rank's service still serves the old memory. Sleep "
-                "with level that keeps the KV cache, or run without kvdefrag"
-            )
         runner.defragmenter = switch
 
     def execute_model(self, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
@@ -289,12 +328,53 @@ class DefragHPUWorkerMixin(DefragWorkerMixin):
             finally:
                 switch.end_pass()
 
+    def sleep(self, *args: Any, **kwargs: Any) -> None:
+        """vllm-gaudi's ``sleep``; once it discarded the KV caches, the service lets go
+        of them too (``release_kv_caches``), or their memory would stay taken."""
+        parent: Any = super()
+        parent.sleep(*args, **kwargs)
+        handle = self.kvdefrag_handle
+        runner: Any = getattr(self, "model_runner")  # noqa: B009
+        if handle is None or _first_kv_pointer(getattr(runner, "kv_caches", ())):
+            return
+        if not self.kvdefrag_kv_released:
+            handle.release_kv_caches()
+            self.kvdefrag_kv_released = True
+
     def wake_up(self, *args: Any, **kwargs: Any) -> None:
-        """vllm-gaudi's ``wake_up`` (it re-creates its own defragmenter), then the
-        switch goes back."""
+        """vllm-gaudi's ``wake_up``, then the service follows the KV caches and warms up,
+        and the switch goes back.
+
+        When ``wake_up`` re-allocated the caches (they were discarded by ``sleep``), the
+        service binds the new tensors (``rebind_kv_caches``: the mapping and the epoch
+        stay, since vLLM preempted every request and emptied its prefix cache before the
+        sleep; the new executor is warmed as at start); otherwise it runs its warm-up
+        again (``warmup``). A wake-up that left the caches asleep (tags without
+        ``kv_cache``) binds nothing; a later one does.
+
+        Raises:
+            InvalidArgument: The re-allocated caches are not laid out as the ones the
+                service bound at start (the message names the difference); the service
+                is left as it was.
+            ValueError: As ``bind_vllm_kv_caches``, for the re-allocated caches.
+        """
         parent: Any = super()
         parent.wake_up(*args, **kwargs)
-        self.kvdefrag_install()
+        handle = self.kvdefrag_handle
+        try:
+            if handle is not None:
+                runner: Any = getattr(self, "model_runner")  # noqa: B009
+                pointer = _first_kv_pointer(getattr(runner, "kv_caches", ()))
+                if pointer and (self.kvdefrag_kv_released or pointer != self.kvdefrag_kv_ptr):
+                    handle.rebind_kv_caches(self.kvdefrag_kv_caches(self.kvdefrag_num_blocks))
+                    self.kvdefrag_kv_ptr = pointer
+                    self.kvdefrag_kv_released = False
+                else:
+                    handle.warmup()
+        finally:
+            # NOTE: even when the rebind is refused: the OnlineDefragmenter vllm-gaudi
+            # re-created must never plan moves of its own next to the service.
+            self.kvdefrag_install()
 
 
 def _first_kv_pointer(kv_caches: Any) -> int:

@@ -214,6 +214,17 @@ class DefragWorkerMixin:
             if parent_shutdown is not None:
                 parent_shutdown()
 
+    def kvdefrag_kv_caches(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """The runner's KV caches as the rank's service binds them
+        (``bind_vllm_kv_caches`` of ``model_runner.kv_caches``).
+
+        Raises:
+            ValueError: As ``bind_vllm_kv_caches``.
+        """
+        worker: Any = self
+        block_size = int(worker.cache_config.block_size)
+        return bind_vllm_kv_caches(worker.model_runner.kv_caches, num_blocks, block_size)
+
     def kvdefrag_address(self) -> str:
         """Where this rank serves: ``unix:$KVDEFRAG_VLLM_RUN_DIR/rank<N>.sock``, or
         ``HOST:PORT+local rank`` when ``KVDEFRAG_VLLM_TCP_PORT`` is set (ranks on several
@@ -276,7 +287,7 @@ class DefragWorkerMixin:
             check_v2_runner(worker.model_runner)
         block_size = int(worker.cache_config.block_size)
         num_blocks = int(kv_cache_config.num_blocks)
-        kv_caches = bind_vllm_kv_caches(worker.model_runner.kv_caches, num_blocks, block_size)
+        kv_caches = self.kvdefrag_kv_caches(num_blocks)
         address = self.kvdefrag_address()
         device = kv_caches[0][0].device
         stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
