@@ -97,8 +97,9 @@ class HPURunnerModel:
         skip_resolve: A sabotage: the input build takes row ids as physical.
         skip_draft_resolve: A sabotage: only the Eagle draft step takes row ids as
             physical (``prepare_attn_metadata`` without its two resolves).
-        kv_caches: ``[(key, None)]`` (then the draft layer's), the layout vllm-gaudi
-            hands its defragmenter.
+        kv_caches: ``[(key, None, None, None)]`` (then the draft layer's): vllm-gaudi's
+            ``(key_cache, value_cache, key_scales, value_scales)`` per layer, as it hands
+            them to its defragmenter (here MLA-like, without scales or a pad block).
         num_speculative_tokens: Draft tokens per step (0: no Eagle draft step).
         num_draft_resolved: Block ids the draft step resolved.
     """
@@ -116,7 +117,9 @@ class HPURunnerModel:
         self.draft_kv = draft_kv
         self.num_blocks = num_blocks
         self.num_speculative_tokens = num_speculative_tokens
-        self.kv_caches = [(kv, None)] + ([] if draft_kv is None else [(draft_kv, None)])
+        self.kv_caches = [(kv, None, None, None)] + (
+            [] if draft_kv is None else [(draft_kv, None, None, None)]
+        )
         self.defragmenter: Any = IdentityDefragmenter()
         self.skip_resolve = False
         self.skip_draft_resolve = False

@@ -29,7 +29,8 @@ from kvdefrag.vllm.gaudi import (
     check_gaudi_scheduler,
 )
 
-from support.kv import SignedKv, kv_tensors, make_kv_caches
+from support.gaudi_kv import gaudi_tensors, make_gaudi_kv_caches
+from support.kv import SignedKv, kv_tensors
 from support.public_api import assert_public_names
 from support.server import Serve
 
@@ -120,6 +121,13 @@ def online_defragmenter() -> Any:
     return SimpleNamespace(enabled=False, cache_utils=SimpleNamespace(kv_caches=None))
 
 
+def gaudi_kv_caches(num_blocks: int, **layout: Any) -> list[Any]:
+    """The runner's ``kv_caches`` as vllm-gaudi allocates them with dynamic fp8 KV:
+    ``(key_cache, value_cache, key_scales, value_scales)`` per layer over
+    ``num_blocks + 1`` blocks, the last its pad block."""
+    return make_gaudi_kv_caches(num_blocks, block_size=BLOCK_SIZE, scales=True, **layout)
+
+
 class FakeHPURunner:
     """What the mixin touches of vllm-gaudi's HPU runner."""
 
@@ -161,7 +169,7 @@ class FakeHPUWorker:
         if "kv_cache" in (tags if tags is not None else ["weights", "kv_cache"]):
             if not runner.kv_caches:
                 layout = {"num_layers": 2, **self.wake_up_layout}
-                runner.kv_caches = make_kv_caches(self.num_blocks, block_size=BLOCK_SIZE, **layout)
+                runner.kv_caches = gaudi_kv_caches(self.num_blocks, **layout)
             runner.defragmenter = online_defragmenter()  # re-created
 
     def shutdown(self) -> None:
@@ -176,7 +184,7 @@ class Worker(DefragHPUWorkerMixin, FakeHPUWorker):
 def worker() -> Iterator[tuple[Worker, FakeService]]:
     service = FakeService()
     service.mapping[[1, 7]] = [7, 1]
-    built = Worker(FakeHPURunner(make_kv_caches(NUM_BLOCKS, block_size=BLOCK_SIZE)), service)
+    built = Worker(FakeHPURunner(gaudi_kv_caches(NUM_BLOCKS)), service)
     built.kvdefrag_attach(service, NUM_BLOCKS)  # type: ignore[arg-type]
     yield built, service
 
@@ -240,8 +248,8 @@ def test_sleep_releases_and_wake_up_rebinds_only_once_the_caches_are_back(
     built.wake_up(tags=["kv_cache"])
     assert service.kv_calls == ["release", "warmup", "rebind"]  # rebind warms the new one
     (rebound,) = service.rebound
-    runner_tensors = {tensor.data_ptr() for tensor in kv_tensors(built.model_runner.kv_caches)}
-    assert {tensor.data_ptr() for pair in rebound for tensor in pair} == runner_tensors
+    runner_tensors = {tensor.data_ptr() for tensor in gaudi_tensors(built.model_runner.kv_caches)}
+    assert {tensor.data_ptr() for tensor in kv_tensors(rebound)} == runner_tensors  # scales too
     assert built.model_runner.defragmenter is built.kvdefrag_switch
 
     built.wake_up()  # awake already: the bound caches are warmed, not bound again
@@ -257,7 +265,7 @@ def run_workload(client: DefragClient, kv: SignedKv, **fields: Any) -> None:
 def served_worker(serve: Serve, num_blocks: int) -> tuple[Worker, ServerHandle, SignedKv]:
     """A worker whose runner's caches a real service serves, bound as the worker binds
     them at start (``kvdefrag_kv_caches``), every block signed."""
-    runner = FakeHPURunner(make_kv_caches(num_blocks, block_size=BLOCK_SIZE))
+    runner = FakeHPURunner(gaudi_kv_caches(num_blocks))
     built = Worker(runner, None, num_blocks)
     kv = SignedKv(built.kvdefrag_kv_caches(num_blocks), BLOCK_SIZE)
     handle = serve(kv=kv, threshold=0)

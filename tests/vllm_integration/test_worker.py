@@ -678,24 +678,6 @@ def test_importing_the_module_imports_no_vllm() -> None:
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
-def test_vllm_gaudi_pairs_bind_as_they_are() -> None:
-    slots = NUM_BLOCKS * BLOCK_SIZE
-    key, value = torch.randn(slots, HEADS, HEAD_SIZE), torch.randn(slots, HEADS, HEAD_SIZE)
-    latent = torch.randn(slots, HEAD_SIZE)
-    pairs = bind_vllm_kv_caches([(key, value), (latent, None)], NUM_BLOCKS, BLOCK_SIZE)
-    assert [tuple(t.shape) if t is not None else None for pair in pairs for t in pair] == [
-        (slots, HEADS * HEAD_SIZE),
-        (slots, HEADS * HEAD_SIZE),
-        (slots, HEAD_SIZE),
-        None,
-    ]
-    assert pairs[0][0].data_ptr() == key.data_ptr()
-    with pytest.raises(ValueError, match="expected a contiguous"):
-        bind_vllm_kv_caches([(key[:-1], value[:-1])], NUM_BLOCKS, BLOCK_SIZE)
-    with pytest.raises(ValueError, match="expected \\(key, value\\)"):
-        bind_vllm_kv_caches([(None, value)], NUM_BLOCKS, BLOCK_SIZE)
-
-
 def test_worker_exports_are_pinned() -> None:
     assert_public_names(
         "kvdefrag.vllm.worker",

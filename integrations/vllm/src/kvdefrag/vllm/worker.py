@@ -216,7 +216,9 @@ class DefragWorkerMixin:
 
     def kvdefrag_kv_caches(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         """The runner's KV caches as the rank's service binds them
-        (``bind_vllm_kv_caches`` of ``model_runner.kv_caches``).
+        (``bind_vllm_kv_caches`` of ``model_runner.kv_caches``: on Gaudi the first
+        ``num_blocks`` blocks of each layer's tensors, scales included, never the pad
+        block).
 
         Raises:
             ValueError: As ``bind_vllm_kv_caches``.
@@ -304,7 +306,7 @@ class DefragWorkerMixin:
             metrics_labels={"rank": str(worker.rank)},
         )
         logger.info(
-            "kvdefrag: rank %d serves %d blocks of %d tokens (%d layers) on %s%s",
+            "kvdefrag: rank %d serves %d blocks of %d tokens (%d bound tensor pairs) on %s%s",
             worker.rank,
             num_blocks,
             block_size,
