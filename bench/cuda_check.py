@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -22,22 +23,36 @@ from kvdefrag.tools.workload import SyntheticWorkload, WorkloadConfig
 
 BLOCK_SIZE = 16
 
+KvCaches = Sequence[tuple[torch.Tensor, torch.Tensor | None]]
+
 
 def _signature(logical_ids: torch.Tensor, versions: torch.Tensor | int) -> torch.Tensor:
     return (logical_ids.to(torch.float32) * 7 + versions) % 2039
 
 
 def run_integrity(
-    prefix_caching: bool, device_name: str = "cuda", num_blocks: int = 4_096, num_steps: int = 1_500
+    prefix_caching: bool,
+    device_name: str = "cuda",
+    num_blocks: int = 4_096,
+    num_steps: int = 1_500,
+    kv_caches: KvCaches | None = None,
 ) -> int:
     """Returns the number of corrupted blocks seen (0 is the only good answer).
 
     ``device_name="cpu"`` runs the same check without a GPU (a dry run of this script).
+    ``kv_caches``: float32 ``(key, value)`` pairs of ``num_blocks`` blocks on that device
+    to bind (``value`` may be None); None: two layers of ``[num_blocks * 16, 2, 8]``.
     """
     device = torch.device(device_name)
     stream: Any = torch.cuda.Stream(device) if device.type == "cuda" else None
     shape = (num_blocks * BLOCK_SIZE, 2, 8)
-    kv = [(torch.zeros(shape, device=device), torch.zeros(shape, device=device)) for _ in range(2)]
+    kv = (
+        list(kv_caches)
+        if kv_caches is not None
+        else [
+            (torch.zeros(shape, device=device), torch.zeros(shape, device=device)) for _ in range(2)
+        ]
+    )
     engine = Engine(
         kv,
         BLOCK_SIZE,
@@ -65,12 +80,9 @@ def run_integrity(
             if fresh:
                 logical = torch.tensor(fresh, device=device)
                 physical = torch.as_tensor(engine.resolve(fresh), device=device)
-                for key, value in kv:
-                    for tensor in (key, value):
-                        view = tensor.view(num_blocks, -1)
-                        view[physical] = _signature(logical, version)[:, None].expand(
-                            -1, view.shape[1]
-                        )
+                for tensor in (tensor for pair in kv for tensor in pair if tensor is not None):
+                    view = tensor.view(num_blocks, -1)
+                    view[physical] = _signature(logical, version)[:, None].expand(-1, view.shape[1])
         for logical_id in fresh:
             written[logical_id] = version
         holding = {i for table in workload.block_tables().values() for i in table if i}
@@ -84,8 +96,8 @@ def run_integrity(
         logical = torch.tensor(check, device=device)
         physical = torch.as_tensor(engine.resolve(check), device=device)
         expected = torch.tensor([written[i] for i in check], device=device)
-        for key, _ in kv:
-            got = key.view(num_blocks, -1)[physical][:, 0]
+        for tensor in (tensor for pair in kv for tensor in pair if tensor is not None):
+            got = tensor.view(num_blocks, -1)[physical][:, 0]
             corrupted += int((got != _signature(logical, expected)).sum().item())
     stats = engine.stats()
     print(

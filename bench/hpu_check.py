@@ -1,17 +1,26 @@
 """Gaudi check of the HPU mover and engine (run on a Gaudi machine: `make hpu-check`).
 
+Both bind the caches as the worker does on Gaudi (``bind_vllm_kv_caches``), laid out as
+vllm-gaudi's HPU runner allocates them (``HPUModelRunner.initialize_kv_cache``): per layer
+``(key_cache, value_cache, key_scales, value_scales)`` over ``num_blocks + 1`` blocks, the
+last its pad block, the scales (dynamic fp8 KV) one row per token slot and, for
+``value_scales[1]``, one row per block.
+
 1. The mover at every pad size: for each of the HPU executor's pad buckets (and one batch
    larger than the largest, which is split), one-way and two-way batches of random blocks
-   are moved on HPU tensors and compared, bit for bit, with the same moves applied to a
-   copy of the caches by plain indexing on the host.
+   are moved on HPU tensors (a float8 layer with its bfloat16 scales, a bfloat16 layer
+   without) and compared, bit for bit, with the same moves applied to a copy of the
+   caches by plain indexing on the host; the pad blocks must be untouched.
 2. The identity run: the synthetic vLLM workload through an ``Engine`` bound to HPU KV
-   tensors (``cuda_check.run_integrity`` on the ``hpu`` device), a distinct signature
-   written into every fresh block, every live block (and cached free block) checked after
-   every step.
+   tensors of that layout, in float32 (``cuda_check.run_integrity`` on the ``hpu``
+   device), a distinct signature written into every fresh block of every tensor, scales
+   included, every live block (and cached free block) checked after every step; then the
+   pad blocks must still hold what they held.
 
 Exits non-zero on any mismatch or corrupted block, or when no HPU is present.
 ``--dry-run-on-cpu`` runs both on CPU tensors with a stand-in ``habana_frameworks`` (the
-logic of the script, not the device), as the test suite does.
+logic of the script, not the device; the float8 layer's bytes as uint8, torch on CPU
+having no ``index_copy_`` for float8), as the test suite does.
 """
 
 from __future__ import annotations
@@ -20,14 +29,22 @@ import importlib.util
 import random
 import sys
 import types
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from kvdefrag.server import Move
 from kvdefrag.server.config import DEFAULT_PAD_BUCKETS
+from kvdefrag.vllm.worker import bind_vllm_kv_caches
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 2_048
+NUM_HEADS = 8
+HEAD_SIZE = 16
+PAD_VALUE = -1.0  # what the pad blocks hold in the identity run (never a signature)
+
+GaudiLayer = tuple[torch.Tensor, torch.Tensor | None, Any, Any]
 
 
 def install_stand_in_habana() -> None:
@@ -40,6 +57,43 @@ def install_stand_in_habana() -> None:
     sys.modules["habana_frameworks.torch"] = module
 
 
+def gaudi_layers(
+    num_blocks: int,
+    make: Callable[[tuple[int, ...], torch.dtype], torch.Tensor],
+    kv_dtype: torch.dtype,
+    scale_dtype: torch.dtype,
+) -> list[GaudiLayer]:
+    """vllm-gaudi's ``kv_caches``: layer 0 with dynamic fp8 KV's scales (``kv_dtype`` and
+    ``scale_dtype``), layer 1 without (``scale_dtype``, as vllm-gaudi's bfloat16 KV).
+    ``make(shape, dtype)`` builds each tensor."""
+    blocks = num_blocks + 1  # the last one is vllm-gaudi's pad block
+    slots = blocks * BLOCK_SIZE
+    kv_shape = (slots, NUM_HEADS, HEAD_SIZE)
+    per_slot = (slots, NUM_HEADS, 1)
+    with_scales = (
+        make(kv_shape, kv_dtype),
+        make(kv_shape, kv_dtype),
+        make(per_slot, scale_dtype),
+        (make(per_slot, scale_dtype), make((blocks, NUM_HEADS, HEAD_SIZE), scale_dtype)),
+    )
+    return [with_scales, (make(kv_shape, scale_dtype), make(kv_shape, scale_dtype), None, None)]
+
+
+def layer_tensors(layers: list[GaudiLayer]) -> list[torch.Tensor]:
+    """Every tensor of the layers, in order."""
+    found: list[torch.Tensor] = []
+    for item in layers:
+        for inner in item:
+            nested = inner if isinstance(inner, (tuple, list)) else (inner,)
+            found.extend(tensor for tensor in nested if tensor is not None)
+    return found
+
+
+def block_rows(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor of the runner's layout as one row of bytes per block (pad block last)."""
+    return tensor.view(NUM_BLOCKS + 1, -1).view(torch.uint8)
+
+
 def random_moves(rng: random.Random, count: int, two_way: bool) -> list[Move]:
     """``count`` moves between distinct blocks (never the null block 0)."""
     slots = rng.sample(range(1, NUM_BLOCKS), 2 * count)
@@ -47,27 +101,41 @@ def random_moves(rng: random.Random, count: int, two_way: bool) -> list[Move]:
 
 
 def apply_on_host(reference: list[torch.Tensor], moves: list[Move]) -> None:
-    """The moves, one by one, on host copies of the flat caches (the naive reference)."""
+    """The moves, one by one, on host copies of the runner's tensors (the naive reference)."""
     for move in moves:
-        src = slice(move.src_physical_id * BLOCK_SIZE, (move.src_physical_id + 1) * BLOCK_SIZE)
-        dst = slice(move.dst_physical_id * BLOCK_SIZE, (move.dst_physical_id + 1) * BLOCK_SIZE)
-        for cache in reference:
-            from_src = cache[src].clone()
+        for tensor in reference:
+            rows = block_rows(tensor)
+            from_src = rows[move.src_physical_id].clone()
             if move.is_two_way:
-                cache[src] = cache[dst]
-            cache[dst] = from_src
+                rows[move.src_physical_id] = rows[move.dst_physical_id]
+            rows[move.dst_physical_id] = from_src
 
 
 def check_mover(device: torch.device, use_graphs: bool) -> int:
-    """Runs every pad size one way and two way; returns the number of mismatched batches."""
+    """Runs every pad size one way and two way; returns the number of mismatched batches
+    (a batch that wrote a pad block is one)."""
     from kvdefrag.server._executor_hpu import HpuSwapExecutor
 
     generator = torch.Generator().manual_seed(7)
-    host = [torch.randn(NUM_BLOCKS * BLOCK_SIZE, 8, 16, generator=generator) for _ in range(4)]
-    caches = [tensor.to(device, copy=True) for tensor in host]
-    executor = HpuSwapExecutor(
-        [(caches[0], caches[1]), (caches[2], caches[3])], BLOCK_SIZE, use_graphs=use_graphs
+
+    def random_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        if dtype == torch.uint8:
+            return torch.randint(0, 256, shape, generator=generator, dtype=dtype)
+        return torch.randn(shape, generator=generator).to(dtype)
+
+    # NOTE: torch on CPU has no index_copy_ for float8, so the dry run moves its bytes
+    # as uint8; on HPU the layer is float8, as vllm-gaudi's (which index_copy_ writes).
+    kv_dtype = torch.uint8 if device.type == "cpu" else torch.float8_e4m3fn
+    host = layer_tensors(gaudi_layers(NUM_BLOCKS, random_tensor, kv_dtype, torch.bfloat16))
+    on_device = iter([tensor.to(device, copy=True) for tensor in host])
+    layers = gaudi_layers(
+        NUM_BLOCKS, lambda shape, dtype: next(on_device), kv_dtype, torch.bfloat16
     )
+    caches = layer_tensors(layers)
+    executor = HpuSwapExecutor(
+        bind_vllm_kv_caches(layers, NUM_BLOCKS, BLOCK_SIZE), BLOCK_SIZE, use_graphs=use_graphs
+    )
+    pad_blocks = [block_rows(tensor)[NUM_BLOCKS].clone() for tensor in host]
     rng = random.Random(11)
     mismatched = 0
     # every bucket exactly, sizes padded up to one, and one batch split in two
@@ -78,7 +146,7 @@ def check_mover(device: torch.device, use_graphs: bool) -> int:
             report = executor.execute(moves)
             apply_on_host(host, moves)
             same = all(
-                torch.equal(cache.cpu(), reference)
+                torch.equal(block_rows(cache.cpu()), block_rows(reference))
                 for cache, reference in zip(caches, host, strict=True)
             )
             mismatched += not same
@@ -86,7 +154,44 @@ def check_mover(device: torch.device, use_graphs: bool) -> int:
                 f"mover: {count:4d} {'two-way' if two_way else 'one-way'} moves, "
                 f"{report.num_padded} padded: {'ok' if same else 'MISMATCH'}"
             )
-    return mismatched
+    written = sum(
+        not torch.equal(block_rows(cache.cpu())[NUM_BLOCKS], pad)
+        for cache, pad in zip(caches, pad_blocks, strict=True)
+    )
+    print(f"pad blocks: {written} of {len(caches)} written by the mover")
+    return mismatched + written
+
+
+def run_identity(
+    prefix_caching: bool, device: torch.device, num_blocks: int, num_steps: int
+) -> int:
+    """The engine's signed identity run on vllm-gaudi's layout; returns the corrupted blocks
+    seen, plus the tensors whose pad block changed."""
+    from cuda_check import run_integrity  # the same identity run, on this device
+
+    layers = gaudi_layers(
+        num_blocks,
+        lambda shape, dtype: torch.zeros(shape, dtype=dtype, device=device),
+        torch.float32,  # the run's signatures are exact in float32 only
+        torch.float32,
+    )
+    tensors = layer_tensors(layers)
+    for tensor in tensors:
+        tensor.view(num_blocks + 1, -1)[num_blocks] = PAD_VALUE
+    corrupted = run_integrity(
+        prefix_caching,
+        device_name=device.type,
+        num_blocks=num_blocks,
+        num_steps=num_steps,
+        kv_caches=bind_vllm_kv_caches(layers, num_blocks, BLOCK_SIZE),
+    )
+    written = sum(
+        bool((tensor.view(num_blocks + 1, -1)[num_blocks] != PAD_VALUE).any().item())
+        for tensor in tensors
+    )
+    if written:
+        print(f"identity run: {written} of {len(tensors)} pad blocks written")
+    return corrupted + written
 
 
 def main() -> int:
@@ -102,10 +207,8 @@ def main() -> int:
 
         device = torch.device("hpu")
     mismatched = check_mover(device, use_graphs=not dry_run)
-    from cuda_check import run_integrity  # the same identity run, on this device
-
     corrupted = sum(
-        run_integrity(prefix_caching, device_name=device.type, num_steps=300 if dry_run else 1_500)
+        run_identity(prefix_caching, device, 4_096, 300 if dry_run else 1_500)
         for prefix_caching in (False, True)
     )
     print(f"hpu-check: {mismatched} mismatched batches, {corrupted} corrupted blocks")
