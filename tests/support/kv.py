@@ -1,8 +1,8 @@
 """Factories for real torch KV caches whose blocks carry a distinct signature.
 
-A KV cache is laid out as vllm-gaudi binds it: one ``(key, value)`` pair per layer, each
+A KV cache is laid out as kvdefrag binds it: one ``(key, value)`` pair per layer, each
 tensor ``[num_blocks * block_size, num_heads, head_size]`` (flat token slots), ``value``
-None for MLA models.
+None for MLA models (vllm-gaudi's own layout: ``support.gaudi_kv``).
 
 Every block of every tensor can be filled with a *signature* derived from
 ``(logical_id, version, tensor_index)``: a pseudo-random pattern of small integers, exact

@@ -1,8 +1,9 @@
 """Swap executors: the only code that reads or writes the worker's KV tensors.
 
-The worker's caches are bound exactly as vllm-gaudi lays them out: one ``(key, value)``
-pair per layer, each tensor's first dimension ``num_blocks * block_size`` flat token
-slots, ``value`` None for MLA models. A block is ``block_size`` consecutive rows::
+The worker's caches are bound as flat pairs: one ``(key, value)`` pair per layer, each
+tensor's first dimension ``num_blocks * block_size`` flat token slots, ``value`` None for
+MLA models (the vLLM worker views vLLM's and vllm-gaudi's layouts as such pairs). A block
+is ``block_size`` consecutive rows::
 
     key[l]:  | blk 0 (null) | blk 1 | blk 2 | ... | blk n-1 |
                ^ block_size rows each; a move copies whole blocks

@@ -36,6 +36,10 @@ own ``OnlineDefragmenter``). What this module relies on, as read in vllm-project
   the prefix cache is emptied, and only then do the workers sleep. The preemptions
   reach kvdefrag's ledger in the first output after ``wake_up`` (``preempted_req_ids``,
   from ``reset_preempted_req_ids``); scheduling resumes only once every worker is awake.
+* ``vllm_gaudi/v1/worker/hpu_model_runner.py``, ``initialize_kv_cache``: each layer's
+  ``(key_cache, value_cache, key_scales, value_scales)`` over ``num_blocks + 1`` blocks,
+  the last the pad block ``_PAD_BLOCK_ID = num_blocks``; the worker binds the first
+  ``KVCacheConfig.num_blocks`` blocks, scales included (``kvdefrag.vllm._kv_binding``).
 * ``vllm_gaudi/utils.py`` rebinds vLLM's ``AsyncScheduler`` to vllm-gaudi's
   ``HPUAsyncScheduler`` (``vllm_gaudi.v1.core.sched.hpu_async_scheduler``), which
   carries HPU fixes; a scheduler class built on the upstream class silently loses them.
