@@ -319,7 +319,7 @@ class HPURunnerModel:
             num_blocks = -(-(position + 1) // BLOCK_SIZE)
             assert len(row) >= num_blocks, "the scheduler allocated no lookahead slot"
             if self.skip_draft_resolve:
-                (table,) = [list(map(int, row[:num_blocks]))]
+                table = [int(block_id) for block_id in row[:num_blocks]]
             else:
                 (table,) = self._resolve_all([row[:num_blocks]])
             block = resolve(row[position // BLOCK_SIZE])
