@@ -742,6 +742,17 @@ def test_num_blocks_comes_from_the_tensors_and_mla_values_may_be_none() -> None:
     assert engine.resolve(np.arange(40)).tolist() == list(range(40))
 
 
+def test_an_engine_given_an_executor_needs_no_caches() -> None:
+    """As the benches run it: an executor that only counts moves, no KV tensors."""
+    executor = ScriptedExecutor.without_kv(32)
+    executor.drops_moves = True
+    engine = Engine([], BLOCK_SIZE, EngineConfig(threshold=0), executor=executor)
+    assert engine.num_blocks == 32
+    engine.step(StepEvents.build(new_blocks={"a": [5, 6]}, fresh=[]))
+    assert engine.resolve([5, 6]).tolist() == [2, 1]
+    assert [len(batch) for batch in executor.calls] == [2]
+
+
 # --- reads -----------------------------------------------------------------------------
 def test_resolve_is_vectorised_and_refuses_bad_ids() -> None:
     h = Harness()

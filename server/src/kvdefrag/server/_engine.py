@@ -184,8 +184,11 @@ class Engine:
         self._executor = executor or self._bind_executor(kv_caches)
         self.num_blocks = self._executor.num_blocks
         # NOTE: the layout, never the tensors: a worker that frees its KV caches
-        # (``release_kv_caches``) must not find the engine still holding them.
-        self._kv_geometry = kv_geometry(kv_caches, block_size)
+        # (``release_kv_caches``) must not find the engine still holding them. An
+        # executor given with no caches (one that only counts moves) binds no layout.
+        self._kv_geometry = (
+            kv_geometry(kv_caches, block_size) if kv_caches or executor is None else ()
+        )
         self.kv_lock = kv_lock or threading.Lock()
         self._observers: list[StepObserver] = [] if observer is None else [observer]
         self._lock = threading.Lock()
