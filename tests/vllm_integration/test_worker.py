@@ -565,23 +565,46 @@ def test_an_outputs_ids_are_resolved_in_one_lookup() -> None:
     assert output.kv_cache_block_copies == [(6, 5)]
 
 
-def test_the_engines_log_gives_what_moved_since_a_version() -> None:
+def test_the_engines_log_gives_where_blocks_live_before_their_step_went() -> None:
     kv = [(torch.zeros(NUM_BLOCKS * BLOCK_SIZE, 2), None)]
     engine = Engine(kv, BLOCK_SIZE, EngineConfig(threshold=0))
     version, batches = engine.moves_since(None) or (None, None)
     assert batches == []
-    engine.step(StepEvents.build(new_blocks={"a": [5, 6]}, fresh=[]))  # live high: moves
+    # live high, moved in the step they became live in (6 -> 1, 5 -> 2): no output before
+    # this step's names them, so no row follows them
+    result = engine.step(StepEvents.build(new_blocks={"a": [5], "b": [6]}, fresh=[]))
+    assert len(result.moves) == 2
+    assert engine.moves_since(version) == (version, [])
+    engine.step(StepEvents.build(finished=["b"]))  # a hole at 1 below a (at 2): a moves
     found = engine.moves_since(version)
     assert found is not None
     now, batches = found
-    assert now == version + 1 and len(batches) == 1 and len(batches[0]) == 2
+    assert now == version + 1 and batches == [[Move(2, 1, False)]]
     assert engine.moves_since(now) == (now, [])
     engine.reset()  # the scheduler's session opens with one, after the worker attached
     after_reset = engine.moves_since(version)
     assert after_reset is not None and after_reset[1] == []  # what came before is not followed
-    engine.step(StepEvents.build(new_blocks={"b": [7]}, fresh=[]))
+    engine.step(StepEvents.build(new_blocks={"c": [7], "d": [6]}, fresh=[]))
+    engine.step(StepEvents.build(finished=["c"]))
     found = engine.moves_since(version)
-    assert found is not None and len(found[1]) == 1  # only what moved since the reset
+    assert found is not None and found[1] == [[Move(2, 1, False)]]  # only since the reset
+
+
+def test_the_engines_log_leaves_out_blocks_that_became_live_and_the_free_half_of_swaps() -> None:
+    """One compaction swaps a block live before its step (logged, as a one-way move) and
+    a block that became live in it (not logged) with cached blocks."""
+    kv = [(torch.zeros(NUM_BLOCKS * BLOCK_SIZE, 2), None)]
+    engine = Engine(kv, BLOCK_SIZE, EngineConfig(threshold=0, prefix_caching=True))
+    engine.step(StepEvents.build(new_blocks={"r": list(range(1, NUM_BLOCKS))}, fresh=[]))
+    engine.step(StepEvents.build(finished=["r"]))  # every free block is cached
+    engine.step(StepEvents.build(new_blocks={"a": [1], "b": [2], "c": [3]}, fresh=[]))
+    version, _ = engine.moves_since(None) or (None, None)
+    assert version is not None
+    # a and b finish (cached holes at 1 and 2); d arrives at 7, no empty slot to place it on
+    result = engine.step(StepEvents.build(finished=["a", "b"], new_blocks={"d": [7]}, fresh=[7]))
+    assert list(result.moves) == [Move(7, 1, True), Move(3, 2, True)]
+    found = engine.moves_since(version)
+    assert found is not None and found[1] == [[Move(3, 2, False)]]
 
 
 def _v2_runner(rows: list[list[int]], num_groups: int = 1) -> Any:
