@@ -644,6 +644,19 @@ def test_the_engines_log_gives_where_blocks_live_before_their_step_went() -> Non
     assert found is not None and found[1] == [[Move(2, 1, False)]]  # only since the reset
 
 
+def test_the_engines_log_follows_a_block_released_and_taken_again_in_one_step() -> None:
+    """As the scheduler parks a finished request's blocks while a step in flight still
+    reads them: the block is live before and after the step, so its move is logged."""
+    kv = [(torch.zeros(NUM_BLOCKS * BLOCK_SIZE, 2), None)]
+    engine = Engine(kv, BLOCK_SIZE, EngineConfig(threshold=0))
+    engine.step(StepEvents.build(new_blocks={"x": [1], "a": [2]}, fresh=[]))
+    version, _ = engine.moves_since(None) or (None, None)
+    assert version is not None
+    engine.step(StepEvents.build(finished=["x", "a"], new_blocks={"parked": [2]}, fresh=[]))
+    found = engine.moves_since(version)
+    assert found is not None and found[1] == [[Move(2, 1, False)]]
+
+
 def test_the_engines_log_leaves_out_blocks_that_became_live_and_the_free_half_of_swaps() -> None:
     """One compaction swaps a block live before its step (logged, as a one-way move) and
     a block that became live in it (not logged) with cached blocks."""

@@ -321,8 +321,9 @@ class Engine:
 
     def _apply(self, events: StepEvents) -> StepResult:
         tracker = self._tracker
-        num_unknown = len(events.finished) - tracker.drop_requests(events.finished)
-        tracker.drop_requests(events.resumed)
+        released: list[int] = []  # blocks freed by this step (some may be taken again)
+        num_unknown = len(events.finished) - tracker.drop_requests(events.finished, released)
+        tracker.drop_requests(events.resumed, released)
         for logical_id in events.evicted:
             tracker.evict(logical_id)
         touched: list[int] = []
@@ -339,7 +340,7 @@ class Engine:
         num_placed = self._place(fresh, touched) if self.config.enable_placement else 0
         tracker.mix_live_digests(newly_live)
         try:
-            moves, report, swap_s = self._compact(touched, newly_live)
+            moves, report, swap_s = self._compact(touched, newly_live, released)
         except EngineUnhealthy:
             # NOTE: the events stand: the step is applied without its compaction, and
             # counted, so that num_steps (and the service's seq) say what the state is.
@@ -383,7 +384,7 @@ class Engine:
         return len(logical_ids)
 
     def _compact(
-        self, touched: list[int], newly_live: list[int]
+        self, touched: list[int], newly_live: list[int], released: list[int]
     ) -> tuple[MoveBatch, MoveReport, float]:
         tracker = self._tracker
         is_forced = self._force_defrag
@@ -408,7 +409,7 @@ class Engine:
                 )
                 raise EngineUnhealthy(self._unhealthy_reason) from err
             swap_s = time.perf_counter() - started
-            followed = _moves_rows_follow(tracker, moves, newly_live)
+            followed = _moves_rows_follow(tracker, moves, newly_live, released)
             touched += tracker.move_live_blocks(moves.src_ids, moves.dst_ids)
             # NOTE: published before kv_lock is released: a worker that takes kv_lock
             # next must resolve to where the data now is.
@@ -710,23 +711,29 @@ class Engine:
         self._notify("on_reset")
 
 
-def _moves_rows_follow(tracker: BlockTracker, moves: MoveBatch, newly_live: list[int]) -> MoveBatch:
+def _moves_rows_follow(
+    tracker: BlockTracker, moves: MoveBatch, newly_live: list[int], released: list[int]
+) -> MoveBatch:
     """Where the blocks a worker's rows may name went in ``moves`` (``Engine.moves_since``):
     the moves of blocks that were live before this step, each as a one-way move. Read
     before the moves are committed (the sources still hold the moved blocks).
 
-    Left out: blocks that became live in this step (``newly_live``), and the free block a
-    swap sends up. No row a runner reads again names a free block: only rows of requests
-    that released it, which the runner drops or replaces before it reads them (a block
-    that a step in flight still reads is released only once that step has run: the
+    Left out: blocks that became live in this step (``newly_live``) but were not released
+    in it (``released``: a block freed and taken again in one step, one the scheduler
+    parks while a step in flight still reads it for instance, was live before), and the
+    free block a swap sends up. No row a runner reads again names a free block: only rows
+    of requests that released it, which the runner drops or replaces before it reads them
+    (a block that a step in flight still reads stays live until that step has run: the
     scheduler holds it back, docs/design.md §13).
     """
     src_ids, dst_ids = moves.src_ids, moves.dst_ids
     if newly_live:
         fwd = tracker.fwd
-        newly_live_slots = {fwd[logical_id] for logical_id in newly_live}
-        if not newly_live_slots.isdisjoint(src_ids):
-            is_followed = [src not in newly_live_slots for src in src_ids]
+        new_slots = {fwd[logical_id] for logical_id in newly_live}
+        if released:
+            new_slots.difference_update(fwd[logical_id] for logical_id in released)
+        if not new_slots.isdisjoint(src_ids):
+            is_followed = [src not in new_slots for src in src_ids]
             src_ids = list(itertools.compress(src_ids, is_followed))
             dst_ids = list(itertools.compress(dst_ids, is_followed))
     return MoveBatch(src_ids, dst_ids)
