@@ -340,7 +340,7 @@ class Engine:
         num_placed = self._place(fresh, touched) if self.config.enable_placement else 0
         tracker.mix_live_digests(newly_live)
         try:
-            moves, report, swap_s = self._compact(touched, newly_live, released)
+            moves, report, swap_s = self._compact(touched, newly_live, released, fresh)
         except EngineUnhealthy:
             # NOTE: the events stand: the step is applied without its compaction, and
             # counted, so that num_steps (and the service's seq) say what the state is.
@@ -384,8 +384,14 @@ class Engine:
         return len(logical_ids)
 
     def _compact(
-        self, touched: list[int], newly_live: list[int], released: list[int]
+        self, touched: list[int], newly_live: list[int], released: list[int], fresh: list[int]
     ) -> tuple[MoveBatch, MoveReport, float]:
+        """Plans, executes and commits this step's compaction, if any.
+
+        Returns:
+            The KV copies executed (``_policy.plan_copies``), their report, the time
+            they took.
+        """
         tracker = self._tracker
         is_forced = self._force_defrag
         if not _policy.should_compact(tracker, self.config, is_forced=is_forced):
@@ -394,10 +400,11 @@ class Engine:
         moves = _policy.plan_compaction(tracker, self.config, is_forced=is_forced)
         if not moves:
             return MoveBatch([], []), MoveReport(0, 0, 0), 0.0
+        copies = _policy.plan_copies(tracker, moves, fresh)
         started = time.perf_counter()
         with self.kv_lock:
             try:
-                report = self._executor.execute(moves)
+                report = self._executor.execute(copies)
             except Exception as err:
                 self._unhealthy_reason = (
                     f"the events of step {self._totals.num_steps + 1} (counted since the "
@@ -417,7 +424,7 @@ class Engine:
             if followed:
                 self._num_logged += 1
                 self._move_log.append((self._num_logged, followed))
-        return moves, report, swap_s
+        return copies, report, swap_s
 
     def _publish_locked(self, *, stats: PoolStats | None = None) -> _Published:
         """Publishes the mapping's changes for lock-free readers (O(changes)) and returns
