@@ -740,6 +740,7 @@ def _run_config(
         "rows_mismatching": defrag.rows_mismatching,
         "kvdefrag_steps_sent": bridge.num_steps - steps_before,
         "moves": stats.totals.num_moves - totals_before.num_moves,
+        "two_way_moves": stats.totals.num_two_way_moves - totals_before.num_two_way_moves,
         "placements": stats.totals.num_placements - totals_before.num_placements,
         "defrag_runs": stats.totals.num_defrag_runs - totals_before.num_defrag_runs,
     }
@@ -888,6 +889,7 @@ def report(runs: list[dict[str, Any]], iterations: int) -> str:
                 str(run["rows_mismatching"]),
                 str(run["kvdefrag_steps_sent"]),
                 str(run["moves"]),
+                str(run["two_way_moves"]),
                 str(run["worker_remaps"]),
                 str(run["worker_rewritten"]),
             ]
@@ -906,6 +908,7 @@ def report(runs: list[dict[str, Any]], iterations: int) -> str:
                 "rows off",
                 "kvd steps",
                 "moves",
+                "swaps",
                 "remaps",
                 "rewritten",
             ],
@@ -913,8 +916,8 @@ def report(runs: list[dict[str, Any]], iterations: int) -> str:
         )
     )
     lines.append(
-        "   steps etc. since the start; kvd steps, moves, remaps (worker passes whose rows "
-        "follow moves) and rewritten"
+        "   steps etc. since the start; kvd steps, moves (swaps: two-way), remaps (worker "
+        "passes whose rows follow moves) and rewritten"
     )
     lines.append("   (row entries those remaps rewrote) in the timed window")
     lines.append("")
