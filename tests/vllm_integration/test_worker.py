@@ -658,8 +658,9 @@ def test_the_engines_log_follows_a_block_released_and_taken_again_in_one_step() 
 
 
 def test_the_engines_log_leaves_out_blocks_that_became_live_and_the_free_half_of_swaps() -> None:
-    """One compaction swaps a block live before its step (logged, as a one-way move) and
-    a block that became live in it (not logged) with cached blocks."""
+    """One compaction moves a block live before its step (a swap, logged as a one-way
+    move) and a fresh block that became live in it (its cached hole copied up, not
+    logged) into cached holes."""
     kv = [(torch.zeros(NUM_BLOCKS * BLOCK_SIZE, 2), None)]
     engine = Engine(kv, BLOCK_SIZE, EngineConfig(threshold=0, prefix_caching=True))
     engine.step(StepEvents.build(new_blocks={"r": list(range(1, NUM_BLOCKS))}, fresh=[]))
@@ -669,7 +670,7 @@ def test_the_engines_log_leaves_out_blocks_that_became_live_and_the_free_half_of
     assert version is not None
     # a and b finish (cached holes at 1 and 2); d arrives at 7, no empty slot to place it on
     result = engine.step(StepEvents.build(finished=["a", "b"], new_blocks={"d": [7]}, fresh=[7]))
-    assert list(result.moves) == [Move(7, 1, True), Move(3, 2, True)]
+    assert list(result.moves) == [Move(1, 7, False), Move(3, 2, True)]
     found = engine.moves_since(version)
     assert found is not None and found[1] == [[Move(3, 2, False)]]
 
