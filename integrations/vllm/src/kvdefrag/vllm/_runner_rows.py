@@ -47,10 +47,11 @@ def remap_v1_runner_rows(model_runner: Any, remap: Remap) -> int:
     Both copies vLLM 0.33's ``GPUModelRunner`` (and the CPU runner built on it) keeps: the
     block tables of the persistent batch (``input_batch.block_table``, committed to the
     device at every step) and each request's ``block_ids`` lists (rows of requests outside
-    the batch come back from these). Cost: one lookup of ``remap.is_moved`` over the
-    batch's rows in use, then one assignment per entry that names a moved id, in the
-    rows and in the lists of the batch's requests (their lists equal their rows), and a
-    scan of the lists of requests outside the batch.
+    the batch come back from these). Cost: two compares over the batch's rows in use
+    (the entries between the lowest and the highest moved id), a lookup of those in
+    ``remap.is_moved``, then one assignment per entry that names a moved id, in the rows
+    and in the lists of the batch's requests (their lists equal their rows), and a scan
+    of the lists of requests outside the batch.
 
     Returns:
         The entries of the batch's rows rewritten (past a row's length too).
@@ -60,6 +61,9 @@ def remap_v1_runner_rows(model_runner: Any, remap: Remap) -> int:
     requests = model_runner.requests
     followed: set[str] = set()
     num_rewritten = 0
+    if not remap.old_ids.size:
+        return 0
+    lowest, highest = int(remap.old_ids.min()), int(remap.old_ids.max())
     for group_index, table in enumerate(batch.block_table.block_tables):
         lengths = table.num_blocks_per_row
         in_use = np.flatnonzero(lengths)
@@ -72,14 +76,20 @@ def remap_v1_runner_rows(model_runner: Any, remap: Remap) -> int:
             followed.update(
                 str(request_id) for request_id in row_to_request[:num_rows] if request_id
             )
-        # NOTE: np.take and a flat nonzero: on 256 rows of ~270 columns, a fancy-index
-        # gather cost ~140 µs and a 2-D nonzero ~125, against ~50 and ~15.
-        hits = np.flatnonzero(np.take(remap.is_moved, rows))
-        if not hits.size:
+        # NOTE: the entries in [lowest, highest] moved id first, by two compares (no
+        # index conversion, no random reads), then only those looked up in the mask:
+        # compaction moves the highest live blocks, so the band is narrow and holds few
+        # entries. On 256 rows of ~270 columns left cold by the step, a lookup of every
+        # entry (np.take) cost 0.14-0.36 ms.
+        candidates = np.flatnonzero((rows >= lowest) & (rows <= highest))
+        candidate_rows, candidate_columns = np.divmod(candidates, num_columns)
+        old_ids = rows[candidate_rows, candidate_columns]
+        is_hit = remap.is_moved[old_ids]
+        changed_rows, changed_columns = candidate_rows[is_hit], candidate_columns[is_hit]
+        if not changed_rows.size:
             continue
-        num_rewritten += hits.size
-        changed_rows, changed_columns = np.divmod(hits, num_columns)
-        new_ids = np.take(remap.table, rows[changed_rows, changed_columns])
+        num_rewritten += changed_rows.size
+        new_ids = remap.table[old_ids[is_hit]]
         rows[changed_rows, changed_columns] = new_ids
         if row_to_request is None:
             continue
