@@ -387,6 +387,7 @@ class WorkerStandIn:
         self.wait_s: list[float] = []
         self.pass_s = Samples()
         self.num_remaps = 0
+        self.num_rewritten = 0  # row entries remap_v1_runner_rows rewrote
 
     def execute(self, sent: Any, *, timed: bool) -> None:
         """One pass over ``sent``, the worker's copy of an output, once its step's reply
@@ -400,8 +401,7 @@ class WorkerStandIn:
         waited = clock()
         with self.handle.kv_lock:
             mapping, remap = self.translator.advance()
-            if remap is not None:
-                remap_v1_runner_rows(self.runner, remap)
+            num_rewritten = 0 if remap is None else remap_v1_runner_rows(self.runner, remap)
             translate_scheduler_output(sent, mapping)
             done, done_cpu = clock(), cpu_clock()
             self.runner.update_states(sent)  # vLLM's own part of the pass
@@ -409,6 +409,7 @@ class WorkerStandIn:
             self.wait_s.append(waited - started)
             self.pass_s.add(done - started, done_cpu - started_cpu)
             self.num_remaps += remap is not None
+            self.num_rewritten += num_rewritten
 
     def rows_mismatching(self, scheduler: Scheduler) -> int:
         """Requests whose rows (either copy) are not the physical ids of vLLM's list."""
@@ -728,6 +729,7 @@ def _run_config(
         "worker_wait": _summary_ms(worker.wait_s),
         "reply": _summary_ms(defrag.reply_s),
         "worker_remaps": worker.num_remaps,
+        "worker_rewritten": worker.num_rewritten,
         "steps": [base.num_steps, defrag.num_steps],
         "preempted": [base.num_preempted, defrag.num_preempted],
         "finished": [base.num_finished, defrag.num_finished],
@@ -738,6 +740,7 @@ def _run_config(
         "rows_mismatching": defrag.rows_mismatching,
         "kvdefrag_steps_sent": bridge.num_steps - steps_before,
         "moves": stats.totals.num_moves - totals_before.num_moves,
+        "two_way_moves": stats.totals.num_two_way_moves - totals_before.num_two_way_moves,
         "placements": stats.totals.num_placements - totals_before.num_placements,
         "defrag_runs": stats.totals.num_defrag_runs - totals_before.num_defrag_runs,
     }
@@ -886,7 +889,9 @@ def report(runs: list[dict[str, Any]], iterations: int) -> str:
                 str(run["rows_mismatching"]),
                 str(run["kvdefrag_steps_sent"]),
                 str(run["moves"]),
+                str(run["two_way_moves"]),
                 str(run["worker_remaps"]),
+                str(run["worker_rewritten"]),
             ]
         )
     lines.append(
@@ -903,15 +908,18 @@ def report(runs: list[dict[str, Any]], iterations: int) -> str:
                 "rows off",
                 "kvd steps",
                 "moves",
+                "swaps",
                 "remaps",
+                "rewritten",
             ],
             rows,
         )
     )
     lines.append(
-        "   steps etc. since the start; kvd steps, moves and remaps (worker passes after "
-        "moves) in the timed window"
+        "   steps etc. since the start; kvd steps, moves (swaps: two-way), remaps (worker "
+        "passes whose rows follow moves) and rewritten"
     )
+    lines.append("   (row entries those remaps rewrote) in the timed window")
     lines.append("")
     lines.append("== goals (ratios of measurements taken in this run)")
     lines.append(_table(["what", "wall", "CPU", "goal", "met wall/CPU"], goals(runs)))

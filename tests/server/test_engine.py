@@ -497,6 +497,23 @@ def test_cached_blocks_survive_compaction_and_are_reused_as_prefix_hits() -> Non
     assert h.engine.request_blocks("c") == [1, 2, 9]
 
 
+def test_a_fresh_block_moved_into_a_cached_hole_pushes_only_the_cached_data_up() -> None:
+    """Prefix caching, every free slot cached: a fresh block allocated high has no empty
+    slot to be placed on, so compaction moves it down; one copy of the cached block's
+    data into its slot, not a swap. The cached block is then a prefix hit where it went."""
+    h = Harness(threshold=0, prefix_caching=True)
+    h.step(new_blocks={"warm": list(range(1, 32))}, fresh=range(1, 32))
+    h.step(finished=["warm"])  # every free block cached
+    h.step(new_blocks={"a": [1, 2]}, fresh=[])  # prefix hits, in place
+    result = h.step(new_blocks={"a": [20]}, fresh=[20])
+    assert result.num_placed == 0
+    assert result.moves == (Move(3, 20, False),)  # the fresh block takes 3, cached 3 goes up
+    assert h.engine.resolve([20, 3]).tolist() == [3, 20]
+    assert h.engine.stats().totals.num_two_way_moves == 0
+    assert result.num_bytes_moved == h.executor.bytes_per_block
+    h.step(new_blocks={"b": [3]}, fresh=[])  # the harness checks it reads its data
+
+
 # --- placement -------------------------------------------------------------------------
 def test_fresh_blocks_are_placed_without_copying() -> None:
     h = Harness(threshold=0)

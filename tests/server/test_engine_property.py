@@ -278,7 +278,7 @@ class Run:
     ) -> None:
         """Rebuilds the mapping between placement and compaction and checks both."""
         placed, slot_owner = self.check_placement(result, before, after, fresh)
-        self.check_compaction(result, placed, slot_owner, forced)
+        self.check_compaction(result, placed, slot_owner, set(fresh), forced)
 
     def check_placement(
         self, result: Any, before: np.ndarray, after: np.ndarray, fresh: list[int]
@@ -308,11 +308,31 @@ class Run:
             assert max(placed[i] for i in fresh) < min(expendable_slots)
         return placed, slot_owner
 
+    def copies(
+        self, pairs: list[tuple[int, int]], slot_owner: Any, fresh: set[int]
+    ) -> list[tuple[int, int]]:
+        """The KV copies of compaction's (source, destination) pairs: a fresh block's
+        cached destination is copied up into its slot instead of swapped with it."""
+        copies = []
+        for src, dst in pairs:
+            if int(slot_owner[src]) in fresh and int(slot_owner[dst]) in self.model.cached:
+                copies.append((dst, src))
+                self.totals["copied_up"] += 1
+            else:
+                copies.append((src, dst))
+        return copies
+
     def check_compaction(
-        self, result: Any, placed: np.ndarray, slot_owner: np.ndarray, forced: bool
+        self,
+        result: Any,
+        placed: np.ndarray,
+        slot_owner: np.ndarray,
+        fresh: set[int],
+        forced: bool,
     ) -> None:
         """Compaction: triggered exactly above the threshold (or forced), pairing the
-        highest live slots with the lowest free ones, downward only, capped."""
+        highest live slots with the lowest free ones, downward only, capped (the data of a
+        fresh block's cached destination is copied up instead)."""
         model, num_blocks = self.model, self.num_blocks
         live_slots = sorted((int(placed[i]) for i in model.live()), reverse=True)
         holes = (live_slots[0] - len(live_slots)) if live_slots else 0
@@ -327,6 +347,7 @@ class Run:
                 expected.append((src, dst))
             if expected and len(expected) < len(live_slots):
                 expected = self.prefer_empty(expected, live_slots[len(expected)], slot_owner)
+            expected = self.copies(expected, slot_owner, fresh)
             assert [(m.src_physical_id, m.dst_physical_id) for m in result.moves] == expected
             if len(expected) < self.max_moves:
                 assert result.stats.holes == 0
@@ -361,7 +382,7 @@ def test_engine_matches_reference_model(prefix_caching: bool) -> None:
         assert totals[key] > 0, f"no {key} across the run: {dict(totals)}"
     if prefix_caching:
         assert totals["two_way"] > 0 and totals["evicted"] > 0
-        assert totals["empty_preferred"] > 0
+        assert totals["empty_preferred"] > 0 and totals["copied_up"] > 0
         assert totals["two_way"] < totals["moves"]  # and some one-way moves too
     else:
         assert totals["two_way"] == 0
@@ -384,13 +405,18 @@ class BucketRun(Run):
         self.engine = Engine(self.kv.kv_caches, BLOCK_SIZE, config=config)
 
     def check_compaction(
-        self, result: Any, placed: np.ndarray, slot_owner: np.ndarray, forced: bool
+        self,
+        result: Any,
+        placed: np.ndarray,
+        slot_owner: np.ndarray,
+        fresh: set[int],
+        forced: bool,
     ) -> None:
         """Compaction happens exactly when at most ``max_moves`` moves can bring the
         highest live id + 1 into a lower bucket; then into the lowest such bucket, moving
         only the live blocks at or above its size, into the lowest free slots below it."""
         if forced:
-            super().check_compaction(result, placed, slot_owner, forced)
+            super().check_compaction(result, placed, slot_owner, fresh, forced)
             return
         num_blocks, buckets = self.num_blocks, self.buckets
         live_slots = sorted((int(placed[i]) for i in self.model.live()), reverse=True)
@@ -414,7 +440,9 @@ class BucketRun(Run):
         free_slots = sorted(set(range(1, target)) - set(live_slots))
         expected = list(zip(sources, free_slots, strict=False))
         if self.prefix_caching:
-            expected = self.prefer_empty(expected, target, slot_owner)
+            expected = self.copies(
+                self.prefer_empty(expected, target, slot_owner), slot_owner, fresh
+            )
         assert [(m.src_physical_id, m.dst_physical_id) for m in result.moves] == expected
         assert decode_bucket(buckets, result.stats.max_live + 1, num_blocks) == target
         self.totals["bucket_lowered"] += 1

@@ -13,7 +13,12 @@ from collections.abc import Iterable
 import pytest
 
 from kvdefrag.server import Move, MoveBatch
-from kvdefrag.server._policy import plan_compaction, plan_placement, should_compact
+from kvdefrag.server._policy import (
+    plan_compaction,
+    plan_copies,
+    plan_placement,
+    should_compact,
+)
 from kvdefrag.server._tracker import BlockTracker
 from kvdefrag.server.config import EngineConfig, decode_bucket
 
@@ -160,6 +165,39 @@ def test_a_full_pass_swaps_into_cached_slots_below_empty_ones() -> None:
     # destinations: the lowest free slots are taken, cached or not.
     tracker = pool(live=[1, 12, 13], cached=[2, 3])
     assert compaction(tracker) == [Move(13, 2, True), Move(12, 3, True)]
+
+
+# --- the copies ---------------------------------------------------------------------------
+def test_a_fresh_block_swapped_with_a_cached_one_copies_only_the_cached_data_up() -> None:
+    # 13 is fresh (no data yet), 12 holds data: both go into cached slots.
+    tracker = pool(live=[1, 12, 13], cached=[2, 3])
+    moves = plan_compaction(tracker, EngineConfig())
+    assert list(plan_copies(tracker, moves, fresh_ids=[13])) == [
+        Move(2, 13, False),  # the cached block's data goes up, nothing comes down
+        Move(12, 3, True),
+    ]
+    assert list(plan_copies(tracker, moves, fresh_ids=[])) == list(moves)
+
+
+def test_a_fresh_block_moved_onto_an_empty_slot_is_copied_as_planned() -> None:
+    tracker = pool(live=[1, 5, 6], cached=[2])  # free: 2 (cached), 3 (empty), 4
+    moves = plan_compaction(tracker, EngineConfig())
+    assert list(plan_copies(tracker, moves, fresh_ids=[5, 6])) == [
+        Move(2, 6, False),
+        Move(5, 3, False),
+    ]
+
+
+def test_copies_follow_fresh_blocks_to_the_slots_placement_gave_them() -> None:
+    tracker = pool(live=[1], cached=[2, 3])
+    tracker.append_requests({"new": [9, 10]})
+    tracker.place_blocks([10], [4])  # an evicted slot was free for one of them: 10 -> 4
+    moves = plan_compaction(tracker, EngineConfig())
+    assert list(moves) == [Move(9, 2, True), Move(4, 3, True)]
+    assert list(plan_copies(tracker, moves, fresh_ids=[9, 10])) == [
+        Move(2, 9, False),
+        Move(3, 4, False),
+    ]
 
 
 # --- placement ----------------------------------------------------------------------------

@@ -504,12 +504,66 @@ def test_the_lists_of_requests_in_the_batch_follow_their_rows_and_the_others_are
     # swapped the data of physical 1 and 6, moved 4 to 5
     remap = Remap(np.array([0, 6, 2, 3, 5, 4, 1, 7]), np.array([1, 4, 6]))
 
-    remap_v1_runner_rows(runner, remap)
+    assert remap_v1_runner_rows(runner, remap) == 4  # the entries naming 1, 4 or 6
 
     assert runner.requests["r0"].block_ids == ([6, 2, 3],)
     assert runner.requests["r1"].block_ids == ([5, 1],)
     assert runner.requests["out"].block_ids == ([1, 2],)
     assert table[0, :3].tolist() == [6, 2, 3] and table[1, :3].tolist() == [5, 1, 6]
+
+
+def test_rows_are_rewritten_only_where_they_name_a_block_live_before_its_step() -> None:
+    """Prefix caching, every free block cached: a shared block that moves is rewritten in
+    each row naming it, a finished request's row is left as it is, and a fresh block
+    swapped down in the step that allocated it (every later step here) costs the rows
+    nothing: the pass has no remap at all."""
+    num_blocks = 16
+    kv = [(torch.zeros(num_blocks * BLOCK_SIZE, 2), None)]
+    engine = Engine(kv, BLOCK_SIZE, EngineConfig(threshold=0, prefix_caching=True))
+    engine.step(StepEvents.build(new_blocks={"r": list(range(1, num_blocks))}, fresh=[]))
+    engine.step(StepEvents.build(finished=["r"]))
+    truth = {"c": [1], "a": [2, 4], "b": [3, 4]}  # 4: a prefix both share
+    engine.step(StepEvents.build(new_blocks=truth, fresh=[]))
+    translator = BlockIdTranslator(engine, num_blocks)
+    runner = _v1_runner(list(truth.values()))
+    runner.input_batch.req_ids = [*truth, None]
+    runner.requests = {rid: SimpleNamespace(block_ids=(list(ids),)) for rid, ids in truth.items()}
+    block_table = runner.input_batch.block_table.block_tables[0]
+
+    def rows() -> dict[str, list[int]]:
+        return {
+            rid: block_table.block_table.np[index, : block_table.num_blocks_per_row[index]].tolist()
+            for index, rid in enumerate(runner.input_batch.req_ids)
+            if rid is not None
+        }
+
+    def execute(**events: Any) -> int | None:
+        """A step, then the worker's pass: rows follow, then the runner's own updates."""
+        engine.step(StepEvents.build(**events))
+        resolve, remap = translator.advance()
+        num_rewritten = None if remap is None else remap_v1_runner_rows(runner, remap)
+        for rid in events.get("finished", []):
+            index = runner.input_batch.req_ids.index(rid)
+            runner.input_batch.req_ids[index] = None
+            block_table.num_blocks_per_row[index] = 0
+            del runner.requests[rid], truth[rid]
+        for rid, logical_ids in events.get("new_blocks", {}).items():
+            index = runner.input_batch.req_ids.index(rid)
+            start = block_table.num_blocks_per_row[index]
+            physical_ids = resolve(np.array(logical_ids)).tolist()
+            block_table.block_table.np[index, start : start + len(physical_ids)] = physical_ids
+            block_table.num_blocks_per_row[index] += len(physical_ids)
+            runner.requests[rid].block_ids[0].extend(physical_ids)
+            truth[rid] += logical_ids
+        expected = {rid: engine.resolve(ids).tolist() for rid, ids in truth.items()}
+        assert rows() == expected
+        assert {rid: state.block_ids[0] for rid, state in runner.requests.items()} == expected
+        return num_rewritten
+
+    assert execute(finished=["c"]) == 2  # the shared block: 4 -> 1, in a's and b's rows
+    for rid, fresh_id in [("a", 15), ("b", 14), ("a", 13)]:
+        assert execute(new_blocks={rid: [fresh_id]}, fresh=[fresh_id]) is None
+    assert engine.stats().totals.num_moves == 4
 
 
 def test_moves_over_several_compactions_compose() -> None:
@@ -565,23 +619,60 @@ def test_an_outputs_ids_are_resolved_in_one_lookup() -> None:
     assert output.kv_cache_block_copies == [(6, 5)]
 
 
-def test_the_engines_log_gives_what_moved_since_a_version() -> None:
+def test_the_engines_log_gives_where_blocks_live_before_their_step_went() -> None:
     kv = [(torch.zeros(NUM_BLOCKS * BLOCK_SIZE, 2), None)]
     engine = Engine(kv, BLOCK_SIZE, EngineConfig(threshold=0))
     version, batches = engine.moves_since(None) or (None, None)
     assert batches == []
-    engine.step(StepEvents.build(new_blocks={"a": [5, 6]}, fresh=[]))  # live high: moves
+    # live high, moved in the step they became live in (6 -> 1, 5 -> 2): no output before
+    # this step's names them, so no row follows them
+    result = engine.step(StepEvents.build(new_blocks={"a": [5], "b": [6]}, fresh=[]))
+    assert len(result.moves) == 2
+    assert engine.moves_since(version) == (version, [])
+    engine.step(StepEvents.build(finished=["b"]))  # a hole at 1 below a (at 2): a moves
     found = engine.moves_since(version)
     assert found is not None
     now, batches = found
-    assert now == version + 1 and len(batches) == 1 and len(batches[0]) == 2
+    assert now == version + 1 and batches == [[Move(2, 1, False)]]
     assert engine.moves_since(now) == (now, [])
     engine.reset()  # the scheduler's session opens with one, after the worker attached
     after_reset = engine.moves_since(version)
     assert after_reset is not None and after_reset[1] == []  # what came before is not followed
-    engine.step(StepEvents.build(new_blocks={"b": [7]}, fresh=[]))
+    engine.step(StepEvents.build(new_blocks={"c": [7], "d": [6]}, fresh=[]))
+    engine.step(StepEvents.build(finished=["c"]))
     found = engine.moves_since(version)
-    assert found is not None and len(found[1]) == 1  # only what moved since the reset
+    assert found is not None and found[1] == [[Move(2, 1, False)]]  # only since the reset
+
+
+def test_the_engines_log_follows_a_block_released_and_taken_again_in_one_step() -> None:
+    """As the scheduler parks a finished request's blocks while a step in flight still
+    reads them: the block is live before and after the step, so its move is logged."""
+    kv = [(torch.zeros(NUM_BLOCKS * BLOCK_SIZE, 2), None)]
+    engine = Engine(kv, BLOCK_SIZE, EngineConfig(threshold=0))
+    engine.step(StepEvents.build(new_blocks={"x": [1], "a": [2]}, fresh=[]))
+    version, _ = engine.moves_since(None) or (None, None)
+    assert version is not None
+    engine.step(StepEvents.build(finished=["x", "a"], new_blocks={"parked": [2]}, fresh=[]))
+    found = engine.moves_since(version)
+    assert found is not None and found[1] == [[Move(2, 1, False)]]
+
+
+def test_the_engines_log_leaves_out_blocks_that_became_live_and_the_free_half_of_swaps() -> None:
+    """One compaction moves a block live before its step (a swap, logged as a one-way
+    move) and a fresh block that became live in it (its cached hole copied up, not
+    logged) into cached holes."""
+    kv = [(torch.zeros(NUM_BLOCKS * BLOCK_SIZE, 2), None)]
+    engine = Engine(kv, BLOCK_SIZE, EngineConfig(threshold=0, prefix_caching=True))
+    engine.step(StepEvents.build(new_blocks={"r": list(range(1, NUM_BLOCKS))}, fresh=[]))
+    engine.step(StepEvents.build(finished=["r"]))  # every free block is cached
+    engine.step(StepEvents.build(new_blocks={"a": [1], "b": [2], "c": [3]}, fresh=[]))
+    version, _ = engine.moves_since(None) or (None, None)
+    assert version is not None
+    # a and b finish (cached holes at 1 and 2); d arrives at 7, no empty slot to place it on
+    result = engine.step(StepEvents.build(finished=["a", "b"], new_blocks={"d": [7]}, fresh=[7]))
+    assert list(result.moves) == [Move(1, 7, False), Move(3, 2, True)]
+    found = engine.moves_since(version)
+    assert found is not None and found[1] == [[Move(3, 2, False)]]
 
 
 def _v2_runner(rows: list[list[int]], num_groups: int = 1) -> Any:

@@ -56,8 +56,8 @@ from kvdefrag.server.config import EngineConfig
 _LOGGER = logging.getLogger(__name__)
 
 MOVE_LOG_LENGTH = 4096
-"""Compactions ``Engine.moves_since`` can replay: a worker runs a pass per step, and a
-step commits at most one compaction, so a worker never falls this far behind."""
+"""Logged compactions ``Engine.moves_since`` can replay: a worker runs a pass per step,
+and a step logs at most one compaction, so a worker never falls this far behind."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,9 +202,10 @@ class Engine:
         self._snapshots = MappingSnapshots(self.num_blocks)
         self._published = self._publish_locked()
         # Compactions committed, by number, for workers whose rows follow moved data
-        # (``moves_since``); the number never restarts, a reset skips one and starts the
-        # log over from it.
-        self._num_compactions = 0
+        # (``moves_since``): each one's moves of blocks that were live before its step,
+        # logged only when there are some. The number never restarts, a reset skips one
+        # and starts the log over from it.
+        self._num_logged = 0
         self._reset_version = 0
         self._move_log: collections.deque[tuple[int, MoveBatch]] = collections.deque(
             maxlen=MOVE_LOG_LENGTH
@@ -320,8 +321,9 @@ class Engine:
 
     def _apply(self, events: StepEvents) -> StepResult:
         tracker = self._tracker
-        num_unknown = len(events.finished) - tracker.drop_requests(events.finished)
-        tracker.drop_requests(events.resumed)
+        released: list[int] = []  # blocks freed by this step (some may be taken again)
+        num_unknown = len(events.finished) - tracker.drop_requests(events.finished, released)
+        tracker.drop_requests(events.resumed, released)
         for logical_id in events.evicted:
             tracker.evict(logical_id)
         touched: list[int] = []
@@ -338,7 +340,7 @@ class Engine:
         num_placed = self._place(fresh, touched) if self.config.enable_placement else 0
         tracker.mix_live_digests(newly_live)
         try:
-            moves, report, swap_s = self._compact(touched)
+            moves, report, swap_s = self._compact(touched, newly_live, released, fresh)
         except EngineUnhealthy:
             # NOTE: the events stand: the step is applied without its compaction, and
             # counted, so that num_steps (and the service's seq) say what the state is.
@@ -381,7 +383,15 @@ class Engine:
         touched += tracker.place_blocks(logical_ids, physical_ids, mix_digests=False)
         return len(logical_ids)
 
-    def _compact(self, touched: list[int]) -> tuple[MoveBatch, MoveReport, float]:
+    def _compact(
+        self, touched: list[int], newly_live: list[int], released: list[int], fresh: list[int]
+    ) -> tuple[MoveBatch, MoveReport, float]:
+        """Plans, executes and commits this step's compaction, if any.
+
+        Returns:
+            The KV copies executed (``_policy.plan_copies``), their report, the time
+            they took.
+        """
         tracker = self._tracker
         is_forced = self._force_defrag
         if not _policy.should_compact(tracker, self.config, is_forced=is_forced):
@@ -390,10 +400,11 @@ class Engine:
         moves = _policy.plan_compaction(tracker, self.config, is_forced=is_forced)
         if not moves:
             return MoveBatch([], []), MoveReport(0, 0, 0), 0.0
+        copies = _policy.plan_copies(tracker, moves, fresh)
         started = time.perf_counter()
         with self.kv_lock:
             try:
-                report = self._executor.execute(moves)
+                report = self._executor.execute(copies)
             except Exception as err:
                 self._unhealthy_reason = (
                     f"the events of step {self._totals.num_steps + 1} (counted since the "
@@ -405,13 +416,15 @@ class Engine:
                 )
                 raise EngineUnhealthy(self._unhealthy_reason) from err
             swap_s = time.perf_counter() - started
+            followed = _moves_rows_follow(tracker, moves, newly_live, released)
             touched += tracker.move_live_blocks(moves.src_ids, moves.dst_ids)
             # NOTE: published before kv_lock is released: a worker that takes kv_lock
             # next must resolve to where the data now is.
             self._published = self._publish_locked()
-            self._num_compactions += 1
-            self._move_log.append((self._num_compactions, moves))
-        return moves, report, swap_s
+            if followed:
+                self._num_logged += 1
+                self._move_log.append((self._num_logged, followed))
+        return copies, report, swap_s
 
     def _publish_locked(self, *, stats: PoolStats | None = None) -> _Published:
         """Publishes the mapping's changes for lock-free readers (O(changes)) and returns
@@ -424,11 +437,21 @@ class Engine:
 
     # --- reads ------------------------------------------------------------------------
     def moves_since(self, version: int | None) -> tuple[int, list[MoveBatch]] | None:
-        """The compactions committed after compaction number ``version``, oldest first.
+        """The moves a worker's rows follow, one batch per compaction logged after
+        number ``version``, oldest first.
 
         For a worker whose persistent rows name physical ids: it follows the data that
         moved since its previous pass in O(blocks moved), not O(pool). Call it holding
         ``kv_lock`` (compactions commit under it).
+
+        A compaction is logged with the moves of the blocks that were live before its
+        step, as one-way moves (``_moves_rows_follow``), and not at all when it has none.
+        A block that became live in the step that moved it is named by no output before
+        that step's, and a worker translates an output only once its step is applied, so
+        no row holds the slot it left (placement re-points such blocks without logging
+        anything, for the same reason). A free block is named only by rows of requests
+        that released it, which the runner drops or replaces before it reads them. So a
+        worker finds here only what its rows must follow.
 
         A reset starts the log over: what moved before it is not reported. A worker's
         rows from before a reset are not followed across it: every pass planned before
@@ -439,10 +462,10 @@ class Engine:
 
         Returns:
             ``(version now, the batches)``; None when the log no longer reaches back to
-            ``version`` (more than ``MOVE_LOG_LENGTH`` compactions came in between): the
-            rows can no longer be followed.
+            ``version`` (more than ``MOVE_LOG_LENGTH`` logged compactions came in
+            between): the rows can no longer be followed.
         """
-        now = self._num_compactions
+        now = self._num_logged
         if version is None or version >= now:
             return now, []
         version = max(version, self._reset_version)
@@ -689,10 +712,38 @@ class Engine:
             self._snapshots = MappingSnapshots(self.num_blocks)
             self._published = self._publish_locked()
             with self.kv_lock:
-                self._num_compactions += 1
-                self._reset_version = self._num_compactions
+                self._num_logged += 1
+                self._reset_version = self._num_logged
                 self._move_log.clear()
         self._notify("on_reset")
+
+
+def _moves_rows_follow(
+    tracker: BlockTracker, moves: MoveBatch, newly_live: list[int], released: list[int]
+) -> MoveBatch:
+    """Where the blocks a worker's rows may name went in ``moves`` (``Engine.moves_since``):
+    the moves of blocks that were live before this step, each as a one-way move. Read
+    before the moves are committed (the sources still hold the moved blocks).
+
+    Left out: blocks that became live in this step (``newly_live``) but were not released
+    in it (``released``: a block freed and taken again in one step, one the scheduler
+    parks while a step in flight still reads it for instance, was live before), and the
+    free block a swap sends up. No row a runner reads again names a free block: only rows
+    of requests that released it, which the runner drops or replaces before it reads them
+    (a block that a step in flight still reads stays live until that step has run: the
+    scheduler holds it back, docs/design.md §13).
+    """
+    src_ids, dst_ids = moves.src_ids, moves.dst_ids
+    if newly_live:
+        fwd = tracker.fwd
+        new_slots = {fwd[logical_id] for logical_id in newly_live}
+        if released:
+            new_slots.difference_update(fwd[logical_id] for logical_id in released)
+        if not new_slots.isdisjoint(src_ids):
+            is_followed = [src not in new_slots for src in src_ids]
+            src_ids = list(itertools.compress(src_ids, is_followed))
+            dst_ids = list(itertools.compress(dst_ids, is_followed))
+    return MoveBatch(src_ids, dst_ids)
 
 
 class _ReleasedKvCaches:

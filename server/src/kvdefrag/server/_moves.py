@@ -18,8 +18,10 @@ class Move(NamedTuple):
     """One block move in physical space.
 
     Attributes:
-        src_physical_id: A live slot high in the pool.
-        dst_physical_id: A free slot below it.
+        src_physical_id: A live slot high in the pool; or, copied up out of the way of a
+            fresh block that compaction moves down (``_policy.plan_copies``), the slot of
+            a free block's cached data.
+        dst_physical_id: A free slot below it; or that fresh block's slot.
         is_two_way: The destination holds cached data, so the two slots swap contents;
             otherwise the source is copied one way and the destination's content dropped.
     """

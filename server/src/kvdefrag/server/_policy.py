@@ -26,7 +26,10 @@ queries (``highest_live_slots``, ``lowest_free_slots``, ``lowest_expendable_slot
   live blocks at or above that bucket's size, into the lowest free slots (all below it).
   A scheduled pass packs as the threshold policy does.
 * **Move kind.** A destination that holds cached data (prefix caching) swaps contents
-  with the source (two-way); otherwise the source is copied one way.
+  with the source (two-way); otherwise the source is copied one way. A source that holds
+  no data yet (a fresh block of this step, which placement found no empty slot for) has
+  nothing to copy down: only the cached data is copied up, one way, into the source's
+  slot (``plan_copies``; the mapping changes as for a swap).
 
 Deterministic: the same tracker state and config give the same decisions (no hashing,
 no set iteration), so every rank of a tensor-parallel worker plans identically. Planning
@@ -139,6 +142,31 @@ def plan_compaction(
     if num_pairs and num_pairs < len(src):
         dst = _prefer_empty(tracker, dst, stays=int(src[num_pairs]))
     return MoveBatch(src_ids, dst.tolist(), tracker.are_cached_slots(dst).tolist())
+
+
+def plan_copies(tracker: BlockTracker, moves: MoveBatch, fresh_ids: Iterable[int]) -> MoveBatch:
+    """The KV copies that carry out ``moves`` (planned by ``plan_compaction``, not yet
+    committed): each move as planned, except a swap whose source is a fresh block
+    (``fresh_ids``: logical ids that hold no data yet), which becomes the one-way copy of
+    the destination's cached data into the source's slot (``Move(dst, src, False)``, the
+    only move that goes up): half the transfers, the same mapping once committed.
+    """
+    if not moves.num_two_way:
+        return moves
+    fwd = tracker.fwd
+    fresh_slots = {fwd[logical_id] for logical_id in fresh_ids}
+    if fresh_slots.isdisjoint(moves.src_ids):
+        return moves
+    src_ids: list[int] = []
+    dst_ids: list[int] = []
+    is_two_way: list[bool] = []
+    for src, dst, is_swap in zip(moves.src_ids, moves.dst_ids, moves.is_two_way, strict=True):
+        if is_swap and src in fresh_slots:
+            src, dst, is_swap = dst, src, False
+        src_ids.append(src)
+        dst_ids.append(dst)
+        is_two_way.append(is_swap)
+    return MoveBatch(src_ids, dst_ids, is_two_way)
 
 
 def _plan_bucket_compaction(tracker: BlockTracker, config: EngineConfig) -> MoveBatch:

@@ -377,10 +377,15 @@ class BlockTracker:
         """Releases every reference a request holds; False if the request is unknown."""
         return self.drop_requests((request_id,)) == 1
 
-    def drop_requests(self, request_ids: Iterable[str]) -> int:
-        """``drop_request`` for each request, in order; returns how many were known."""
+    def drop_requests(self, request_ids: Iterable[str], freed_ids: list[int] | None = None) -> int:
+        """``drop_request`` for each request, in order; returns how many were known.
+
+        ``freed_ids``: when given, the blocks that became free are appended to it.
+        """
         requests, refs = self.requests, self.refs
-        freed_ids: list[int] = []
+        if freed_ids is None:
+            freed_ids = []
+        num_freed_before = len(freed_ids)
         num_known = 0
         for request_id in request_ids:
             logical_ids = requests.pop(request_id, None)
@@ -394,8 +399,8 @@ class BlockTracker:
                     refs[logical_id] = count - 1
                     if count == 1:
                         freed_ids.append(logical_id)
-        if freed_ids:
-            self._free_blocks(freed_ids)
+        if len(freed_ids) > num_freed_before:
+            self._free_blocks(freed_ids[num_freed_before:])
         return num_known
 
     def _free_blocks(self, logical_ids: list[int]) -> None:

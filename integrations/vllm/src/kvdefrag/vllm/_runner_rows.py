@@ -24,13 +24,16 @@ class Remap:
     """How physical ids moved since a worker's previous pass.
 
     ``table[old] = new`` for every physical id (ids that did not move map to themselves);
-    ``old_ids`` are the ids that moved. Valid until the translator's next ``advance``
-    (the table is the translator's own, patched for this pass only).
+    ``old_ids`` are the ids that moved, and ``is_moved[p]`` is True exactly for them.
+    Valid until the translator's next ``advance`` (the table is the translator's own,
+    patched for this pass only).
     """
 
     def __init__(self, table: npt.NDArray[np.int64], old_ids: npt.NDArray[np.int64]) -> None:
         self.table = table
         self.old_ids = old_ids
+        self.is_moved = np.zeros(len(table), dtype=np.bool_)
+        self.is_moved[old_ids] = True
 
     def __getitem__(self, physical_ids: Any) -> npt.NDArray[np.int64]:
         """``table[physical_ids]``."""
@@ -38,19 +41,29 @@ class Remap:
         return remapped
 
 
-def remap_v1_runner_rows(model_runner: Any, remap: Remap) -> None:
+def remap_v1_runner_rows(model_runner: Any, remap: Remap) -> int:
     """Rewrites the V1 runner's persistent rows after blocks moved: ``remap[old] = new``.
 
     Both copies vLLM 0.33's ``GPUModelRunner`` (and the CPU runner built on it) keeps: the
     block tables of the persistent batch (``input_batch.block_table``, committed to the
     device at every step) and each request's ``block_ids`` lists (rows of requests outside
-    the batch come back from these). Cost: one gather over the batch's rows in use, then
-    one assignment per entry that changed in the lists of the batch's requests (their
-    lists equal their rows), and a scan of the lists of requests outside the batch.
+    the batch come back from these). Cost: two compares over the batch's rows in use
+    (the entries between the lowest and the highest moved id), a lookup of those in
+    ``remap.is_moved``, then one assignment per entry that names a moved id, in the rows
+    and in the lists of the batch's requests (their lists equal their rows), and a scan
+    of the lists of requests outside the batch.
+
+    Returns:
+        The entries of the batch's rows rewritten (past a row's length too).
     """
     batch = model_runner.input_batch
     row_to_request = getattr(batch, "req_ids", None)
+    requests = model_runner.requests
     followed: set[str] = set()
+    num_rewritten = 0
+    if not remap.old_ids.size:
+        return 0
+    lowest, highest = int(remap.old_ids.min()), int(remap.old_ids.max())
     for group_index, table in enumerate(batch.block_table.block_tables):
         lengths = table.num_blocks_per_row
         in_use = np.flatnonzero(lengths)
@@ -59,28 +72,45 @@ def remap_v1_runner_rows(model_runner: Any, remap: Remap) -> None:
         num_rows = int(in_use[-1]) + 1
         num_columns = int(lengths[:num_rows].max())
         rows = table.block_table.np[:num_rows, :num_columns]
-        remapped = remap.table[rows]
-        changed_rows, changed_columns = np.nonzero(remapped != rows)
-        rows[...] = remapped
+        if row_to_request is not None:
+            followed.update(
+                str(request_id) for request_id in row_to_request[:num_rows] if request_id
+            )
+        # NOTE: the entries in [lowest, highest] moved id first, by two compares (no
+        # index conversion, no random reads), then only those looked up in the mask:
+        # compaction moves the highest live blocks, so the band is narrow and holds few
+        # entries. On 256 rows of ~270 columns left cold by the step, a lookup of every
+        # entry (np.take) cost 0.14-0.36 ms.
+        candidates = np.flatnonzero((rows >= lowest) & (rows <= highest))
+        candidate_rows, candidate_columns = np.divmod(candidates, num_columns)
+        old_ids = rows[candidate_rows, candidate_columns]
+        is_hit = remap.is_moved[old_ids]
+        changed_rows, changed_columns = candidate_rows[is_hit], candidate_columns[is_hit]
+        if not changed_rows.size:
+            continue
+        num_rewritten += changed_rows.size
+        new_ids = remap.table[old_ids[is_hit]]
+        rows[changed_rows, changed_columns] = new_ids
         if row_to_request is None:
             continue
-        for row in range(num_rows):
-            request_id = row_to_request[row]
-            if request_id:
-                followed.add(str(request_id))
-        for row, column in zip(changed_rows.tolist(), changed_columns.tolist(), strict=True):
-            if column >= lengths[row]:
-                continue  # past the row's length: stale, and no list holds it
-            state = model_runner.requests.get(row_to_request[row])
+        in_list = changed_columns < lengths[changed_rows]  # past the length: stale, in no list
+        for row, column, new_id in zip(
+            changed_rows[in_list].tolist(),
+            changed_columns[in_list].tolist(),
+            new_ids[in_list].tolist(),
+            strict=True,
+        ):
+            state = requests.get(row_to_request[row])
             if state is not None:
-                state.block_ids[group_index][column] = int(remapped[row, column])
-    moved = set(remap.old_ids.tolist())
-    for request_id, state in model_runner.requests.items():
-        if request_id in followed:
-            continue  # its list followed its row in the batch
-        for group in state.block_ids:
-            if group and not moved.isdisjoint(group):
-                group[:] = remap[group].tolist()
+                state.block_ids[group_index][column] = new_id
+    outside = requests.keys() - followed
+    if outside:
+        moved = set(remap.old_ids.tolist())
+        for request_id in outside:
+            for group in requests[request_id].block_ids:
+                if group and not moved.isdisjoint(group):
+                    group[:] = remap[group].tolist()
+    return num_rewritten
 
 
 def remap_v2_runner_rows(model_runner: Any, remap: Remap) -> None:
@@ -201,6 +231,8 @@ class BlockIdTranslator:
         if not batches:
             return self._service.resolve, None
         old_ids, new_ids = _compose(batches)
+        if not old_ids.size:
+            return self._service.resolve, None
         table[old_ids] = new_ids
         self._patched = old_ids
         return self._service.resolve, Remap(table, old_ids)
@@ -208,7 +240,16 @@ class BlockIdTranslator:
 
 def _compose(batches: list[MoveBatch]) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
     """Where the data of each slot went over ``batches`` (in order; the moves within one
-    batch happen at once): ``(old slots, their new slots)``, moved ones only."""
+    batch happen at once): ``(old slots, their new slots)``, moved ones only, by old slot."""
+    if len(batches) == 1:  # no chains to follow: each slot is in one move at most
+        (batch,) = batches
+        src_ids = np.asarray(batch.src_ids, dtype=np.int64)
+        dst_ids = np.asarray(batch.dst_ids, dtype=np.int64)
+        swaps = np.asarray(batch.is_two_way, dtype=np.bool_)
+        old_ids = np.concatenate([src_ids, dst_ids[swaps]])
+        new_ids = np.concatenate([dst_ids, src_ids[swaps]])
+        order = np.argsort(old_ids)
+        return old_ids[order], new_ids[order]
     origin: dict[int, int | None] = {}  # slot now -> slot its data came from (None: garbage)
     for batch in batches:
         updates: dict[int, int | None] = {}
