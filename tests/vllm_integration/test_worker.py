@@ -493,6 +493,10 @@ def test_the_runners_rows_follow_the_blocks_that_moved() -> None:
     assert table[0, :3].tolist() == [6, 2, 3] and table[1, :1].tolist() == [5]
     assert table[2:].sum() == 0  # unused rows and the null block stay 0
     assert translator.advance()[1] is None
+    service.compact([0, 6, 2, 3, 5, 4, 7, 1], (6, 7, True))  # the next pass's own moves
+    _, remap = translator.advance()
+    assert remap is not None and np.flatnonzero(remap.is_moved).tolist() == [6, 7]
+    assert remap[np.arange(NUM_BLOCKS)].tolist() == [0, 1, 2, 3, 4, 5, 7, 6]
 
 
 def test_the_lists_of_requests_in_the_batch_follow_their_rows_and_the_others_are_scanned() -> None:

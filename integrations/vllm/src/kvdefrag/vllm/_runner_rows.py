@@ -29,11 +29,20 @@ class Remap:
     patched for this pass only).
     """
 
-    def __init__(self, table: npt.NDArray[np.int64], old_ids: npt.NDArray[np.int64]) -> None:
+    def __init__(
+        self,
+        table: npt.NDArray[np.int64],
+        old_ids: npt.NDArray[np.int64],
+        is_moved: npt.NDArray[np.bool_] | None = None,
+    ) -> None:
+        """``is_moved``: the mask, when the caller keeps one patched as ``table`` is (the
+        translator, so a pass costs what moved, not the pool); None builds it."""
         self.table = table
         self.old_ids = old_ids
-        self.is_moved = np.zeros(len(table), dtype=np.bool_)
-        self.is_moved[old_ids] = True
+        if is_moved is None:
+            is_moved = np.zeros(len(table), dtype=np.bool_)
+            is_moved[old_ids] = True
+        self.is_moved = is_moved
 
     def __getitem__(self, physical_ids: Any) -> npt.NDArray[np.int64]:
         """``table[physical_ids]``."""
@@ -196,7 +205,7 @@ class BlockIdTranslator:
     persistent rows can follow. Both cost what changed: the compactions since the last
     pass (``ServerHandle.moves_since``) and the ids an output names, never the pool.
 
-    Invariant: between calls ``_table`` is the identity.
+    Invariant: between calls ``_table`` is the identity and ``_moved`` all False.
     """
 
     def __init__(self, service: MoveLog, num_blocks: int) -> None:
@@ -205,6 +214,7 @@ class BlockIdTranslator:
         assert started is not None, "moves_since(None) always answers"
         self._version = started[0]
         self._table = np.arange(num_blocks, dtype=np.int64)
+        self._moved = np.zeros(num_blocks, dtype=np.bool_)
         self._patched = np.empty(0, dtype=np.int64)
 
     def advance(
@@ -219,6 +229,7 @@ class BlockIdTranslator:
         """
         table = self._table
         table[self._patched] = self._patched  # the identity again
+        self._moved[self._patched] = False
         self._patched = np.empty(0, dtype=np.int64)
         found = self._service.moves_since(self._version)
         if found is None:
@@ -234,8 +245,9 @@ class BlockIdTranslator:
         if not old_ids.size:
             return self._service.resolve, None
         table[old_ids] = new_ids
+        self._moved[old_ids] = True
         self._patched = old_ids
-        return self._service.resolve, Remap(table, old_ids)
+        return self._service.resolve, Remap(table, old_ids, self._moved)
 
 
 def _compose(batches: list[MoveBatch]) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
