@@ -670,6 +670,27 @@ def test_reset_forgets_everything_and_restores_the_identity() -> None:
     assert result.stats.holes == 3
 
 
+def test_a_reset_while_a_pass_holds_kv_lock_publishes_the_identity_after_the_pass() -> None:
+    """A worker's pass reads one mapping from its start to its end: Reset waits for
+    ``kv_lock`` before it publishes the identity."""
+    kv_lock = threading.Lock()
+    h = Harness(threshold=0, kv_lock=kv_lock)
+    h.step(new_blocks={"a": [5, 6, 7], "b": [9, 10]})
+    h.step(finished=["a"])  # b moves down
+    moved = physical_layout(h.engine).tolist()
+    assert moved != list(range(32))
+    with kv_lock:  # a pass is running
+        resetting = threading.Thread(target=h.engine.reset)
+        resetting.start()
+        resetting.join(timeout=0.5)
+        assert resetting.is_alive()
+        assert physical_layout(h.engine).tolist() == moved
+        assert h.engine.resolve([9, 10]).tolist() == [moved[9], moved[10]]
+    resetting.join(timeout=10)
+    assert not resetting.is_alive()
+    assert physical_layout(h.engine).tolist() == list(range(32))
+
+
 def test_digest_is_the_mapping_digest_of_the_live_pairs() -> None:
     h = Harness(threshold=1)
     assert h.engine.digest == 0 == mapping_digest([])

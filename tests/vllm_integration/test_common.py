@@ -361,5 +361,6 @@ def test_common_exports_are_pinned() -> None:
             "step_wait_s",
             "tcp_address",
             "uses_v2_model_runner",
+            "UnsupportedByKvdefrag",
         },
     )

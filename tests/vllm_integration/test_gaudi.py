@@ -1,7 +1,7 @@
 """The Gaudi switch without vLLM or vllm-gaudi: ``DefragHPUSwitch`` in the runner's place,
-``DefragHPUWorkerMixin``'s pass, its sleep and wake-up (the service lets go of the
-discarded caches, binds the re-allocated ones and warms up), and the startup check on
-the scheduler class."""
+``DefragHPUWorkerMixin``'s passes (``execute_model`` through ``sample_tokens``, dummy
+batches, warm-ups), its sleep and wake-up (the service lets go of the discarded caches,
+binds the re-allocated ones and warms up), and the startup checks."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from kvdefrag.client import DefragClient
 from kvdefrag.common import InvalidArgument
 from kvdefrag.server import ServerHandle
 from kvdefrag.vllm import gaudi
-from kvdefrag.vllm.common import StepStamp, attach_step_stamp
+from kvdefrag.vllm.common import StepStamp, UnsupportedByKvdefrag, attach_step_stamp
 from kvdefrag.vllm.gaudi import (
     DefragHPUSwitch,
     DefragHPUWorkerMixin,
@@ -91,12 +91,13 @@ def test_the_switch_answers_with_the_service_mapping_and_plans_nothing() -> None
     assert switch.num_update_states == 1
 
 
-def test_after_the_first_pass_resolving_outside_one_is_refused() -> None:
+def test_resolving_outside_a_pass_is_refused() -> None:
     switch = DefragHPUSwitch(FakeService(), NUM_BLOCKS)
-    assert switch.resolve(3) == 3  # warm-up: before any pass
+    with pytest.raises(RuntimeError, match="outside a pass of the worker"):
+        switch.resolve(3)
     switch.begin_pass(object())
     switch.end_pass()
-    with pytest.raises(RuntimeError, match="outside a pass of DefragHPUWorkerMixin"):
+    with pytest.raises(RuntimeError, match="outside a pass of the worker"):
         switch.resolve(3)
     with pytest.raises(RuntimeError, match="DefragHPUWorker"):
         switch.resolve_all([[3]])
@@ -117,8 +118,14 @@ def test_memo_does_not_outlive_the_pass() -> None:
 
 
 def online_defragmenter() -> Any:
-    """vllm-gaudi's own ``OnlineDefragmenter``, as far as its worker touches it."""
-    return SimpleNamespace(enabled=False, cache_utils=SimpleNamespace(kv_caches=None))
+    """vllm-gaudi's own ``OnlineDefragmenter``, as far as its runner touches it: off,
+    it resolves every id to itself."""
+    return SimpleNamespace(
+        enabled=False,
+        update_state=lambda new, finished: None,
+        defragment=lambda: None,
+        resolve=lambda block_id: block_id,
+    )
 
 
 def gaudi_kv_caches(num_blocks: int, **layout: Any) -> list[Any]:
@@ -129,39 +136,81 @@ def gaudi_kv_caches(num_blocks: int, **layout: Any) -> list[Any]:
 
 
 class FakeHPURunner:
-    """What the mixin touches of vllm-gaudi's HPU runner."""
+    """What the mixin touches of vllm-gaudi's HPU runner, split as it is
+    (``hpu_model_runner.py`` at 091bbadd): ``execute_model`` (L4151) runs the
+    defragmenter hook and keeps the output, returning None; ``sample_tokens`` (L4303)
+    resolves and runs the forward; ``_dummy_run`` (L6366, L5703-5730) runs both in warm-up
+    mode on block 0; ``warmup_model`` (L6133) re-creates the ``OnlineDefragmenter``.
+    ``seen`` records, per resolve, the answer and whether ``kv_lock`` was held."""
 
-    def __init__(self, kv_caches: list[Any]) -> None:
+    def __init__(self, kv_caches: list[Any], service: Any = None) -> None:
         self.kv_caches = kv_caches
+        self.service = service
         self.defragmenter: Any = online_defragmenter()
+        self.scheduler_output: Any = None
         self.seen: list[tuple[Any, bool]] = []
+        self.num_warmups = 0
+
+    def execute_model(self, scheduler_output: Any, warmup_mode: bool = False) -> Any:
+        if not warmup_mode and self.defragmenter.enabled:
+            self.defragmenter.update_state({}, [])
+            self.defragmenter.defragment()
+        if not getattr(scheduler_output, "total_num_scheduled_tokens", 1):
+            return "empty"  # EMPTY_MODEL_RUNNER_OUTPUT: nothing to sample
+        self.scheduler_output = scheduler_output
+        return None
+
+    def sample_tokens(self, grammar_output: Any) -> Any:
+        if self.scheduler_output is None:
+            return None  # nothing pending (L4305)
+        self.scheduler_output = None
+        self.seen.append((self.defragmenter.resolve(1), self.service.kv_lock.locked()))
+        return "sampled"
+
+    def _dummy_run(self, max_num_batched_tokens: int) -> None:
+        self.execute_model(SimpleNamespace(), warmup_mode=True)
+        self.sample_tokens(None)  # resolves the dummy request's block (here 1)
+        self.execute_model(SimpleNamespace(total_num_scheduled_tokens=0), warmup_mode=True)
+
+    def warmup_model(self) -> None:
+        self.defragmenter = online_defragmenter()
+        self._dummy_run(1)
+        self.defragmenter = online_defragmenter()  # "re-create and re-initialize it"
+        self.num_warmups += 1
 
 
 class FakeHPUWorker:
-    """vllm-gaudi's HPUWorker, as far as the mixin goes: ``sleep`` discards the KV caches
-    and ``wake_up`` re-allocates them (laid out as ``wake_up_layout`` says) with a new
-    ``OnlineDefragmenter``, as ``vllm_gaudi/v1/worker/hpu_worker.py`` does."""
+    """vllm-gaudi's HPUWorker, as far as the mixin goes (``hpu_worker.py`` at 091bbadd):
+    ``execute_model`` / ``sample_tokens`` / ``execute_dummy_batch`` call the runner
+    (L565-608), ``compile_or_warm_up_model`` warms up when nothing was graphed (L552),
+    ``sleep`` sets ``defragmenter = None`` and discards the KV caches (L642-687) and
+    ``wake_up`` re-allocates them (laid out as ``wake_up_layout`` says) with a new
+    ``OnlineDefragmenter`` (L689-735)."""
 
     def __init__(self, runner: FakeHPURunner, service: Any, num_blocks: int = NUM_BLOCKS) -> None:
         self.model_runner = runner
+        runner.service = service
         self.rank = 0
         self.cache_config = SimpleNamespace(block_size=BLOCK_SIZE)
-        self._service = service
         self.num_blocks = num_blocks
         self.wake_up_layout: dict[str, Any] = {}
 
-    def execute_model(self, scheduler_output: Any) -> str:
-        runner = self.model_runner
-        defragmenter = runner.defragmenter
-        defragmenter.update_state({}, [])
-        defragmenter.defragment()
-        runner.seen.append((defragmenter.resolve(1), self._service.kv_lock.locked()))
-        return "ran"
+    def execute_model(self, scheduler_output: Any) -> Any:
+        return self.model_runner.execute_model(scheduler_output)
+
+    def sample_tokens(self, grammar_output: Any) -> Any:
+        return self.model_runner.sample_tokens(grammar_output)
+
+    def execute_dummy_batch(self) -> None:
+        self.model_runner._dummy_run(1)
+
+    def compile_or_warm_up_model(self) -> None:
+        self.model_runner.warmup_model()
 
     def sleep(self, level: int = 1) -> None:
         runner = self.model_runner
         if runner.kv_caches:
-            runner.defragmenter.cache_utils.kv_caches = None
+            runner.defragmenter = None
             runner.kv_caches = []
 
     def wake_up(self, tags: list[str] | None = None) -> None:
@@ -200,20 +249,114 @@ def test_the_mixin_installs_the_switch_and_runs_the_pass_after_its_step(
 ) -> None:
     built, service = worker
     assert isinstance(built.model_runner.defragmenter, DefragHPUSwitch)
-    assert built.kvdefrag_translator is None  # no output translation, no row remap
-    assert built.execute_model(_stamped(4)) == "ran"
+    assert built.execute_model(_stamped(4)) is None  # the runner only kept the output
     assert service.waited == [(3, 4)]
+    assert service.kv_lock.locked()  # the pass goes on until sample_tokens
+    assert built.sample_tokens(None) == "sampled"
+    assert not service.kv_lock.locked()
     assert built.model_runner.seen == [(7, True)]  # resolved via kvdefrag, under kv_lock
     switch = built.kvdefrag_switch
     assert switch is not None and switch.num_passes == 1 and switch.output is None
 
 
+def test_the_lock_is_held_from_execute_model_until_sample_tokens_and_no_move_lands_between(
+    serve: Serve,
+) -> None:
+    built, handle, kv = served_worker(serve, 16)
+    with DefragClient(handle.address, timeout_s=10) as client:
+        run_workload(client, kv, new_blocks={"a": [1, 2, 3], "b": [9, 10]})
+        output = SimpleNamespace()
+        attach_step_stamp(output, StepStamp(((client.epoch, client.next_seq - 1),)))
+        assert built.execute_model(output) is None
+        before = handle.resolve(np.arange(16)).tolist()
+        moving = threading.Thread(target=lambda: client.step(finished=["a"]))
+        moving.start()  # b must move down, which needs kv_lock
+        moving.join(timeout=0.5)
+        assert moving.is_alive()  # waits for the pass
+        assert handle.resolve(np.arange(16)).tolist() == before
+        assert built.sample_tokens(None) == "sampled"
+        moving.join(timeout=10)
+        assert not moving.is_alive()
+    assert built.model_runner.seen == [(before[1], True)]
+    assert handle.resolve([9, 10]).tolist() != [before[9], before[10]]  # moved after it
+
+
+def test_an_execute_model_that_returns_its_output_ends_the_pass(
+    worker: tuple[Worker, FakeService],
+) -> None:
+    built, service = worker
+    output = _stamped(5)
+    output.total_num_scheduled_tokens = 0
+    assert built.execute_model(output) == "empty"
+    assert not service.kv_lock.locked()
+    assert built.sample_tokens(None) is None  # the engine may still ask: nothing pending
+
+
+def test_a_pass_whose_sample_tokens_never_came_is_closed_before_the_next(
+    worker: tuple[Worker, FakeService],
+) -> None:
+    built, service = worker
+    assert built.execute_model(_stamped(4)) is None
+    built.model_runner.scheduler_output = None  # as if its sample_tokens was lost
+    assert built.execute_model(_stamped(5)) is None
+    assert built.kvdefrag_pass is not None and built.kvdefrag_pass.num_unclosed == 1
+    assert service.waited == [(3, 4), (3, 5)]
+    built.sample_tokens(None)
+    assert not service.kv_lock.locked()
+
+
+def test_a_dummy_batch_resolves_with_the_current_mapping_under_kv_lock(
+    worker: tuple[Worker, FakeService],
+) -> None:
+    built, service = worker
+    built.execute_dummy_batch()  # an idle data-parallel rank's step: no output, no stamp
+    assert built.model_runner.seen == [(7, True)]
+    assert not service.kv_lock.locked() and service.waited == []
+    switch = built.kvdefrag_switch
+    assert switch is not None and switch.num_update_states == 0  # warm-up mode: no hook
+
+
+def test_a_second_warm_up_runs_under_kv_lock_and_puts_the_switch_back(
+    worker: tuple[Worker, FakeService],
+) -> None:
+    built, service = worker
+    built.compile_or_warm_up_model()  # the engine core's call: vllm-gaudi warms up again
+    assert built.model_runner.num_warmups == 1
+    assert built.model_runner.seen == [(1, True)]  # its own fresh defragmenter: identity
+    assert built.model_runner.defragmenter is built.kvdefrag_switch
+    assert not service.kv_lock.locked()
+    built.execute_model(_stamped(4))
+    built.sample_tokens(None)
+    assert built.model_runner.seen[-1] == (7, True)
+
+
 def test_an_output_without_a_stamp_is_refused_by_name(
     worker: tuple[Worker, FakeService],
 ) -> None:
-    built, _ = worker
-    with pytest.raises(RuntimeError, match="DefragHPUAsyncScheduler"):
+    built, service = worker
+    with pytest.raises(UnsupportedByKvdefrag, match="DefragHPUAsyncScheduler"):
         built.execute_model(SimpleNamespace())
+    assert not service.kv_lock.locked()
+
+
+def _speculative(method: str, *, eagle: bool = False) -> Any:
+    return SimpleNamespace(
+        speculative_config=SimpleNamespace(method=method, use_eagle=lambda: eagle)
+    )
+
+
+@pytest.mark.parametrize(("method", "eagle"), [("eagle3", True), ("mtp", True), ("ngram", False)])
+def test_on_gaudi_the_eagle_and_ngram_drafters_are_served(method: str, eagle: bool) -> None:
+    built = Worker(FakeHPURunner(gaudi_kv_caches(NUM_BLOCKS)), FakeService())
+    built.vllm_config = _speculative(method, eagle=eagle)  # type: ignore[attr-defined]
+    built.kvdefrag_check_config()
+
+
+def test_on_gaudi_a_drafter_that_reads_kv_unresolved_is_refused_by_name() -> None:
+    built = Worker(FakeHPURunner(gaudi_kv_caches(NUM_BLOCKS)), FakeService())
+    built.vllm_config = _speculative("draft_model")  # type: ignore[attr-defined]
+    with pytest.raises(UnsupportedByKvdefrag, match="'draft_model' on Gaudi"):
+        built.kvdefrag_check_config()
 
 
 def test_the_switch_warms_the_service_up() -> None:
@@ -235,7 +378,7 @@ def test_sleep_releases_and_wake_up_rebinds_only_once_the_caches_are_back(
     worker: tuple[Worker, FakeService],
 ) -> None:
     built, service = worker
-    built.sleep()  # vllm-gaudi clears the switch's cache_utils.kv_caches, then the caches
+    built.sleep()  # vllm-gaudi drops its defragmenter, then the caches
     assert built.model_runner.kv_caches == []
     assert service.kv_calls == ["release"]
     built.sleep()  # already asleep: nothing more to let go
@@ -269,7 +412,7 @@ def served_worker(serve: Serve, num_blocks: int) -> tuple[Worker, ServerHandle, 
     built = Worker(runner, None, num_blocks)
     kv = SignedKv(built.kvdefrag_kv_caches(num_blocks), BLOCK_SIZE)
     handle = serve(kv=kv, threshold=0)
-    built._service = handle
+    runner.service = handle
     built.kvdefrag_attach(handle, num_blocks)
     return built, handle, kv
 
@@ -296,7 +439,8 @@ def test_after_sleep_and_wake_up_the_service_moves_blocks_in_the_new_caches(serv
 
         output = SimpleNamespace()
         attach_step_stamp(output, StepStamp(((client.epoch, client.next_seq - 1),)))
-        assert built.execute_model(output) == "ran"
+        assert built.execute_model(output) is None
+        assert built.sample_tokens(None) == "sampled"
     assert built.model_runner.seen == [(int(handle.resolve([1])[0]), True)]
     assert switch.num_passes == 1
 

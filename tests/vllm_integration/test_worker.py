@@ -25,11 +25,19 @@ from kvdefrag.common import InvalidArgument, StepEvents
 from kvdefrag.server import Engine, EngineConfig, Move, MoveBatch, make_executor
 from kvdefrag.vllm._ranks import connect_ranks
 from kvdefrag.vllm._runner_rows import Remap
-from kvdefrag.vllm.common import RANKS_FILE, UnsafeRunDir, published_ranks
+from kvdefrag.vllm.common import (
+    RANKS_FILE,
+    StepStamp,
+    UnsafeRunDir,
+    UnsupportedByKvdefrag,
+    attach_step_stamp,
+    published_ranks,
+)
 from kvdefrag.vllm.worker import (
     BlockIdTranslator,
     DefragWorkerMixin,
     bind_vllm_kv_caches,
+    check_drafter,
     check_v2_runner,
     remap_v1_runner_rows,
     remap_v2_runner_rows,
@@ -121,6 +129,16 @@ class _FakeVllmWorker:
         self.calls.append("execute_model")
         return scheduler_output
 
+    def sample_tokens(self, grammar_output: Any) -> Any:
+        self.calls.append("sample_tokens")
+        return "sampled"
+
+    def execute_dummy_batch(self) -> None:
+        self.calls.append("execute_dummy_batch")
+
+    def compile_or_warm_up_model(self) -> None:
+        self.calls.append("compile_or_warm_up_model")
+
     def shutdown(self) -> None:
         self.calls.append("shutdown")
 
@@ -171,11 +189,100 @@ def test_the_mixin_serves_the_rank_holds_kv_lock_and_stops_on_shutdown(
     assert not (run_dir / "rank1.sock").exists()
 
 
+def test_a_pass_holds_kv_lock_from_execute_model_through_sample_tokens(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM's runners return None from ``execute_model`` and sample and draft in
+    ``sample_tokens``: the pass, and ``kv_lock``, span both; a step that moves blocks
+    waits for its end."""
+    monkeypatch.setenv("KVDEFRAG_VLLM_RUN_DIR", str(tmp_path))
+    monkeypatch.setenv("KVDEFRAG_THRESHOLD", "0")
+    worker = _Worker(rank=0)
+    worker.initialize_from_config(_kv_cache_config())
+    handle = worker.kvdefrag_handle
+    assert handle is not None
+    held: list[tuple[str, bool]] = []
+    monkeypatch.setattr(
+        _FakeVllmWorker,
+        "execute_model",
+        lambda self, out: held.append(("execute_model", handle.kv_lock.locked())),
+    )
+    monkeypatch.setattr(
+        _FakeVllmWorker,
+        "sample_tokens",
+        lambda self, grammar: held.append(("sample_tokens", handle.kv_lock.locked())) or "out",
+    )
+    with DefragClient(handle.address, prefix_caching=False) as client:
+        client.step(new_blocks={"a": [1, 2, 3], "b": [6, 7]})
+        output = _output()
+        attach_step_stamp(output, StepStamp(((client.epoch, client.next_seq - 1),)))
+        assert worker.execute_model(output) is None
+        assert handle.kv_lock.locked()
+        before = handle.resolve(np.arange(NUM_BLOCKS)).tolist()
+        moving = threading.Thread(target=lambda: client.step(finished=["a"]))
+        moving.start()  # compacts b down: needs kv_lock
+        moving.join(timeout=0.5)
+        assert moving.is_alive()
+        assert handle.resolve(np.arange(NUM_BLOCKS)).tolist() == before
+        assert worker.sample_tokens(None) == "out"
+        moving.join(timeout=10)
+        assert not moving.is_alive()
+        assert handle.resolve([6, 7]).tolist() != before[6:8]
+    assert held == [("execute_model", True), ("sample_tokens", True)]
+    assert not handle.kv_lock.locked()
+    worker.execute_dummy_batch()  # an idle data-parallel rank: under the lock, no wait
+    worker.compile_or_warm_up_model()
+    assert worker.calls[-2:] == ["execute_dummy_batch", "compile_or_warm_up_model"]
+    assert worker.kvdefrag_pass is not None and worker.kvdefrag_pass.num_idle == 2
+    worker.shutdown()
+
+
+def test_a_failing_execute_model_ends_its_pass(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KVDEFRAG_VLLM_RUN_DIR", str(tmp_path))
+    worker = _Worker(rank=0)
+    worker.initialize_from_config(_kv_cache_config())
+    handle = worker.kvdefrag_handle
+    assert handle is not None
+
+    def fail(self: Any, out: Any) -> Any:
+        raise ValueError("the forward failed")
+
+    monkeypatch.setattr(_FakeVllmWorker, "execute_model", fail)
+    with pytest.raises(ValueError, match="the forward failed"):
+        worker.execute_model(_output())
+    assert not handle.kv_lock.locked()
+    worker.shutdown()
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3", "mtp", "draft_model", "dflash"])
+def test_a_drafter_that_reads_kv_is_refused_by_name_before_serving(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, method: str
+) -> None:
+    monkeypatch.setenv("KVDEFRAG_VLLM_RUN_DIR", str(tmp_path))
+    worker = _Worker(rank=0)
+    worker.vllm_config = SimpleNamespace(  # type: ignore[attr-defined]
+        speculative_config=SimpleNamespace(method=method),
+        scheduler_config=SimpleNamespace(async_scheduling=False),
+    )
+    with pytest.raises(UnsupportedByKvdefrag, match=f"method '{method}'"):
+        worker.initialize_from_config(_kv_cache_config())
+    assert worker.kvdefrag_handle is None
+    assert not (tmp_path / "rank0.sock").exists()
+
+
+@pytest.mark.parametrize("method", ["ngram", "ngram_gpu", "suffix"])
+def test_a_drafter_that_reads_token_ids_only_is_served(method: str) -> None:
+    check_drafter(SimpleNamespace(speculative_config=SimpleNamespace(method=method)))
+    check_drafter(SimpleNamespace(speculative_config=None))
+
+
 def test_the_mixin_refuses_a_hybrid_model_and_an_unset_run_dir(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("KVDEFRAG_VLLM_RUN_DIR", str(tmp_path))
-    with pytest.raises(ValueError, match="2 KV cache groups"):
+    with pytest.raises(UnsupportedByKvdefrag, match="2 KV cache groups"):
         _Worker(rank=0).initialize_from_config(_kv_cache_config(num_groups=2))
     monkeypatch.delenv("KVDEFRAG_VLLM_RUN_DIR")
     with pytest.raises(RuntimeError, match="KVDEFRAG_VLLM_RUN_DIR"):
@@ -390,7 +497,7 @@ def test_a_rank_that_cannot_start_fails_every_rank_at_once_naming_it(
     with contextlib.ExitStack() as stack:
         if cause == "hybrid model":
             configs[1] = _kv_cache_config(2)  # rank 1 fails before it serves
-            reason = "rank 1: ValueError: kvdefrag: 2 KV cache groups"
+            reason = "rank 1: UnsupportedByKvdefrag: kvdefrag: 2 KV cache groups"
         else:
             base = _free_port_pair()
             taken = stack.enter_context(socket.socket())
@@ -781,6 +888,7 @@ def test_worker_exports_are_pinned() -> None:
             "DefragWorkerMixin",
             "Remap",
             "bind_vllm_kv_caches",
+            "check_drafter",
             "check_v2_runner",
             "remap_v1_runner_rows",
             "remap_v2_runner_rows",

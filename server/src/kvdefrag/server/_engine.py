@@ -699,9 +699,11 @@ class Engine:
             prefix_caching: The mode to run in from now on; None keeps the current one.
 
         NOTE: the KV data stays where it is. Reset only when it no longer matters: the
-        scheduler dropped its requests and its prefix cache (or restarted).
+        scheduler dropped its requests and its prefix cache (or restarted). The identity
+        is published holding ``kv_lock``: a worker's pass running meanwhile reads one
+        mapping from its start to its end, and the next pass reads the new one.
         """
-        with self._lock:
+        with self._lock, self.kv_lock:
             if prefix_caching is not None:
                 self.config = dataclasses.replace(self.config, prefix_caching=prefix_caching)
             self._tracker = BlockTracker(self.num_blocks, self.config.prefix_caching)
@@ -711,10 +713,9 @@ class Engine:
             self._generation += 1
             self._snapshots = MappingSnapshots(self.num_blocks)
             self._published = self._publish_locked()
-            with self.kv_lock:
-                self._num_logged += 1
-                self._reset_version = self._num_logged
-                self._move_log.clear()
+            self._num_logged += 1
+            self._reset_version = self._num_logged
+            self._move_log.clear()
         self._notify("on_reset")
 
 

@@ -53,6 +53,7 @@ __all__ = [
     "PublishedRank",
     "StepStamp",
     "UnsafeRunDir",
+    "UnsupportedByKvdefrag",
     "attach_step_stamp",
     "audit_every",
     "client_tls_from_env",
@@ -69,6 +70,12 @@ __all__ = [
     "tcp_address",
     "uses_v2_model_runner",
 ]
+
+
+class UnsupportedByKvdefrag(RuntimeError):
+    """The engine's configuration is one kvdefrag cannot serve (raised at start-up, on
+    the scheduler side or a worker); the message names it and says what to do instead."""
+
 
 RUN_DIR_ENV = "KVDEFRAG_VLLM_RUN_DIR"
 """The environment variable naming the run directory of one vLLM engine."""

@@ -4,53 +4,54 @@ vllm-gaudi's HPU model runner does not take physical ids from its output or keep
 rows: its rows stay in the scheduler's (logical) ids and every block id is resolved when
 the inputs are built, through one object at ``model_runner.defragmenter`` (vllm-gaudi's
 own ``OnlineDefragmenter``). What this module relies on, as read in vllm-project/vllm-gaudi
-(main, 2026-08-21):
+at 091bbadd (file:line):
 
-* ``vllm_gaudi/v1/worker/hpu_model_runner.py``: ``execute_model`` first calls
-  ``run_defragmenter(scheduler_output)``, which calls
-  ``defragmenter.update_state(new | cached, finished_req_ids)`` then
-  ``defragmenter.defragment()``; then ``_update_states`` (which APPENDS
-  ``new_block_ids`` to the persistent row of a request still in the batch, even one in
-  ``resumed_req_ids``); then the inputs are built: ``_extract_prefill_batch_contents``
-  maps each prefill block list through ``defragmenter.resolve``,
-  ``_create_decode_input_data`` maps the decode slot mapping element by element
-  (``block_number.apply_(self.defragmenter.resolve)``) and the decode block tables
-  through ``defragmenter.resolve_all``; ``_resolve_block`` / ``_resolve_all_blocks``
-  do the same for the other paths. ``get_habana_paged_attn_buffers`` then, with
-  contiguous PA, lays the decode block list out densely by physical id up to a bucket
-  of at least ``max(block_list) + 1``.
-* ``vllm_gaudi/v1/spec_decode/hpu_eagle.py``: the Eagle draft step calls
-  ``defragmenter.resolve_all`` / ``resolve`` directly.
-* ``vllm_gaudi/v1/worker/hpu_worker.py``: ``initialize_from_config`` allocates the KV
-  caches and warms the model up (``HPUModelRunner.warmup_model``, which warms its own
-  ``OnlineDefragmenter`` through ``cache_utils`` and then re-creates it) before the
-  mixin installs the switch. ``sleep()``, at every level (level 2 runs as level 1),
-  sets ``model_runner.defragmenter.cache_utils.kv_caches = None`` and discards the KV
-  caches (``model_runner.kv_caches = []``); ``wake_up()`` with the ``kv_cache`` tag
-  (the default) re-allocates them (``initialize_kv_cache``: new, zero-filled tensors)
-  and re-creates an ``OnlineDefragmenter``; it warms nothing.
+* ``vllm_gaudi/v1/worker/hpu_model_runner.py``: ``execute_model`` (L4151-4224) calls
+  ``run_defragmenter`` (L4135: ``defragmenter.update_state(new | cached,
+  finished_req_ids)`` then ``defragmenter.defragment()``, skipped in warm-up mode), then
+  ``_update_states`` (which APPENDS ``new_block_ids`` to the persistent row of a request
+  still in the batch, even one in ``resumed_req_ids``), keeps the output and returns
+  None. The engine core then calls ``sample_tokens`` (``hpu_worker.py`` L565, runner
+  L4303), and only there are the inputs built: ``_resolve_block`` /
+  ``_resolve_all_blocks`` (L1570-1580) and the prefill and decode input builders map
+  every block id through ``defragmenter.resolve`` / ``resolve_all``; pad rows name
+  ``_PAD_BLOCK_ID`` (``num_blocks``, L6946), which resolves to itself. With contiguous
+  PA the decode block list is laid out densely by physical id up to a bucket of at least
+  ``max(block_list) + 1``. The forward pass, sampling and the speculative drafter
+  (``vllm_gaudi/v1/spec_decode/hpu_eagle.py`` L198/L209, called from the runner about
+  L4736) run there too.
+* ``HPUWorker.execute_dummy_batch`` (``hpu_worker.py`` L608; an idle data-parallel rank)
+  runs the runner's ``_dummy_run(1)`` (L6366): ``execute_model(warmup_mode=True)``,
+  ``sample_tokens(None)`` and a clean-up ``execute_model`` (L5703-5730), which resolve
+  block 0 outside any scheduled step. Warm-up (``warmup_model``, L6133-6320) runs the
+  same dummy steps and re-creates ``OnlineDefragmenter`` at its start and its end;
+  ``HPUWorker.initialize_from_config`` warms up (L551), and vLLM's engine core calls
+  ``compile_or_warm_up_model`` (L552) once more, which warms up again when no graph was
+  captured (eager mode, ``VLLM_SKIP_WARMUP``).
+* ``HPUWorker.sleep`` (L642-687), at every level, sets ``model_runner.defragmenter = None``
+  and discards the KV caches (``model_runner.kv_caches = []``); ``wake_up`` with the
+  ``kv_cache`` tag (the default; L689-735) re-allocates them (``initialize_kv_cache``:
+  new, zero-filled tensors) and re-creates an ``OnlineDefragmenter``; it warms nothing.
 * vLLM 0.33's engine side (``vllm/v1/engine/core.py``): ``EngineCore.sleep`` at level 1
   and up pauses the scheduler with ``clear_cache``, whose ``_reset_caches`` calls
   ``Scheduler.reset_prefix_cache(reset_running_requests=True)``: every running request
-  is preempted (``_preempt_request``: its blocks freed, ``num_computed_tokens = 0``),
-  the prefix cache is emptied, and only then do the workers sleep. The preemptions
-  reach kvdefrag's ledger in the first output after ``wake_up`` (``preempted_req_ids``,
-  from ``reset_preempted_req_ids``); scheduling resumes only once every worker is awake.
-* ``vllm_gaudi/v1/worker/hpu_model_runner.py``, ``initialize_kv_cache``: each layer's
-  ``(key_cache, value_cache, key_scales, value_scales)`` over ``num_blocks + 1`` blocks,
-  the last the pad block ``_PAD_BLOCK_ID = num_blocks``; the worker binds the first
-  ``KVCacheConfig.num_blocks`` blocks, scales included (``kvdefrag.vllm._kv_binding``).
+  is preempted, the prefix cache is emptied, and only then do the workers sleep.
+* ``initialize_kv_cache``: each layer's ``(key_cache, value_cache, key_scales,
+  value_scales)`` over ``num_blocks + 1`` blocks, the last the pad block; the worker
+  binds the first ``KVCacheConfig.num_blocks`` blocks, scales included
+  (``kvdefrag.vllm._kv_binding``).
 * ``vllm_gaudi/utils.py`` rebinds vLLM's ``AsyncScheduler`` to vllm-gaudi's
-  ``HPUAsyncScheduler`` (``vllm_gaudi.v1.core.sched.hpu_async_scheduler``), which
-  carries HPU fixes; a scheduler class built on the upstream class silently loses them.
+  ``HPUAsyncScheduler`` (``kvdefrag.vllm._gaudi_scheduler``).
 
-So on Gaudi kvdefrag does not translate the output or remap rows
-(``DefragWorkerMixin``'s path: the HPU runner's rows stay logical, and a physical id
-appended to a logical row would be wrong). Instead ``DefragHPUSwitch`` takes the place of
-the runner's defragmenter: ``update_state``/``defragment`` plan nothing and
-``resolve``/``resolve_all`` answer from the rank's kvdefrag service, and
-``DefragHPUWorkerMixin`` runs each pass after the step stamped on its output is applied,
-holding ``kv_lock``.
+So on Gaudi kvdefrag does not translate the output or remap rows (a physical id
+appended to a logical row would be wrong). ``DefragHPUSwitch`` takes the place of the
+runner's defragmenter: ``update_state``/``defragment`` plan nothing and
+``resolve``/``resolve_all`` answer from the rank's kvdefrag service. The pass is the
+worker's (``kvdefrag.vllm._pass.RunnerPass``, as on every runner): it begins in
+``execute_model`` once the step stamped on the output is applied, holding ``kv_lock``,
+and ends when that step's ``sample_tokens`` has run; dummy batches and warm-ups run
+holding ``kv_lock`` with the switch answering from the mapping as it is. The switch
+answers only inside a pass.
 
 Why the switch plans nothing: kvdefrag's events come from the scheduler side
 (``DefragScheduler``'s ledger, read from vLLM's KV cache manager). Correctness first: the
@@ -70,7 +71,8 @@ block whose content it reads again (above), so whatever the mapping names is as 
 any other place in fresh memory, and the scheduler's session goes on.
 
 Importing this module imports neither vLLM nor vllm-gaudi; the classes built from them
-(``DefragHPUAsyncScheduler``, ``DefragHPUWorker``) are made on first lookup.
+(``DefragHPUAsyncScheduler``, ``DefragHPUWorker``) are made on first lookup. The
+scheduler side (``kvdefrag.vllm.scheduler``) imports only ``_gaudi_scheduler``.
 """
 
 from __future__ import annotations
@@ -85,8 +87,15 @@ from typing import Any, Protocol
 import numpy as np
 import numpy.typing as npt
 
-from kvdefrag.vllm.common import read_step_stamp
-from kvdefrag.vllm.worker import DefragWorkerMixin, wait_for_planned_step
+from kvdefrag.vllm._gaudi_scheduler import (
+    HPU_ASYNC_SCHEDULER,
+    GaudiSchedulerMismatch,
+    check_gaudi_scheduler,
+    hpu_async_scheduler_base,
+)
+from kvdefrag.vllm._pass import PassTarget
+from kvdefrag.vllm.common import UnsupportedByKvdefrag, read_step_stamp
+from kvdefrag.vllm.worker import DefragWorkerMixin
 
 __all__ = [
     "HPU_ASYNC_SCHEDULER",
@@ -100,11 +109,15 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-HPU_ASYNC_SCHEDULER = "vllm_gaudi.v1.core.sched.hpu_async_scheduler.HPUAsyncScheduler"
-"""vllm-gaudi's async scheduler (``vllm_gaudi/utils.py`` rebinds vLLM's to it)."""
-
 HPU_WORKER = "vllm_gaudi.v1.worker.hpu_worker.HPUWorker"
 """vllm-gaudi's worker class."""
+
+
+_GAUDI_DRAFTERS = frozenset({"ngram", "suffix", "medusa"})
+"""Speculative methods whose vllm-gaudi proposer reads no KV cache
+(``hpu_model_runner.py`` L1448-1456 at 091bbadd picks ``NgramProposer`` or Medusa's); the
+Eagle-family methods (``SpeculativeConfig.use_eagle()``) run ``HpuEagleProposer``, which
+resolves through the switch inside the pass."""
 
 
 class SwitchService(Protocol):
@@ -115,51 +128,36 @@ class SwitchService(Protocol):
     def warmup(self) -> int: ...
 
 
-class _CacheUtilsSlot:
-    """Stands where ``OnlineDefragmenter.cache_utils`` is, for vllm-gaudi's ``sleep``,
-    which sets its ``kv_caches`` to None. It holds no tensor (the rank's service binds
-    the caches) and swaps nothing.
-
-    Attributes:
-        kv_caches: What ``sleep`` clears; always None here.
-    """
-
-    def __init__(self) -> None:
-        self.kv_caches: Any = None
-
-
 class DefragHPUSwitch:
     """Stands where vllm-gaudi's HPU runner keeps its ``OnlineDefragmenter``.
 
-    The runner calls ``update_state`` and ``defragment`` first in ``execute_model``, and
-    ``resolve`` / ``resolve_all`` while it builds its inputs (the Eagle draft step too).
-    Here the first two plan nothing (the scheduler side plans); they record the pass. The
-    resolvers answer with the rank's kvdefrag mapping.
+    The runner calls ``update_state`` and ``defragment`` in ``execute_model``, and
+    ``resolve`` / ``resolve_all`` while it builds its inputs in ``sample_tokens`` (the
+    Eagle draft step too, and the dummy steps of a data-parallel rank). Here the first two
+    plan nothing (the scheduler side plans); the resolvers answer with the rank's kvdefrag
+    mapping.
 
-    Invariants: between ``begin_pass`` and ``end_pass`` (``DefragHPUWorkerMixin`` calls
-    them holding ``kv_lock``, after the step stamped on the output is applied) the
-    mapping cannot change, so answers are memoised for the pass; ids outside
-    ``[0, num_blocks)`` (the runner's pad ids) are returned unchanged, as vllm-gaudi's
-    ``resolve`` returns ids beyond its table; before the first pass (warm-up, when no
-    step has been taken yet) the resolvers read the service's current mapping; after
-    it, a resolve outside a pass is refused (it could race a move).
+    Invariants: every answer is given between ``begin_pass`` and ``end_pass``, which the
+    worker's pass calls holding ``kv_lock`` (``kvdefrag.vllm._pass``), so the mapping
+    cannot change meanwhile and answers are memoised for the pass; a resolve outside a
+    pass is refused (it could race a move). Ids outside ``[0, num_blocks)`` (the runner's
+    ``_PAD_BLOCK_ID`` and -1 pads) are returned unchanged, as vllm-gaudi's ``resolve``
+    returns ids beyond its table.
 
     Attributes:
         enabled: Read by the runner (``run_defragmenter``); always True.
-        cache_utils: What vllm-gaudi's ``sleep`` clears (``cache_utils.kv_caches =
-            None``); holds no tensor.
         num_blocks: Blocks in the pool.
-        num_passes: Passes begun.
+        num_passes: Passes begun (scheduled steps and idle calls).
         num_update_states: ``update_state`` calls seen (each planned nothing).
         num_resolved: Block ids resolved (memoised answers included).
-        output: The ``SchedulerOutput`` of the pass running, None between passes.
+        output: The ``SchedulerOutput`` of the pass running; None between passes and in
+            a pass outside any scheduled step.
     """
 
     enabled = True
 
     def __init__(self, service: SwitchService, num_blocks: int) -> None:
         self._service = service
-        self.cache_utils = _CacheUtilsSlot()
         self.num_blocks = num_blocks
         self.num_passes = 0
         self.num_update_states = 0
@@ -168,9 +166,14 @@ class DefragHPUSwitch:
         self._in_pass = False
         self._memo: dict[int, int] = {}
 
+    @property
+    def in_pass(self) -> bool:
+        """Whether a pass is running (the resolvers answer)."""
+        return self._in_pass
+
     def begin_pass(self, output: Any) -> None:
-        """Marks a pass running ``output``; call holding ``kv_lock`` after its step is
-        applied."""
+        """Marks a pass running ``output`` (None: a dummy batch or a warm-up); call it
+        holding ``kv_lock``, after the output's step is applied."""
         self.output = output
         self._in_pass = True
         self._memo.clear()
@@ -191,81 +194,108 @@ class DefragHPUSwitch:
         scheduler side's ledger planned this output's step).
 
         Raises:
-            RuntimeError: Called outside a pass after the first one: the runner ran
-                without ``DefragHPUWorkerMixin.execute_model`` around it.
+            RuntimeError: Called outside a pass.
         """
-        self._check_guarded("update_state")
+        self._check_in_pass("update_state")
         self.num_update_states += 1
 
     def defragment(self) -> None:
         """Nothing to do: the step stamped on the output already moved the blocks."""
 
     def warmup(self) -> None:
-        """Runs the rank's service warm-up (``ServerHandle.warmup``): on HPU every swap
-        pad bucket once, one-way and two-way, with pad-only batches that move nothing, so
-        no graph is compiled inside a step. For a runner that asks its defragmenter to
-        warm up; ``DefragHPUWorkerMixin.wake_up`` calls it too. Call it between passes,
-        without holding ``kv_lock`` (the warm-up takes it)."""
-        self._service.warmup()
+        """Runs the rank's service warm-up (``ServerHandle.warmup``: on HPU every swap
+        pad bucket once, with pad-only batches that move nothing), for a runner that asks
+        its defragmenter to warm up. Inside a pass (``kv_lock`` held) it does nothing:
+        the service warmed up when it bound the caches."""
+        if not self._in_pass:
+            self._service.warmup()
 
     def resolve(self, block_id: int) -> int:
-        """The physical id of logical ``block_id`` (ids outside the pool unchanged)."""
+        """The physical id of logical ``block_id`` (ids outside the pool unchanged).
+
+        Raises:
+            RuntimeError: Called outside a pass.
+        """
         block_id = int(block_id)
         self.num_resolved += 1
+        if not 0 <= block_id < self.num_blocks:
+            return block_id
         found = self._memo.get(block_id)
         if found is not None:
             return found
-        if not 0 <= block_id < self.num_blocks:
-            return block_id
-        self._check_guarded("resolve")
+        self._check_in_pass("resolve")
         physical = int(self._service.resolve([block_id])[0])
-        if self._in_pass:
-            self._memo[block_id] = physical
+        self._memo[block_id] = physical
         return physical
 
     def resolve_all(self, block_table_list: Sequence[Sequence[int]]) -> list[list[int]]:
-        """Every id of every list resolved, in one lookup for the ids not seen yet."""
+        """Every id of every list resolved, in one lookup for the ids not seen yet.
+
+        Raises:
+            RuntimeError: Called outside a pass.
+        """
+        self._check_in_pass("resolve_all")
+        memo = self._memo
         wanted = {
-            int(block_id)
-            for block_id in itertools.chain.from_iterable(block_table_list)
-            if 0 <= int(block_id) < self.num_blocks and int(block_id) not in self._memo
+            block_id
+            for block_id in map(int, itertools.chain.from_iterable(block_table_list))
+            if 0 <= block_id < self.num_blocks and block_id not in memo
         }
         if wanted:
-            self._check_guarded("resolve_all")
             logical = np.fromiter(sorted(wanted), np.int64, len(wanted))
             physical = self._service.resolve(logical).tolist()
-            answers = dict(zip(logical.tolist(), physical, strict=True))
-        else:
-            answers = {}
-        if self._in_pass:
-            self._memo.update(answers)
-        memo = self._memo if self._in_pass else {**self._memo, **answers}
+            memo.update(zip(logical.tolist(), physical, strict=True))
         result = []
         for row in block_table_list:
             self.num_resolved += len(row)
             result.append([memo.get(int(block_id), int(block_id)) for block_id in row])
         return result
 
-    def _check_guarded(self, what: str) -> None:
-        if not self._in_pass and self.num_passes:
+    def _check_in_pass(self, what: str) -> None:
+        if not self._in_pass:
             raise RuntimeError(
                 f"kvdefrag: the HPU runner called defragmenter.{what} outside a pass of "
-                "DefragHPUWorkerMixin.execute_model: block ids read then may race a move. "
-                "Run the worker as kvdefrag.vllm.gaudi.DefragHPUWorker (or put "
-                "DefragHPUWorkerMixin in front of your HPUWorker subclass)"
+                "the worker (execute_model through sample_tokens, a dummy batch or a "
+                "warm-up): block ids read then may race a move. Run the worker as "
+                "kvdefrag.vllm.gaudi.DefragHPUWorker (or put DefragHPUWorkerMixin in "
+                "front of your HPUWorker subclass)"
             )
+
+
+class _SwitchTarget:
+    """Readies vllm-gaudi's runner for a pass: the switch in its place, marking the pass
+    (``PassTarget``). The switch goes back in place at the end of every pass too, since
+    a warm-up re-creates the runner's ``OnlineDefragmenter``."""
+
+    def __init__(self, runner: Any, switch: DefragHPUSwitch) -> None:
+        self._runner = runner
+        self._switch = switch
+
+    def begin(self, output: Any) -> None:
+        if output is not None and read_step_stamp(output) is None:
+            raise UnsupportedByKvdefrag(
+                "kvdefrag: this output carries no step stamp: the scheduler is not "
+                "kvdefrag's. Serve with --scheduler-cls "
+                "kvdefrag.vllm.gaudi.DefragHPUAsyncScheduler (or "
+                "kvdefrag.vllm.scheduler.DefragScheduler with --no-async-scheduling)"
+            )
+        self._runner.defragmenter = self._switch  # whatever replaced it since
+        self._switch.begin_pass(output)
+
+    def end(self) -> None:
+        self._switch.end_pass()
+        self._runner.defragmenter = self._switch
 
 
 class DefragHPUWorkerMixin(DefragWorkerMixin):
     """``DefragWorkerMixin`` for vllm-gaudi's ``HPUWorker``: the runner resolves, not us.
 
     It starts and publishes the rank's service exactly as ``DefragWorkerMixin`` does
-    (``initialize_from_config``), then installs a ``DefragHPUSwitch`` as
-    ``model_runner.defragmenter`` in place of vllm-gaudi's ``OnlineDefragmenter``. Each
-    ``execute_model`` waits for the step stamped on its output, then runs vLLM's pass
-    holding ``kv_lock`` with the switch marking the pass; the output is NOT translated
-    and the runner's rows are NOT remapped (they stay logical; the runner resolves them
-    at input build).
+    (``initialize_from_config``) and runs the same passes (``execute_model`` through
+    ``sample_tokens``, dummy batches, warm-ups, each holding ``kv_lock``); what differs
+    is the pass's target: a ``DefragHPUSwitch`` as ``model_runner.defragmenter`` in place
+    of vllm-gaudi's ``OnlineDefragmenter``, instead of translated outputs and remapped
+    rows (the HPU runner's rows stay logical; it resolves at input build).
 
     Sleep and wake-up follow vllm-gaudi's: ``sleep`` discards the KV caches, and the
     service lets go of them too (``release_kv_caches``) so their memory is freed;
@@ -275,9 +305,8 @@ class DefragHPUWorkerMixin(DefragWorkerMixin):
     place of the ``OnlineDefragmenter`` that vllm-gaudi re-created.
 
     Invariants: while the service runs, ``model_runner.defragmenter`` is
-    ``kvdefrag_switch`` whenever ``execute_model`` runs; outside a sleep the service
-    moves blocks in the runner's KV caches (``kvdefrag_kv_ptr`` is the address of
-    their first tensor).
+    ``kvdefrag_switch`` during every pass; outside a sleep the service moves blocks in
+    the runner's KV caches (``kvdefrag_kv_ptr`` is the address of their first tensor).
     """
 
     kvdefrag_switch: DefragHPUSwitch | None = None
@@ -285,15 +314,34 @@ class DefragHPUWorkerMixin(DefragWorkerMixin):
     kvdefrag_num_blocks: int = 0
     kvdefrag_kv_released: bool = False
 
-    def kvdefrag_attach(self, handle: Any, num_blocks: int) -> None:
-        """Keeps the service (and its step wait), installs the switch; no translator."""
-        super().kvdefrag_attach(handle, num_blocks)
-        self.kvdefrag_translator = None  # the HPU runner resolves at input build
-        self.kvdefrag_switch = DefragHPUSwitch(handle, num_blocks)
-        self.kvdefrag_num_blocks = num_blocks
+    def kvdefrag_pass_target(self, handle: Any, num_blocks: int) -> PassTarget:
+        """Installs the switch; the pass marks it (no translator, no row remap)."""
         runner: Any = getattr(self, "model_runner")  # noqa: B009
+        switch = DefragHPUSwitch(handle, num_blocks)
+        self.kvdefrag_switch = switch
+        self.kvdefrag_num_blocks = num_blocks
         self.kvdefrag_kv_ptr = _first_kv_pointer(getattr(runner, "kv_caches", ()))
         self.kvdefrag_install()
+        return _SwitchTarget(runner, switch)
+
+    def kvdefrag_check_config(self) -> None:
+        """Refuses a speculative method whose vllm-gaudi drafter is not the Eagle one
+        (which resolves through the switch) and reads KV.
+
+        Raises:
+            UnsupportedByKvdefrag: Naming the method.
+        """
+        speculative = getattr(getattr(self, "vllm_config", None), "speculative_config", None)
+        if speculative is None:
+            return
+        method = getattr(speculative, "method", None)
+        if method in _GAUDI_DRAFTERS or speculative.use_eagle():
+            return
+        raise UnsupportedByKvdefrag(
+            f"kvdefrag: speculative decoding with method {method!r} on Gaudi runs a "
+            "drafter that reads KV cache blocks without resolving them; use an Eagle, "
+            "n-gram or Medusa method, or serve without kvdefrag"
+        )
 
     def kvdefrag_install(self) -> None:
         """Puts the switch on ``model_runner.defragmenter`` (nothing before attach)."""
@@ -302,35 +350,6 @@ class DefragHPUWorkerMixin(DefragWorkerMixin):
             return
         runner: Any = getattr(self, "model_runner")  # noqa: B009
         runner.defragmenter = switch
-
-    def execute_model(self, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
-        """Waits for the stamped step, then runs vLLM's pass holding ``kv_lock``."""
-        handle = self.kvdefrag_handle
-        switch = self.kvdefrag_switch
-        parent: Any = super(DefragWorkerMixin, self)
-        if handle is None or switch is None:
-            return parent.execute_model(scheduler_output, *args, **kwargs)
-        if read_step_stamp(scheduler_output) is None:
-            raise RuntimeError(
-                "kvdefrag: this output carries no step stamp: the scheduler is not "
-                "kvdefrag's. Serve with --scheduler-cls "
-                "kvdefrag.vllm.gaudi.DefragHPUAsyncScheduler (or "
-                "kvdefrag.vllm.scheduler.DefragScheduler with --no-async-scheduling)"
-            )
-        wait_for_planned_step(
-            handle,
-            self.rank,  # type: ignore[attr-defined]
-            scheduler_output,
-            self.kvdefrag_step_wait_s,
-        )
-        runner: Any = getattr(self, "model_runner")  # noqa: B009
-        with handle.kv_lock:
-            runner.defragmenter = switch  # whatever replaced it since
-            switch.begin_pass(scheduler_output)
-            try:
-                return parent.execute_model(scheduler_output, *args, **kwargs)
-            finally:
-                switch.end_pass()
 
     def sleep(self, *args: Any, **kwargs: Any) -> None:
         """vllm-gaudi's ``sleep``; once it discarded the KV caches, the service lets go
@@ -388,47 +407,6 @@ def _first_kv_pointer(kv_caches: Any) -> int:
         if tensor is not None:
             return int(tensor.data_ptr())
     return 0
-
-
-# ---------------------------------------------------------------------------------------
-# The scheduler class on Gaudi.
-
-
-class GaudiSchedulerMismatch(RuntimeError):
-    """On Gaudi, kvdefrag's async scheduler does not inherit vllm-gaudi's; the message
-    says how to build the right class."""
-
-
-def hpu_async_scheduler_base() -> type | None:
-    """vllm-gaudi's ``HPUAsyncScheduler``, or None where vllm-gaudi is not installed."""
-    module_name, _, name = HPU_ASYNC_SCHEDULER.rpartition(".")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError:
-        return None
-    base: type = getattr(module, name)
-    return base
-
-
-def check_gaudi_scheduler(scheduler: object) -> None:
-    """Refuses, at startup, an async kvdefrag scheduler that drops vllm-gaudi's fixes.
-
-    Asked only for async schedulers; does nothing where vllm-gaudi is not installed.
-
-    Raises:
-        GaudiSchedulerMismatch: vllm-gaudi is installed and ``scheduler`` is not an
-            ``HPUAsyncScheduler``.
-    """
-    base = hpu_async_scheduler_base()
-    if base is None or isinstance(scheduler, base):
-        return
-    raise GaudiSchedulerMismatch(
-        f"kvdefrag: vllm-gaudi is installed but {type(scheduler).__name__} does not "
-        f"inherit its {HPU_ASYNC_SCHEDULER} (vllm-gaudi rebinds vLLM's AsyncScheduler to "
-        "it; a class built on the upstream one loses its HPU fixes). Serve with "
-        "--scheduler-cls kvdefrag.vllm.gaudi.DefragHPUAsyncScheduler (built as "
-        "class DefragHPUAsyncScheduler(DefragAsyncScheduler, HPUAsyncScheduler))"
-    )
 
 
 @functools.cache

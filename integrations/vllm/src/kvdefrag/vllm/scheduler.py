@@ -35,15 +35,16 @@ from __future__ import annotations
 from typing import Any
 
 from kvdefrag.vllm._bridge import ParkedBlocks, SchedulerBridge, changes_from_output
+from kvdefrag.vllm._gaudi_scheduler import check_gaudi_scheduler
 from kvdefrag.vllm._ranks import RankGroup, connect_ranks
 from kvdefrag.vllm.common import (
     PublishedRank,
+    UnsupportedByKvdefrag,
     audit_every,
     client_tls_from_env,
     published_ranks,
     run_dir_from_env,
 )
-from kvdefrag.vllm.gaudi import check_gaudi_scheduler
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
@@ -54,10 +55,6 @@ __all__ = ["DefragAsyncScheduler", "DefragScheduler", "UnsupportedByKvdefrag", "
 # NOTE: exact types: RSWASpec, SinkFullAttentionSpec and HiddenStateCacheSpec subclass
 # these but free or pin blocks differently.
 _SUPPORTED_SPECS = (FullAttentionSpec, MLAAttentionSpec)
-
-
-class UnsupportedByKvdefrag(RuntimeError):
-    """The engine's configuration is one kvdefrag cannot serve; the message says why."""
 
 
 def check_supported(vllm_config: Any, kv_cache_config: Any) -> None:

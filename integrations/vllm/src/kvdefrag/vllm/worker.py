@@ -43,6 +43,7 @@ from kvdefrag.common.identity import IDENTITY_SECRET_BYTES
 from kvdefrag.server import ServerHandle, serve_in_process
 from kvdefrag.server.config import ServiceConfig, load_config
 from kvdefrag.vllm._kv_binding import bind_vllm_kv_caches
+from kvdefrag.vllm._pass import PassTarget, RunnerPass, wait_for_planned_step
 from kvdefrag.vllm._runner_rows import (
     BlockIdTranslator,
     Remap,
@@ -53,11 +54,11 @@ from kvdefrag.vllm._runner_rows import (
 from kvdefrag.vllm.common import (
     TCP_PORT_ENV,
     PublishedRank,
+    UnsupportedByKvdefrag,
     ensure_run_dir,
     map_block_ids,
     publish_ranks,
     rank_address,
-    read_step_stamp,
     run_dir_from_env,
     step_wait_s,
     tcp_address,
@@ -69,6 +70,7 @@ __all__ = [
     "DefragWorkerMixin",
     "Remap",
     "bind_vllm_kv_caches",
+    "check_drafter",
     "check_v2_runner",
     "remap_v1_runner_rows",
     "remap_v2_runner_rows",
@@ -120,37 +122,77 @@ def translate_scheduler_output(
     map_block_ids(output, hand_out)
 
 
-def wait_for_planned_step(handle: ServerHandle, rank: int, output: Any, timeout_s: float) -> None:
-    """Waits until this rank's service has applied the step planned with ``output``.
+_DRAFTERS_THAT_READ_NO_KV = frozenset({"ngram", "ngram_gpu", "suffix"})
+"""Speculative methods whose proposer reads no KV cache (vLLM 0.33,
+``vllm/config/speculative.py``: they match on token ids); every other method's drafter
+runs attention over the target's blocks or a draft KV cache of its own."""
 
-    When the workers translate, the scheduler sends each step without waiting for its
-    reply and stamps the output with it (``common.attach_step_stamp``); an output
-    translated before its step is applied would name the blocks' old places. Call it
-    before taking ``kv_lock`` (the step may need the lock to move KV data).
+
+def check_drafter(vllm_config: Any) -> None:
+    """Refuses, at start-up, a speculative drafter on vLLM's runners that reads KV data.
+
+    vLLM's V1 and V2 runners run the drafter in ``sample_tokens``, inside the pass, over
+    the runner's (physical) rows; no test here runs an EAGLE, MTP or draft-model drafter
+    on a real engine, so kvdefrag does not claim them. N-gram and suffix proposers read
+    token ids only. vllm-gaudi's Eagle draft resolves through the switch and is covered
+    (``kvdefrag.vllm.gaudi``).
 
     Raises:
-        EpochMismatch, EngineUnhealthy, ServiceUnavailable: As
-            ``ServerHandle.wait_applied`` (the step will not be applied here).
+        UnsupportedByKvdefrag: Naming the method and what to do instead.
     """
-    stamp = read_step_stamp(output)
-    if stamp is None:
+    speculative = getattr(vllm_config, "speculative_config", None)
+    method = getattr(speculative, "method", None)
+    if speculative is None or method in _DRAFTERS_THAT_READ_NO_KV:
         return
-    epoch, seq = stamp.for_rank(rank)
-    handle.wait_applied(epoch, seq, timeout_s)
+    raise UnsupportedByKvdefrag(
+        f"kvdefrag: speculative decoding with method {method!r} runs a drafter that reads "
+        "KV cache blocks, which kvdefrag does not support on vLLM's runners yet; use "
+        "--speculative-config with method 'ngram' or 'suffix', or serve without kvdefrag"
+    )
+
+
+class _RowsTarget:
+    """Readies vLLM's V1 or V2 runner for a pass: its persistent rows follow the blocks
+    that moved since its previous pass (the worker's ``kvdefrag_translator`` says which),
+    and the output turns physical (``PassTarget``)."""
+
+    def __init__(self, worker: DefragWorkerMixin, is_v2_runner: bool) -> None:
+        self._worker = worker
+        self._is_v2_runner = is_v2_runner
+
+    def begin(self, output: Any) -> None:
+        translator = self._worker.kvdefrag_translator
+        assert translator is not None, "kvdefrag_pass_target made one"
+        mapping, remap = translator.advance()
+        if remap is not None:
+            remap_rows = remap_v2_runner_rows if self._is_v2_runner else remap_v1_runner_rows
+            remap_rows(self._worker.model_runner, remap)  # type: ignore[attr-defined]
+        if output is not None:
+            translate_scheduler_output(output, mapping)
+
+    def end(self) -> None:
+        pass
 
 
 class DefragWorkerMixin:
     """Serves one rank's KV caches to ``DefragScheduler``; put it before a vLLM Worker.
 
-    Invariants: ``kvdefrag_handle`` and ``kvdefrag_translator`` are None until
+    Every runner step is one pass (``kvdefrag.vllm._pass``): ``execute_model`` waits for
+    the step planned with its output, takes the service's ``kv_lock`` and turns the
+    runner's rows and the output physical; the lock is held until the step's
+    ``sample_tokens`` has run (vLLM's runners sample and draft there, vllm-gaudi's runs
+    its whole forward there). Dummy batches (an idle data-parallel rank) and warm-ups run
+    holding the lock too.
+
+    Invariants: ``kvdefrag_handle`` and ``kvdefrag_pass`` are None until
     ``initialize_from_config`` has bound the caches and the service listens; while they
-    are set, every ``execute_model`` waits for the step planned with its output, then runs
-    holding the service's ``kv_lock`` (no block moves during a forward pass), with the
-    runner's rows and the output in physical ids. ``kvdefrag_is_v2_runner`` says which
-    runner's rows follow the moves.
+    are set no block moves during a runner step. ``kvdefrag_is_v2_runner`` says which
+    runner's rows follow the moves, ``kvdefrag_translator`` which blocks moved since the
+    previous pass.
     """
 
     kvdefrag_handle: ServerHandle | None = None
+    kvdefrag_pass: RunnerPass | None = None
     kvdefrag_translator: BlockIdTranslator | None = None
     kvdefrag_is_v2_runner: bool = False
     kvdefrag_step_wait_s: float = 0.0
@@ -162,46 +204,71 @@ class DefragWorkerMixin:
         self.kvdefrag_attach(handle, int(kv_cache_config.num_blocks))
 
     def kvdefrag_attach(self, handle: ServerHandle, num_blocks: int) -> None:
-        """Puts a serving rank's engine in front of ``execute_model``.
+        """Puts a serving rank's service in front of the runner's steps.
 
-        ``initialize_from_config`` calls it once the service listens: it sets up the
-        translator and picks the runner whose rows follow moves.
+        ``initialize_from_config`` calls it once the service listens: it picks the
+        runner whose rows follow moves and builds the pass.
         """
         vllm_config = getattr(self, "vllm_config", None)
         self.kvdefrag_step_wait_s = step_wait_s()
         self.kvdefrag_is_v2_runner = uses_v2_model_runner(vllm_config)
-        self.kvdefrag_translator = BlockIdTranslator(handle, num_blocks)
+        target = self.kvdefrag_pass_target(handle, num_blocks)
+        self.kvdefrag_pass = RunnerPass(
+            handle,
+            int(self.rank),  # type: ignore[attr-defined]
+            self.kvdefrag_step_wait_s,
+            target,
+        )
         self.kvdefrag_handle = handle
 
-    def execute_model(self, scheduler_output: Any) -> Any:
-        """vLLM's forward pass, holding ``kv_lock`` so no block moves meanwhile.
+    def kvdefrag_pass_target(self, handle: ServerHandle, num_blocks: int) -> PassTarget:
+        """What readies this worker's runner for a pass (vLLM's runners: the rows and
+        the output follow the moves)."""
+        self.kvdefrag_translator = BlockIdTranslator(handle, num_blocks)
+        return _RowsTarget(self, self.kvdefrag_is_v2_runner)
 
-        It first waits for the step planned with this output to be applied
-        (``wait_for_planned_step``); then the persistent rows follow the blocks that moved
-        since the last pass and the output turns physical, both with the mapping the KV
-        data is in while the lock is held.
+    def kvdefrag_check_config(self) -> None:
+        """Refuses, before the service starts, what this worker's runner cannot serve.
+
+        Raises:
+            UnsupportedByKvdefrag: As ``check_drafter``.
         """
-        handle = self.kvdefrag_handle
-        if handle is None:
-            return super().execute_model(scheduler_output)  # type: ignore[misc]
-        translator = self.kvdefrag_translator
-        if translator is not None:
-            wait_for_planned_step(
-                handle,
-                self.rank,  # type: ignore[attr-defined]
-                scheduler_output,
-                self.kvdefrag_step_wait_s,
-            )
-        with handle.kv_lock:
-            if translator is not None:
-                mapping, remap = translator.advance()
-                if remap is not None:
-                    remap_rows = (
-                        remap_v2_runner_rows if self.kvdefrag_is_v2_runner else remap_v1_runner_rows
-                    )
-                    remap_rows(self.model_runner, remap)  # type: ignore[attr-defined]
-                translate_scheduler_output(scheduler_output, mapping)
-            return super().execute_model(scheduler_output)  # type: ignore[misc]
+        check_drafter(getattr(self, "vllm_config", None))
+
+    def execute_model(self, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        """The runner's first half of a step, inside the pass (``RunnerPass``)."""
+        parent: Any = super()
+        step = self.kvdefrag_pass
+        if step is None:
+            return parent.execute_model(scheduler_output, *args, **kwargs)
+        return step.execute_model(
+            scheduler_output, lambda: parent.execute_model(scheduler_output, *args, **kwargs)
+        )
+
+    def sample_tokens(self, *args: Any, **kwargs: Any) -> Any:
+        """The runner's second half of the step, then the pass ends."""
+        parent: Any = super()
+        step = self.kvdefrag_pass
+        if step is None:
+            return parent.sample_tokens(*args, **kwargs)
+        return step.sample_tokens(lambda: parent.sample_tokens(*args, **kwargs))
+
+    def execute_dummy_batch(self, *args: Any, **kwargs: Any) -> Any:
+        """An idle data-parallel rank's dummy step, holding ``kv_lock``."""
+        parent: Any = super()
+        step = self.kvdefrag_pass
+        if step is None:
+            return parent.execute_dummy_batch(*args, **kwargs)
+        return step.idle(lambda: parent.execute_dummy_batch(*args, **kwargs))
+
+    def compile_or_warm_up_model(self, *args: Any, **kwargs: Any) -> Any:
+        """vLLM's warm-up (the engine core calls it once the caches exist), holding
+        ``kv_lock``: no block moves while its dummy runs read and write the caches."""
+        parent: Any = super()
+        step = self.kvdefrag_pass
+        if step is None:
+            return parent.compile_or_warm_up_model(*args, **kwargs)
+        return step.idle(lambda: parent.compile_or_warm_up_model(*args, **kwargs))
 
     def shutdown(self) -> None:
         """Stops the service, then shuts the worker down."""
@@ -279,9 +346,10 @@ class DefragWorkerMixin:
 
     def _serve_kvdefrag(self, kv_cache_config: Any, secret: bytes) -> ServerHandle:
         worker: Any = self
+        self.kvdefrag_check_config()
         groups = kv_cache_config.kv_cache_groups
         if len(groups) != 1:
-            raise ValueError(
+            raise UnsupportedByKvdefrag(
                 f"kvdefrag: {len(groups)} KV cache groups (a hybrid model); kvdefrag serves "
                 "models with one"
             )

@@ -1,0 +1,196 @@
+"""A worker's pass: one runner step, from ``execute_model`` to the end of its ``sample_tokens``.
+
+vLLM 0.33 runs a step in two calls to every worker (``vllm/v1/engine/core.py``):
+``EngineCore.step`` calls ``execute_model(output)`` and, when that returns None,
+``sample_tokens(grammar_output)``; ``step_with_batch_queue`` (async scheduling) sends
+``execute_model(N)`` and then ``sample_tokens(N)`` (unless no token was scheduled), and
+each worker runs the calls it is sent in order, so ``sample_tokens(N)`` always comes
+between ``execute_model(N)`` and ``execute_model(N + 1)``; vLLM's GPU runner refuses
+anything else (``GPUModelRunner.execute_model``: "sample_tokens() must be called after
+execute_model() returns None"). What reads KV data by block id in each half differs by
+runner:
+
+* vLLM's V1 and V2 runners (``gpu_model_runner.py``; the CPU runner is built on them)
+  run the forward pass in ``execute_model`` and sampling plus the speculative drafter in
+  ``sample_tokens``;
+* vllm-gaudi's HPU runner (``vllm_gaudi/v1/worker/hpu_model_runner.py``, L4151-4224 and
+  L4303 at 091bbadd) only updates its states in ``execute_model`` and returns None; the
+  inputs are built, every block id is resolved and the forward runs in ``sample_tokens``
+  (its Eagle draft too).
+
+So a pass spans both calls: ``RunnerPass.execute_model`` waits for the step stamped on
+the output, takes ``kv_lock`` and readies the runner (``PassTarget.begin``); when the
+runner returns None the lock stays held until the step's ``sample_tokens`` has run.
+Calls outside any scheduled step (a data-parallel rank's dummy batch, a warm-up) run
+holding the lock too, with the mapping as it is (``RunnerPass.idle``).
+
+Invariants: between ``begin`` and ``end`` this rank's ``kv_lock`` is held, so no step's
+moves and no Reset change the mapping the runner reads; at most one pass is open; a pass
+left open by a ``sample_tokens`` that never came is closed (with a warning) before the
+next one begins, so a lost call cannot stall the rank's service for good.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar
+
+from kvdefrag.vllm.common import read_step_stamp
+
+__all__ = ["PassTarget", "RunnerPass", "StepService", "wait_for_planned_step"]
+
+logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+
+
+class StepService(Protocol):
+    """What a pass needs of its rank's service (``ServerHandle``)."""
+
+    @property
+    def kv_lock(self) -> threading.Lock: ...
+
+    def wait_applied(self, epoch: int, seq: int, timeout_s: float) -> None: ...
+
+
+def wait_for_planned_step(service: StepService, rank: int, output: Any, timeout_s: float) -> None:
+    """Waits until this rank's service has applied the step planned with ``output``.
+
+    The scheduler sends each step without waiting for its reply and stamps the output
+    with it (``common.attach_step_stamp``); a runner that read block ids before its step
+    is applied would find the blocks' old places. Call it before taking ``kv_lock``
+    (applying the step may need the lock to move KV data). An unstamped output waits for
+    nothing.
+
+    Raises:
+        EpochMismatch, EngineUnhealthy, ServiceUnavailable: As
+            ``ServerHandle.wait_applied`` (the step will not be applied here).
+    """
+    stamp = read_step_stamp(output)
+    if stamp is None:
+        return
+    epoch, seq = stamp.for_rank(rank)
+    service.wait_applied(epoch, seq, timeout_s)
+
+
+class PassTarget(Protocol):
+    """What readies a runner for a pass: on vLLM's runners the rows and the output turn
+    physical; on vllm-gaudi's the switch answers the runner's resolves."""
+
+    def begin(self, output: Any) -> None:
+        """Called holding ``kv_lock`` once the output's step is applied; ``output`` is
+        None for a call outside any scheduled step (dummy batch, warm-up)."""
+
+    def end(self) -> None:
+        """Called before ``kv_lock`` is released."""
+
+
+class RunnerPass:
+    """Owns one rank's passes: the wait for the planned step, ``kv_lock`` and the target.
+
+    Args:
+        service: The rank's service.
+        rank: The worker's global rank (which stamp of the output is its own).
+        step_wait_s: How long a pass waits for its step to be applied.
+        target: What readies the runner.
+
+    Attributes:
+        num_passes: Passes begun for scheduled steps.
+        num_idle: Calls run outside any scheduled step (dummy batches, warm-ups).
+        num_unclosed: Passes closed because their ``sample_tokens`` never came.
+    """
+
+    def __init__(self, service: StepService, rank: int, step_wait_s: float, target: PassTarget):
+        self._service = service
+        self._rank = rank
+        self._step_wait_s = step_wait_s
+        self._target = target
+        self._lock = service.kv_lock
+        self._is_open = False
+        self.num_passes = 0
+        self.num_idle = 0
+        self.num_unclosed = 0
+
+    @property
+    def is_open(self) -> bool:
+        """Whether a pass holds ``kv_lock`` now (between the two halves of a step)."""
+        return self._is_open
+
+    def execute_model(self, output: Any, run: Callable[[], _T]) -> _T:
+        """Waits for ``output``'s step, begins the pass and runs the runner's first half.
+
+        The pass stays open (``kv_lock`` held) when ``run`` returns None: the step's
+        ``sample_tokens`` closes it. Otherwise, or when ``run`` raises, it closes here.
+
+        Raises:
+            EpochMismatch, EngineUnhealthy, ServiceUnavailable: As
+                ``ServerHandle.wait_applied`` (the step will not be applied here).
+        """
+        if self._is_open:
+            self.num_unclosed += 1
+            logger.warning(
+                "kvdefrag: rank %d's previous step never called sample_tokens; its pass "
+                "is closed now",
+                self._rank,
+            )
+            self._close()
+        wait_for_planned_step(self._service, self._rank, output, self._step_wait_s)
+        self._open(output)
+        self.num_passes += 1
+        try:
+            result = run()
+        except BaseException:
+            self._close()
+            raise
+        if result is not None:
+            self._close()
+        return result
+
+    def sample_tokens(self, run: Callable[[], _T]) -> _T:
+        """Runs the runner's second half inside the open pass, then closes it.
+
+        With no pass open (``execute_model`` returned its output, as a step without
+        tokens or a pipeline stage does) it runs ``run`` as it is: the runner has
+        nothing pending and reads no block.
+        """
+        if not self._is_open:
+            return run()
+        try:
+            return run()
+        finally:
+            self._close()
+
+    def idle(self, run: Callable[[], _T]) -> _T:
+        """Runs a call outside any scheduled step (a dummy batch, a warm-up) holding
+        ``kv_lock``, the target begun with no output: the runner reads the mapping as it
+        is, and nothing moves meanwhile."""
+        if self._is_open:
+            raise RuntimeError(
+                f"kvdefrag: rank {self._rank} was asked to run a dummy batch or a warm-up "
+                "between a step's execute_model and its sample_tokens"
+            )
+        self._open(None)
+        self.num_idle += 1
+        try:
+            return run()
+        finally:
+            self._close()
+
+    def _open(self, output: Any) -> None:
+        self._lock.acquire()
+        self._is_open = True
+        try:
+            self._target.begin(output)
+        except BaseException:
+            self._is_open = False
+            self._lock.release()
+            raise
+
+    def _close(self) -> None:
+        try:
+            self._target.end()
+        finally:
+            self._is_open = False
+            self._lock.release()
