@@ -17,6 +17,14 @@ last its pad block, the scales (dynamic fp8 KV) one row per token slot and, for
    included, every live block (and cached free block) checked after every step; then the
    pad blocks must still hold what they held.
 
+3. The split order: ``DefragHPUWorkerMixin`` in front of a stand-in worker whose runner
+   follows vllm-gaudi's split (``execute_model`` keeps the output and returns None,
+   ``sample_tokens`` resolves through ``model_runner.defragmenter`` and reads the blocks),
+   over a real service bound to HPU tensors of that layout; between the two halves of a
+   step another step compacts. Every block the runner reads must hold its own signature,
+   the compaction must wait for the end of ``sample_tokens``, and a dummy batch must
+   resolve under ``kv_lock``.
+
 Exits non-zero on any mismatch or corrupted block, or when no HPU is present.
 ``--dry-run-on-cpu`` runs both on CPU tensors with a stand-in ``habana_frameworks`` (the
 logic of the script, not the device; the float8 layer's bytes as uint8, torch on CPU
@@ -194,6 +202,120 @@ def run_identity(
     return corrupted + written
 
 
+class _SplitRunner:
+    """vllm-gaudi's runner as far as the split goes (``hpu_model_runner.py`` at 091bbadd):
+    ``execute_model`` keeps the output and returns None (L4151-4224), ``sample_tokens``
+    resolves and reads (L4303), ``_dummy_run`` resolves block 0 (L5703-5730)."""
+
+    def __init__(self, kv_caches: list[GaudiLayer], lock: Any) -> None:
+        self.kv_caches = kv_caches
+        self.defragmenter: Any = None
+        self.lock = lock
+        self.pending: list[int] | None = None
+        self.num_read = 0
+        self.num_wrong = 0
+        self.unlocked_reads = 0
+
+    def read(self, logical_ids: list[int]) -> None:
+        if not self.lock.locked():
+            self.unlocked_reads += 1
+        (physical,) = self.defragmenter.resolve_all([logical_ids])
+        rows = self.kv_caches[1][0].view(len(self.kv_caches[1][0]) // BLOCK_SIZE, -1)
+        for logical, slot in zip(logical_ids, physical, strict=True):
+            self.num_read += 1
+            self.num_wrong += int(rows[slot, 0].item() != float(logical))
+
+    def execute_model(self, output: Any) -> None:
+        self.pending = list(output.live)
+        return None
+
+    def sample_tokens(self, grammar_output: Any) -> str:
+        live, self.pending = self.pending, None
+        assert live is not None, "sample_tokens without execute_model"
+        self.read(live)
+        return "sampled"
+
+
+class _SplitWorker:
+    """vllm-gaudi's ``HPUWorker`` around ``_SplitRunner`` (``hpu_worker.py`` L565-608)."""
+
+    def __init__(self, runner: _SplitRunner) -> None:
+        self.model_runner = runner
+        self.rank = 0
+
+    def execute_model(self, output: Any) -> Any:
+        return self.model_runner.execute_model(output)
+
+    def sample_tokens(self, grammar_output: Any) -> Any:
+        return self.model_runner.sample_tokens(grammar_output)
+
+    def execute_dummy_batch(self) -> None:
+        self.model_runner.read([0])
+
+
+def check_split_order(device: torch.device, num_blocks: int = 256) -> int:
+    """Step ``N``'s two halves with step ``N + 1``'s compaction between them, on a real
+    service bound to ``device`` tensors; returns the wrong or unlocked reads, plus 1 if
+    the compaction did not wait for the pass."""
+    import tempfile
+    import threading
+
+    from kvdefrag.client import DefragClient
+    from kvdefrag.server import EngineConfig, ServiceConfig, serve_in_process
+    from kvdefrag.vllm.common import StepStamp, attach_step_stamp
+    from kvdefrag.vllm.gaudi import DefragHPUWorkerMixin
+
+    layers = gaudi_layers(
+        num_blocks,
+        lambda shape, dtype: torch.zeros(shape, dtype=dtype, device=device),
+        torch.float32,
+        torch.float32,
+    )
+    rows = layers[1][0].view(num_blocks + 1, -1)
+    for block in range(num_blocks):
+        rows[block] = float(block)  # block b's signature: its logical id (identity mapping)
+    worker_cls = type("SplitWorker", (DefragHPUWorkerMixin, _SplitWorker), {})
+    with tempfile.TemporaryDirectory() as run_dir:
+        handle = serve_in_process(
+            bind_vllm_kv_caches(layers, num_blocks, BLOCK_SIZE),
+            BLOCK_SIZE,
+            engine_config=EngineConfig(threshold=0),
+            service_config=ServiceConfig(address=f"unix:{run_dir}/rank0.sock"),
+        )
+        runner = _SplitRunner(layers, handle.kv_lock)
+        worker = worker_cls(runner)
+        worker.kvdefrag_attach(handle, num_blocks)
+        failures = 0
+        try:
+            with DefragClient(handle.address, prefix_caching=False, timeout_s=60) as client:
+                low, high = list(range(1, 101)), list(range(200, 240))
+                client.step(new_blocks={"low": low, "high": high}, fresh=[])
+                output = types.SimpleNamespace(live=high)
+                attach_step_stamp(output, StepStamp(((client.epoch, client.next_seq - 1),)))
+                worker.execute_model(output)
+                moving = threading.Thread(target=lambda: client.step(finished=["low"]))
+                moving.start()  # compacts "high" down: needs kv_lock
+                moving.join(timeout=1.0)
+                waited = moving.is_alive()
+                worker.sample_tokens(None)
+                moving.join(timeout=60)
+                moved = handle.resolve(high).tolist() != high
+                failures += int(not (waited and moved))
+                worker.execute_dummy_batch()
+                output = types.SimpleNamespace(live=high)
+                attach_step_stamp(output, StepStamp(((client.epoch, client.next_seq - 1),)))
+                worker.execute_model(output)
+                worker.sample_tokens(None)  # reads "high" at its new slots
+        finally:
+            handle.stop(grace_s=0)
+    failures += runner.num_wrong + runner.unlocked_reads
+    print(
+        f"split order: compaction waited for sample_tokens: {waited}, moved after: {moved}; "
+        f"{runner.num_read} reads, {runner.num_wrong} wrong, {runner.unlocked_reads} unlocked"
+    )
+    return failures
+
+
 def main() -> int:
     dry_run = "--dry-run-on-cpu" in sys.argv[1:]
     if dry_run:
@@ -211,8 +333,12 @@ def main() -> int:
         run_identity(prefix_caching, device, 4_096, 300 if dry_run else 1_500)
         for prefix_caching in (False, True)
     )
-    print(f"hpu-check: {mismatched} mismatched batches, {corrupted} corrupted blocks")
-    return 1 if mismatched or corrupted else 0
+    split = check_split_order(device)
+    print(
+        f"hpu-check: {mismatched} mismatched batches, {corrupted} corrupted blocks, "
+        f"{split} split-order failures"
+    )
+    return 1 if mismatched or corrupted or split else 0
 
 
 if __name__ == "__main__":
