@@ -158,4 +158,4 @@ def test_exponential_decode_buckets_name_a_bad_argument(name: str, value: object
 
 def test_exponential_decode_buckets_take_the_model_by_keyword() -> None:
     with pytest.raises(TypeError):
-        exponential_decode_buckets(4096, 128)  # type: ignore[misc]
+        exponential_decode_buckets(4096, 128)  # type: ignore[call-arg]
