@@ -3,10 +3,10 @@
 With contiguous paged attention (vllm-gaudi), a decode step builds a block list indexed by
 physical block id and reads the first ``decode_bucket(max live id + 1)`` blocks of the
 cache, the buckets being vllm-gaudi's exponential defaults (``exponential_decode_buckets``
-in ``kvdefrag.server.config``; the top one is the pool). So compaction saves reads only
-when it lowers the bucket, and each bucket never seen before costs a graph compile
-(200-400 ms on Gaudi). Contiguous PA turns prefix caching off, so every move is one way:
-one block read and one written.
+in ``kvdefrag.server.config``, for the pool, ``max_num_seqs`` and ``max_model_len``; the
+top one is the pool). So compaction saves reads only when it lowers the bucket, and each
+bucket never seen before costs a graph compile (200-400 ms on Gaudi). Contiguous PA turns
+prefix caching off, so every move is one way: one block read and one written.
 
 Per policy and trace, this bench sums over the steps::
 
@@ -56,6 +56,10 @@ from kvdefrag.tools.workload import SyntheticWorkload, WorkloadConfig, WorkloadS
 NUM_BLOCKS = 2_048  # 128-token blocks: 256k tokens of KV
 BLOCK_SIZE = 128
 MAX_NUM_SEQS = 128  # also vllm-gaudi's bucket step (it uses max_num_seqs)
+# As record_vllm_gaudi_traces.py's; the longest simulated request (8,192 + 4,096 tokens)
+# fits. The decode buckets' worst case, 128 x 128 blocks, is above the pool, so they run
+# up to the pool.
+MAX_MODEL_LEN = 16_384
 # Mean arrivals per step: light, mid and heavy load (about 25%, 45% and 90% of the pool
 # live; heavy preempts).
 LOADS = {"light": 0.03, "mid": 0.08, "heavy": 0.4}
@@ -276,7 +280,9 @@ def run_gaudi_buckets() -> dict[str, Any]:
     count every step): 0.55x the seed's moves there, 0.27x in steps 1,500-3,000. The
     shorter run saved about 3 s and judged the goals mostly on the transient.
     """
-    buckets = exponential_decode_buckets(NUM_BLOCKS, step=MAX_NUM_SEQS)
+    buckets = exponential_decode_buckets(
+        NUM_BLOCKS, max_num_seqs=MAX_NUM_SEQS, max_model_len=MAX_MODEL_LEN, block_size=BLOCK_SIZE
+    )
     traces = []
     for load in LOADS:
         for free_order in FREE_ORDERS:
@@ -290,6 +296,7 @@ def run_gaudi_buckets() -> dict[str, Any]:
         "num_blocks": NUM_BLOCKS,
         "block_size": BLOCK_SIZE,
         "num_steps": NUM_STEPS,
+        "max_model_len": MAX_MODEL_LEN,
         "decode_buckets": list(buckets),
         "traces": traces,
     }
@@ -347,7 +354,8 @@ def format_gaudi_buckets(results: dict[str, Any]) -> str:
         "+ 2 x blocks moved",
         f"   {results['num_blocks']:,} blocks of {results['block_size']} tokens, prefix caching "
         f"off, {results['num_steps']:,} steps a trace; decode buckets (vllm-gaudi's "
-        f"exponential defaults, step {MAX_NUM_SEQS}): {', '.join(map(str, buckets))}",
+        f"exponential defaults, max_num_seqs {MAX_NUM_SEQS}, max_model_len "
+        f"{results.get('max_model_len', MAX_MODEL_LEN):,}): {', '.join(map(str, buckets))}",
         "   r+w = blocks read + written; /none, /seed: its ratio to no defragmentation and to "
         "the seed (bench/seed_baseline.py); buckets = distinct decode buckets (compiles)",
     ]
