@@ -19,7 +19,7 @@ import torch
 
 from kvdefrag.client import DefragClient
 from kvdefrag.common import InvalidArgument
-from kvdefrag.server import ServerHandle
+from kvdefrag.server import EngineConfig, ServerHandle
 from kvdefrag.vllm import gaudi
 from kvdefrag.vllm.common import StepStamp, UnsupportedByKvdefrag, attach_step_stamp
 from kvdefrag.vllm.gaudi import (
@@ -337,6 +337,22 @@ def test_an_output_without_a_stamp_is_refused_by_name(
     with pytest.raises(UnsupportedByKvdefrag, match="DefragHPUAsyncScheduler"):
         built.execute_model(SimpleNamespace())
     assert not service.kv_lock.locked()
+
+
+def test_the_engine_plans_for_the_decode_buckets_the_runner_warmed_up(
+    worker: tuple[Worker, FakeService],
+) -> None:
+    built, _ = worker
+    runner = built.model_runner
+    runner.use_contiguous_pa = True  # type: ignore[attr-defined]
+    runner.bucketing_manager = SimpleNamespace(  # type: ignore[attr-defined]
+        decode_buckets=[(1, 1, 1), (2, 1, 4), (4, 1, 4), (1, 1, 6), (8, 1, 8), (8, 1, 24)]
+    )
+    config = built.kvdefrag_engine_config(EngineConfig(decode_buckets=(2, 3)), NUM_BLOCKS)
+    assert config.decode_buckets == (1, 4, 6)  # the pool (8) and past it: the top bucket
+    runner.use_contiguous_pa = False  # type: ignore[attr-defined]
+    config = built.kvdefrag_engine_config(EngineConfig(decode_buckets=(2, 3)), NUM_BLOCKS)
+    assert config.decode_buckets == (2, 3)  # no runner buckets to use: as configured
 
 
 def _speculative(method: str, *, eagle: bool = False) -> Any:

@@ -77,6 +77,7 @@ scheduler side (``kvdefrag.vllm.scheduler``) imports only ``_gaudi_scheduler``.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import itertools
@@ -87,6 +88,8 @@ from typing import Any, Protocol
 import numpy as np
 import numpy.typing as npt
 
+from kvdefrag.server.config import EngineConfig
+from kvdefrag.vllm._gaudi_buckets import runner_decode_buckets
 from kvdefrag.vllm._gaudi_scheduler import (
     HPU_ASYNC_SCHEDULER,
     GaudiSchedulerMismatch,
@@ -323,6 +326,23 @@ class DefragHPUWorkerMixin(DefragWorkerMixin):
         self.kvdefrag_kv_ptr = _first_kv_pointer(getattr(runner, "kv_caches", ()))
         self.kvdefrag_install()
         return _SwitchTarget(runner, switch)
+
+    def kvdefrag_engine_config(self, config: EngineConfig, num_blocks: int) -> EngineConfig:
+        """The engine plans for the decode buckets the runner warmed up
+        (``runner_decode_buckets``: read after ``HPUWorker.initialize_from_config`` has
+        warmed up), rather than a list recomputed from the configuration; counts past the
+        pool are left out (the pool is the top bucket). Without runner buckets (bucketing
+        off, no contiguous PA), ``KVDEFRAG_DECODE_BUCKETS`` as set."""
+        buckets = runner_decode_buckets(getattr(self, "model_runner", None))
+        if buckets is None:
+            return config
+        usable = tuple(bucket for bucket in buckets if bucket < num_blocks)
+        if config.decode_buckets and config.decode_buckets != usable:
+            logger.info(
+                "kvdefrag: the runner's decode buckets replace KVDEFRAG_DECODE_BUCKETS (%s)",
+                ",".join(map(str, config.decode_buckets)),
+            )
+        return dataclasses.replace(config, decode_buckets=usable)
 
     def kvdefrag_check_config(self) -> None:
         """Refuses a speculative method whose vllm-gaudi drafter is not the Eagle one

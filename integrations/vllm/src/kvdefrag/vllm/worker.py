@@ -41,7 +41,7 @@ import torch
 from kvdefrag.common import InvalidArgument
 from kvdefrag.common.identity import IDENTITY_SECRET_BYTES
 from kvdefrag.server import ServerHandle, serve_in_process
-from kvdefrag.server.config import ServiceConfig, load_config
+from kvdefrag.server.config import EngineConfig, ServiceConfig, load_config
 from kvdefrag.vllm._kv_binding import bind_vllm_kv_caches
 from kvdefrag.vllm._pass import PassTarget, RunnerPass, wait_for_planned_step
 from kvdefrag.vllm._runner_rows import (
@@ -235,6 +235,11 @@ class DefragWorkerMixin:
         """
         check_drafter(getattr(self, "vllm_config", None))
 
+    def kvdefrag_engine_config(self, config: EngineConfig, num_blocks: int) -> EngineConfig:
+        """The engine's knobs for this worker's runner, from the ``KVDEFRAG_*`` ones
+        (vLLM's runners: as they are)."""
+        return config
+
     def execute_model(self, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
         """The runner's first half of a step, inside the pass (``RunnerPass``)."""
         parent: Any = super()
@@ -363,6 +368,7 @@ class DefragWorkerMixin:
         stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
         # NOTE: the KVDEFRAG_* settings are read here, once, as the command line does.
         engine_config, service_config = load_config({"address": address})
+        engine_config = self.kvdefrag_engine_config(engine_config, num_blocks)
         service_config = _metrics_config_for_rank(service_config, int(worker.local_rank))
         handle = serve_in_process(
             kv_caches,
