@@ -250,6 +250,7 @@ class SignedWorker:
         self.rows: dict[str, _Row] = {}
         self.cached_signatures: dict[int, list[int]] = {}
         self.num_corrupted = 0
+        self.num_cached_corrupted = 0  # of num_corrupted: found by check_cached_free
         self.num_checked = 0
 
     def _block_ids(self, request_id: str) -> list[int]:
@@ -381,6 +382,7 @@ class SignedWorker:
             got = self.kv[physical_id * BLOCK_SIZE : (physical_id + 1) * BLOCK_SIZE, 0]
             if got.tolist() != expected:
                 self.num_corrupted += 1
+                self.num_cached_corrupted += 1
 
     def record_full_blocks(self, scheduler: Scheduler) -> None:
         """Remembers what every full block of every running request holds (logical ids)."""

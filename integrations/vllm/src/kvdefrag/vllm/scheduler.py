@@ -128,6 +128,10 @@ class DefragScheduler(Scheduler):  # type: ignore[misc]
         # when they return to the pool; the subclass records both (no scan per step).
         self._kvdefrag_parked = ParkedBlocks(getattr(self, "deferred_frees", ()))
         self.deferred_frees = self._kvdefrag_parked
+        # NOTE: vLLM's pool reset refuses while any block is held; parked blocks are held
+        # only for the fence (``DefragAsyncScheduler``), so they are lent back for it.
+        self._kvdefrag_reset_pool = manager.reset_prefix_cache
+        manager.reset_prefix_cache = self._kvdefrag_reset_pool_with_parked_blocks
         self._kvdefrag_cache_reset = False
         self._kvdefrag_audit_every = audit_every()
         self._kvdefrag_num_schedules = 0
@@ -197,10 +201,39 @@ class DefragScheduler(Scheduler):  # type: ignore[misc]
 
     def reset_prefix_cache(self, *args: Any, **kwargs: Any) -> bool:
         """vLLM's reset; once it succeeds, the next step tells the engines that no free
-        block keeps its content."""
+        block keeps its content.
+
+        It succeeds where vLLM's own scheduler does: the blocks parked for the block-free
+        fence (freed by requests whose last step is still in flight, preempted ones
+        included when ``reset_running_requests`` preempts every running request) count as
+        free for the reset, as they are free in vLLM without the fence
+        (``_kvdefrag_reset_pool_with_parked_blocks``)."""
         is_reset = bool(super().reset_prefix_cache(*args, **kwargs))
         self._kvdefrag_cache_reset |= is_reset
         return is_reset
+
+    def _kvdefrag_reset_pool_with_parked_blocks(self) -> bool:
+        """The KV cache manager's ``reset_prefix_cache`` with the parked blocks lent back.
+
+        vLLM's block pool resets only when every block but the null block is free
+        (``BlockPool.reset_prefix_cache``, vLLM 0.33 ``v1/core/block_pool.py``). The
+        parked blocks are free as far as vLLM's requests go; the fence holds them back
+        only so that nothing is moved into or placed on them while a step in flight
+        still reads them. So for the reset they are returned to the pool
+        (``free_blocks``, one reference per parked list) and taken back right after
+        (``touch``): the hashes are gone, the references and the parked lists are as
+        they were, and kvdefrag keeps them live until the fence passes. Nothing is
+        allocated in between.
+        """
+        parked = [blocks for _, blocks in self._kvdefrag_parked]
+        pool = self.kv_cache_manager.block_pool
+        for blocks in parked:
+            pool.free_blocks(blocks)
+        try:
+            return bool(self._kvdefrag_reset_pool())
+        finally:
+            for blocks in parked:
+                pool.touch(blocks)
 
     def shutdown(self) -> None:
         """Waits for the step in flight, closes the rank clients, shuts vLLM's scheduler down."""
