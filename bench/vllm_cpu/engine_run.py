@@ -1,7 +1,8 @@
 """Real vLLM CPU engine runs, one per mode in turn: prints a JSON line of each one's results.
 
     python engine_run.py MODE[,MODE...] MODEL_DIR RUN_DIR [--prefix-caching] [--tp N]
-        [--engine-processes] [--async-scheduling] [--num-requests N] [--max-num-seqs N]
+        [--engine-processes] [--async-scheduling] [--force-async] [--reset-every N]
+        [--num-requests N] [--max-num-seqs N]
 
 The modes run in this one process (vLLM is imported once), each engine started, run to
 the end and shut down before the next; each mode's run directory is ``RUN_DIR/MODE``.
@@ -19,7 +20,13 @@ The options are vLLM's settings, the same for every mode: ``--prefix-caching``,
 ``--engine-processes`` (vLLM's engine-core and worker processes, as under ``vllm
 serve``; otherwise the engine core runs in this process), ``--async-scheduling`` (NOTE:
 vLLM 0.32's CPU platform turns it off again, ``platforms/cpu.py``; the result line says
-what the engine ran with).
+what the engine ran with), ``--force-async`` (async scheduling, vLLM's default elsewhere,
+turned back on after the CPU platform's config check: its runner is vLLM's GPU runner,
+which runs it; in-process engine core only; the schedulers are the async classes and
+plain vLLM runs without the block-free fence), ``--reset-every N`` (the engine is stepped
+here, and every ``N`` steps its prefix cache is reset with
+``reset_running_requests=True``, as vLLM's sleep does, usually with a step in flight; the
+result line lists what each reset returned).
 
 Every run writes the tiny Llama's ``config.json`` into MODEL_DIR, draws the same large
 random weights (vLLM's dummy weights are too small for the output to depend on the KV
@@ -52,6 +59,12 @@ SCHEDULERS = {
     "corrupt": "MeasuredScheduler",
     "defrag": "MeasuredDefragScheduler",
     "unfollowed_rows": "MeasuredDefragScheduler",
+}
+ASYNC_SCHEDULERS = {
+    "plain": "MeasuredAsyncScheduler",
+    "corrupt": "MeasuredAsyncScheduler",
+    "defrag": "MeasuredDefragAsyncScheduler",
+    "unfollowed_rows": "MeasuredDefragAsyncScheduler",
 }
 WORKERS = {
     "plain": "WeightedCPUWorker",
@@ -88,9 +101,49 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--tp", type=int, default=1, metavar="N")
     parser.add_argument("--engine-processes", action="store_true")
     parser.add_argument("--async-scheduling", action="store_true")
+    parser.add_argument("--force-async", action="store_true")
+    parser.add_argument("--reset-every", type=int, default=0, metavar="N")
     parser.add_argument("--num-requests", type=int, default=96)
     parser.add_argument("--max-num-seqs", type=int, default=16)
     return parser.parse_args(argv)
+
+
+def force_async_scheduling() -> None:
+    """Keeps async scheduling on through vLLM 0.32's CPU platform check, which turns it
+    off ("async scheduling is not required on CPU", ``platforms/cpu.py`` L330-331)."""
+    from vllm.platforms.cpu import CpuPlatform
+
+    check = CpuPlatform.check_and_update_config.__func__  # type: ignore[attr-defined]
+
+    def check_keeping_async(cls: Any, vllm_config: Any) -> None:
+        check(cls, vllm_config)
+        vllm_config.scheduler_config.async_scheduling = True
+
+    CpuPlatform.check_and_update_config = classmethod(check_keeping_async)  # type: ignore[method-assign, assignment]
+
+
+def generate_with_resets(
+    llm: Any, requests: list[dict[str, list[int]]], params: list[Any], reset_every: int
+) -> tuple[list[list[int]], int, list[bool]]:
+    """Steps the engine here until every request is done, resetting its prefix cache
+    with ``reset_running_requests=True`` every ``reset_every`` steps; returns each
+    request's tokens (in order), the cached prompt tokens and each reset's result."""
+    engine = llm.llm_engine
+    for index, (prompt, param) in enumerate(zip(requests, params, strict=True)):
+        engine.add_request(str(index), prompt, param)
+    tokens: dict[str, list[int]] = {}
+    num_cached = 0
+    resets: list[bool] = []
+    steps = 0
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                tokens[output.request_id] = list(output.outputs[0].token_ids)
+                num_cached += output.num_cached_tokens or 0
+        steps += 1
+        if steps % reset_every == 0 and engine.has_unfinished_requests():
+            resets.append(bool(engine.reset_prefix_cache(reset_running_requests=True)))
+    return [tokens[str(index)] for index in range(len(requests))], num_cached, resets
 
 
 def _modes(text: str) -> list[str]:
@@ -117,6 +170,10 @@ def set_environment(args: argparse.Namespace) -> None:
             str(cpu_ids[rank % len(cpu_ids)]) for rank in range(args.tp)
         )
     os.environ.setdefault("KVDEFRAG_THRESHOLD", "2")  # a small pool: compact early
+    if args.force_async:
+        if args.engine_processes:
+            sys.exit("engine_run.py: --force-async patches the platform in this process only")
+        force_async_scheduling()
 
 
 def write_model_config(model_dir: str) -> None:
@@ -174,10 +231,14 @@ def run(mode: str, args: argparse.Namespace) -> dict[str, Any]:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=512,
         enable_prefix_caching=args.prefix_caching,
-        async_scheduling=args.async_scheduling,
+        async_scheduling=args.async_scheduling or args.force_async,
         tensor_parallel_size=args.tp,
         distributed_executor_backend="mp" if args.tp > 1 else None,
-        scheduler_cls=f"measured_schedulers.{SCHEDULERS[mode]}",
+        scheduler_cls=(
+            f"measured_schedulers.{ASYNC_SCHEDULERS[mode]}"
+            if args.force_async
+            else f"measured_schedulers.{SCHEDULERS[mode]}"
+        ),
         worker_cls=f"weighted_workers.{WORKERS[mode]}",
         dtype="float32",
         seed=0,
@@ -187,7 +248,15 @@ def run(mode: str, args: argparse.Namespace) -> dict[str, Any]:
         SamplingParams(temperature=0.0, max_tokens=rng.randrange(8, 64), ignore_eos=True)
         for _ in range(args.num_requests)
     ]
-    outputs = llm.generate(prompts(args.num_requests), params, use_tqdm=False)
+    resets: list[bool] = []
+    if args.reset_every:
+        tokens, num_cached_tokens, resets = generate_with_resets(
+            llm, prompts(args.num_requests), params, args.reset_every
+        )
+    else:
+        outputs = llm.generate(prompts(args.num_requests), params, use_tqdm=False)
+        tokens = [list(output.outputs[0].token_ids) for output in outputs]
+        num_cached_tokens = sum(output.num_cached_tokens or 0 for output in outputs)
     # NOTE: while the workers still serve: their services stop when the engine shuts down.
     metrics = scrape_rank_metrics(args.tp) if WORKERS[mode] != WORKERS["plain"] else []
     llm.llm_engine.engine_core.shutdown()
@@ -201,8 +270,9 @@ def run(mode: str, args: argparse.Namespace) -> dict[str, Any]:
     return {
         "mode": mode,
         "async_scheduling": bool(llm.llm_engine.vllm_config.scheduler_config.async_scheduling),
-        "tokens": [list(output.outputs[0].token_ids) for output in outputs],
-        "num_cached_tokens": sum(output.num_cached_tokens or 0 for output in outputs),
+        "tokens": tokens,
+        "num_cached_tokens": num_cached_tokens,
+        "resets": resets,
         "scheduler": scheduler,
         "worker_waits_s": worker_waits_s,
         "metrics": metrics,

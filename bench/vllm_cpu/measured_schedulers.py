@@ -9,6 +9,8 @@ kvdefrag's ``PoolStats.fragmentation_ratio``: the highest live physical block id
 number of live blocks (block 0 is vLLM's null block, so a packed pool reads 1.0).
 
 * ``MeasuredScheduler``: plain vLLM; the physical ids are the KV cache manager's.
+* ``MeasuredAsyncScheduler`` and ``MeasuredDefragAsyncScheduler``: the same on vLLM's
+  ``AsyncScheduler`` and ``DefragAsyncScheduler`` (``engine_run.py --force-async``).
 * ``MeasuredDefragScheduler``: ``DefragScheduler``; the ratio is the one the rank services
   report after each step (the last ``StepReply``'s stats, no extra round trip), with the
   bridge's counters (``BridgeTotals``) and every rank service's totals (``GetStats``).
@@ -20,12 +22,13 @@ import json
 import os
 from typing import Any
 
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutputs
 
 from kvdefrag.vllm.common import run_dir_from_env
-from kvdefrag.vllm.scheduler import DefragScheduler
+from kvdefrag.vllm.scheduler import DefragAsyncScheduler, DefragScheduler
 
 REPORT_NAME = "scheduler.json"
 
@@ -98,3 +101,11 @@ class MeasuredDefragScheduler(DefragScheduler):
                 }
             )
         return outputs
+
+
+class MeasuredAsyncScheduler(MeasuredScheduler, AsyncScheduler):  # type: ignore[misc]
+    """``MeasuredScheduler`` on vLLM's ``AsyncScheduler`` (async scheduling forced on)."""
+
+
+class MeasuredDefragAsyncScheduler(MeasuredDefragScheduler, DefragAsyncScheduler):  # type: ignore[misc]
+    """``MeasuredDefragScheduler`` on ``DefragAsyncScheduler``."""

