@@ -246,6 +246,8 @@ class HPURunnerModel:
             num_blocks=num_blocks,
             num_speculative_tokens=num_speculative_tokens,
         )
+        # NOTE: where kvdefrag's worker reads the buckets the runner warmed up.
+        self.bucketing_manager = SimpleNamespace(decode_buckets=self.decode_buckets)
         self.defragmenter: Any = IdentityDefragmenter()
         self.graphed_buckets: set[Bucket] = set()  # eager: never filled
         self.dp_rng: random.Random | None = None
