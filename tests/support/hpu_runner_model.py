@@ -1,64 +1,176 @@
-"""A CPU model of vllm-gaudi's HPU model runner, as far as block ids go, signing its KV.
+"""A CPU model of vllm-gaudi's HPU model runner and worker, as far as block ids go, signing
+its KV.
 
-Modelled on vllm-project/vllm-gaudi (main, 2026-08-21), file
-``vllm_gaudi/v1/worker/hpu_model_runner.py``:
+Modelled on vllm-project/vllm-gaudi at commit 091bbadd; ``runner.py:N`` is
+``vllm_gaudi/v1/worker/hpu_model_runner.py`` line N, ``worker.py:N`` is
+``vllm_gaudi/v1/worker/hpu_worker.py``, ``eagle.py:N`` is
+``vllm_gaudi/v1/spec_decode/hpu_eagle.py``, ``common.py:N`` / ``exponential.py:N`` are
+``vllm_gaudi/extension/bucketing/``.
 
-* ``execute_model`` first runs the defragmenter hook (``run_defragmenter``:
-  ``defragmenter.update_state(new | cached, finished_req_ids)`` then
-  ``defragmenter.defragment()``), then ``_update_states``, then builds the inputs.
+The step is split in two calls, as vLLM 0.33's engine core makes them (``execute_model``,
+then ``sample_tokens`` when it returned None):
+
+* ``execute_model(output, warmup_mode)`` (runner.py:4151-4224) runs the defragmenter hook
+  (``run_defragmenter``, runner.py:4135-4148: ``update_state(new | cached,
+  finished_req_ids)`` then ``defragment()``, skipped in ``warmup_mode``), then
+  ``_update_states``, stores the output and returns None; with no token scheduled it
+  returns ``EMPTY_MODEL_RUNNER_OUTPUT`` (runner.py:4160-4163). No block id is resolved.
 * ``_update_states``: finished requests leave the cached states and the persistent batch;
   requests not scheduled this step leave the batch (their state stays); new requests
-  enter both; for a cached request the state's block ids are appended to, or replaced
-  when it is in ``resumed_req_ids``, but a request still in the persistent batch gets
-  ``new_block_ids`` APPENDED to its batch row (``block_table.append_row``) even when
-  resumed. Rows stay in the scheduler's (logical) ids.
-* Prefill inputs (``_extract_prefill_batch_contents``): the row's first
-  ``ceil((computed + scheduled) / block_size)`` ids, each through
-  ``defragmenter.resolve``; token slots from that list (``_form_prefill_batch``).
-* Decode inputs (``_create_decode_input_data``): the slot mapping gathers the row's id
-  for each position and maps it element by element (``block_number.apply_(
-  defragmenter.resolve)``); the block tables go through ``defragmenter.resolve_all``;
-  with contiguous PA, ``get_habana_paged_attn_buffers`` lays the block list out densely,
-  indexed by physical id, over a bucket of at least ``max(block_list) + 1`` blocks, and
-  attention reads the first ``bucket`` blocks, each tagged with its request (group).
-
-With ``num_speculative_tokens`` > 0 the runner also runs the Eagle draft step of
-``vllm_gaudi/v1/spec_decode/hpu_eagle.py`` on a draft KV layer of its own: the first draft
-forward writes the draft KV of the scheduled tokens through the target's (already
-resolved) slots; each further draft token (``HpuEagleProposer.propose``'s loop,
-``num_speculative_tokens - 1`` of them) builds its metadata in ``prepare_attn_metadata``:
-the rows cut to ``ceil((position + 1) / block_size)`` blocks through
-``defragmenter.resolve_all``, the slot's block through ``defragmenter.resolve``
-(``block_ids.apply_``), then the same dense layout over the draft layer. The scheduler
-allocates the lookahead slots those positions need (``num_lookahead_tokens``), as it
-does with Eagle configured; drafts are never accepted (one token per step), which
-leaves the block handling as it is.
+  enter both; a cached request's state gets ``new_block_ids`` appended, or replaced when
+  it is in ``resumed_req_ids``, but a request still in the batch gets them APPENDED to its
+  batch row (``block_table.append_row``) even when resumed. Rows stay logical.
+* ``sample_tokens(grammar_output)`` (runner.py:4303 on) builds the inputs, resolving
+  every block id, runs the forward and samples, then runs the Eagle draft (runner.py:4734).
+  A request is a decode when its computed tokens reach its prompt and one token is
+  scheduled (``_is_prompt``, runner.py:2261-2273); decodes run first, as one batch.
+* Prefill (``_extract_prefill_batch_contents``, runner.py:2642-2662): the row's first
+  ``ceil((computed + scheduled) / block_size)`` ids through ``_resolve_block``
+  (runner.py:1570-1574; skipped with ``warmup``).
+* Decode (``_create_decode_input_data``, runner.py:3089-3245): the batch padded to the
+  decode bucket's batch size (``find_decode_bucket(num_decodes, sum(num_blocks))[0]``),
+  plus the DP padding (``get_dp_padding``, runner.py:1166, 3113); padded rows are full of
+  ``_PAD_BLOCK_ID`` (= ``num_blocks``, runner.py:6946) and go through
+  ``block_number.apply_(_resolve_block)`` with the rest (runner.py:3191-3195); their
+  slots are then set to the pad block's (runner.py:3202-3204). The block tables go through
+  ``_resolve_all_blocks`` (runner.py:1576-1580, 3237). Under contiguous PA
+  ``get_habana_paged_attn_buffers`` (runner.py:2415-2489) lays the block list out densely
+  by physical id over ``find_decode_bucket(batch, max(block_list) + 1)[2]`` blocks, plus
+  the DP padding, at least ``max + 1``, at most ``_PAD_BLOCK_ID + 1``; attention reads the
+  first ``bucket`` blocks of the cache, each tagged with its request.
+* Decode buckets (``HPUBucketingManager.generate_decode_buckets``, common.py:195-240, the
+  exponential strategy's ``get_decode_cfgs`` and ``warmup_range_with_limit``,
+  exponential.py:88-203, ``generate_buckets``, common.py:386-547): ``decode_buckets``.
+* The Eagle draft (``HpuEagleProposer``, eagle.py:169-215): the first draft forward
+  writes the draft KV of the scheduled tokens through the target's resolved slots; each
+  further draft token builds ``prepare_attn_metadata``: the rows cut to
+  ``ceil((position + 1) / block_size)`` blocks through ``defragmenter.resolve_all``
+  (eagle.py:198), the slot's block through ``defragmenter.resolve`` (eagle.py:209), the
+  same dense layout over the draft layer. The scheduler allocates the lookahead slots
+  those positions need (``num_lookahead_tokens``); drafts are never accepted.
+* A DP dummy batch (``HPUWorker.execute_dummy_batch``, worker.py:608 →
+  ``_dummy_run(1)``, runner.py:6366-6376 → ``_prepare_dummy_scenario``,
+  runner.py:5623-5701 → ``_execute_dummy_scenario``, runner.py:5703-5730): one decode
+  request ``"0"`` whose row is block 0 (``_add_dummy_request``, runner.py:5507-5530),
+  ``execute_model(output, warmup_mode=True)``, ``sample_tokens(None)``, then
+  ``execute_model(cleanup, warmup_mode=True)`` finishing it: block 0 resolved, its slot
+  written, outside any scheduled step.
+* Warm-up (``warmup_model``, runner.py:6133-6320): a new ``OnlineDefragmenter`` at its
+  start (runner.py:6200) and again at its end (runner.py:6318), the decode buckets' dummy
+  scenarios between (block ids ``min(bucket - 1, num_blocks - 1)``, runner.py:5680-5685).
+  ``compile_or_warm_up_model`` (worker.py:552-556) re-runs it while ``graphed_buckets``
+  is empty (eager here), and vLLM's engine core calls it after ``initialize_from_config``
+  did.
+* ``sleep`` (worker.py:642-687): ``model_runner.defragmenter = None`` and
+  ``model_runner.kv_caches = []``; ``wake_up`` (worker.py:689-735) re-allocates the KV
+  caches (``initialize_kv_cache``: zero-filled) and creates a new ``OnlineDefragmenter``.
 
 Every (request, position) written gets the signature ``vllm_harness.SignedWorker`` uses
 (the draft layer its own); every read (prefill context and new tokens, every decode
 block the dense layout assigns to a request) is checked, and the token a request samples
 is a digest of the values its attention read, in position order: a run that reads a
 wrong value samples a different token from there on, so outputs compare across runs.
-``HPUModelWorker`` is the worker with ``DefragHPUWorkerMixin`` in front.
+Dummy and warm-up requests write their slots but their reads are not checked (their rows
+name block 0 again and again, as vllm-gaudi's do). ``HPUModelWorker`` is the worker with
+``DefragHPUWorkerMixin`` in front.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
+import math
+import random
+from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
 
 import torch
-from vllm.v1.core.sched.output import SchedulerOutput
-from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 
 from kvdefrag.server import ServerHandle
 from kvdefrag.vllm.gaudi import DefragHPUWorkerMixin
 
-from support.vllm_harness import BLOCK_SIZE, SignedWorker, _signature
+from support.vllm_harness import BLOCK_SIZE, MAX_MODEL_LEN, SignedWorker, _signature
 
-DECODE_BUCKET_STEP = 8
-"""Decode block buckets are multiples of this (a stand-in for vllm-gaudi's bucketing)."""
+Bucket = tuple[int, int, int]
+"""A decode bucket: (batch size, query length, number of blocks)."""
+
+_DUMMY_SIGNATURE = 7
+"""What a dummy (warm-up or DP) request writes into its slot."""
+
+
+# -- decode buckets (contiguous PA, exponential strategy) -----------------------------------
+
+
+def _exponential_range(bmin: int, bstep: int, bmax: int, limit: int) -> list[int]:
+    """``warmup_range_with_limit`` (exponential.py:147-203) under contiguous PA: ``limit``
+    exponentially spaced values from ``bmin`` to ``bmax`` rounded up to ``bstep`` (the
+    last one ``bmax`` itself), with 0 or 1 kept when it is ``bmin``."""
+    low = bstep if bmin in (0, 1) else bmin
+    if limit <= 1:
+        return [bmax]
+    values = set()
+    for i in range(limit):
+        value = low * math.pow(bmax / low, i / (limit - 1))
+        values.add(bmax if i == limit - 1 else math.ceil(value / bstep) * bstep)
+    if bmin in (0, 1):
+        values.add(bmin)
+    ordered = sorted(values)
+    ordered[-1] = min(ordered[-1], bmax)
+    return ordered
+
+
+def decode_buckets(
+    *, max_num_seqs: int, num_blocks: int, num_speculative_tokens: int = 0
+) -> list[Bucket]:
+    """vllm-gaudi's decode buckets under contiguous PA, sorted.
+
+    The batch sizes ``[1, 2, max_num_seqs]`` over ``log2(max_num_seqs) + 1`` values; the
+    block counts ``[1, max_num_seqs, min(num_blocks, blocks of max_model_len * max_num_seqs)]``
+    over ``log2(that) + 1`` values (``get_decode_cfgs``, exponential.py:88-140), the pool
+    appended when the last is smaller (common.py:218-219); every pair with its neighbours
+    in both ranges, no filter, no correction (``generate_buckets``, common.py:405-547); with
+    speculative tokens the spec-decode buckets added (common.py:333-371).
+    """
+    batch_sizes = _exponential_range(1, 2, max_num_seqs, math.ceil(math.log2(max_num_seqs)) + 1)
+    max_blocks = min(num_blocks, -(-MAX_MODEL_LEN // BLOCK_SIZE) * max_num_seqs)
+    block_counts = _exponential_range(
+        1, max_num_seqs, max_blocks, math.ceil(math.log2(max_blocks)) + 1
+    )
+    if block_counts[-1] < num_blocks:
+        block_counts.append(num_blocks)
+    buckets: set[Bucket] = set()
+    for bs_index, ctx_index in itertools.product(range(len(batch_sizes)), range(len(block_counts))):
+        for bs_next, ctx_next in itertools.product((0, 1), (0, 1)):
+            if bs_index + bs_next < len(batch_sizes) and ctx_index + ctx_next < len(block_counts):
+                buckets.add(
+                    (batch_sizes[bs_index + bs_next], 1, block_counts[ctx_index + ctx_next])
+                )
+    if num_speculative_tokens:
+        num_tokens = 1 + num_speculative_tokens
+        for batch_size, query, ctx in list(buckets):
+            if batch_size * num_tokens <= ctx:
+                buckets.add((batch_size * num_tokens, query, ctx))
+            buckets.add((batch_size * num_tokens, query, ctx * num_tokens))
+    return sorted(buckets)
+
+
+def find_decode_bucket(buckets: list[Bucket], batch_size: int, num_blocks: int) -> Bucket:
+    """``find_decode_bucket`` (common.py:303-327): ``num_blocks`` capped at the largest
+    prepared count, then the first bucket from the bisection point that holds both."""
+    num_blocks = min(num_blocks, max(ctx for _, _, ctx in buckets))
+    target = (batch_size, 1, num_blocks)
+    start = next((i for i, bucket in enumerate(buckets) if bucket >= target), len(buckets))
+    for bucket in buckets[start:]:
+        if bucket[0] >= batch_size and bucket[2] >= num_blocks:
+            return bucket
+    raise AssertionError(f"no decode bucket holds {target}: the fallback is not modelled")
+
+
+# -- the runner ------------------------------------------------------------------------------
 
 
 class IdentityDefragmenter:
@@ -87,6 +199,7 @@ class _State:
     token_ids: list[int]
     num_prompt_tokens: int
     num_computed_tokens: int = 0
+    is_dummy: bool = False
 
 
 class HPURunnerModel:
@@ -98,10 +211,16 @@ class HPURunnerModel:
         skip_draft_resolve: A sabotage: only the Eagle draft step takes row ids as
             physical (``prepare_attn_metadata`` without its two resolves).
         kv_caches: ``[(key, None, None, None)]`` (then the draft layer's): vllm-gaudi's
-            ``(key_cache, value_cache, key_scales, value_scales)`` per layer, as it hands
-            them to its defragmenter (here MLA-like, without scales or a pad block).
+            ``(key_cache, value_cache, key_scales, value_scales)`` per layer (MLA-like,
+            no scales); the pad block ``_PAD_BLOCK_ID`` is kept apart (``pad_kv``).
         num_speculative_tokens: Draft tokens per step (0: no Eagle draft step).
+        dp_rng: With DP on, what the other DP ranks' batch sizes and block buckets are
+            drawn from (``get_dp_padding`` pads to the largest across ranks); None: DP 1.
+        kv_lock: A lock ``sample_tokens`` expects held (counted in ``num_unlocked``).
         num_draft_resolved: Block ids the draft step resolved.
+        num_pad_resolved: ``_PAD_BLOCK_ID`` entries resolved; ``num_pad_changed``: those
+            the defragmenter did not return unchanged.
+        num_resolved_in_execute: Block ids resolved inside ``execute_model`` (none are).
     """
 
     def __init__(
@@ -111,57 +230,74 @@ class HPURunnerModel:
         *,
         draft_kv: torch.Tensor | None = None,
         num_speculative_tokens: int = 0,
+        max_num_seqs: int = 16,
     ) -> None:
         assert (draft_kv is None) == (num_speculative_tokens == 0)
         self.kv = kv
         self.draft_kv = draft_kv
         self.num_blocks = num_blocks
+        self.pad_block_id = num_blocks  # _PAD_BLOCK_ID (runner.py:6946)
+        self.pad_kv = torch.zeros(BLOCK_SIZE, 1, dtype=torch.int64)
         self.num_speculative_tokens = num_speculative_tokens
-        self.kv_caches = [(kv, None, None, None)] + (
-            [] if draft_kv is None else [(draft_kv, None, None, None)]
+        self.kv_caches: list[Any] = []
+        self._set_kv_caches()
+        self.decode_buckets = decode_buckets(
+            max_num_seqs=max_num_seqs,
+            num_blocks=num_blocks,
+            num_speculative_tokens=num_speculative_tokens,
         )
+        # NOTE: where kvdefrag's worker reads the buckets the runner warmed up.
+        self.bucketing_manager = SimpleNamespace(decode_buckets=self.decode_buckets)
         self.defragmenter: Any = IdentityDefragmenter()
+        self.graphed_buckets: set[Bucket] = set()  # eager: never filled
+        self.dp_rng: random.Random | None = None
+        self.kv_lock: Any = None
         self.skip_resolve = False
         self.skip_draft_resolve = False
         self.requests: dict[str, _State] = {}
         self.batch_rows: dict[str, list[int]] = {}  # the persistent batch's block table
+        self.scheduler_output: SchedulerOutput | None = None
+        self.warmup_mode = False
+        self._in_execute = False
         self.num_checked = 0
         self.num_corrupted = 0
         self.num_draft_resolved = 0
+        self.num_pad_resolved = 0
+        self.num_pad_changed = 0
+        self.num_resolved_in_execute = 0
+        self.num_sampled_steps = 0
+        self.num_unlocked = 0
+        self.num_dummy_runs = 0
+        self.num_warmups = 0
+
+    def _set_kv_caches(self) -> None:
+        self.kv_caches = [(self.kv, None, None, None)] + (
+            [] if self.draft_kv is None else [(self.draft_kv, None, None, None)]
+        )
 
     # -- execute_model -------------------------------------------------------------------
 
-    def execute_model(self, output: SchedulerOutput) -> ModelRunnerOutput:
-        """``run_defragmenter``, ``_update_states``, the input build, the signed pass, the
-        Eagle draft step."""
-        self._run_defragmenter(output)
-        self._update_states(output)
-        sampled: dict[str, list[int]] = {}
-        for request_id, num_tokens in output.num_scheduled_tokens.items():
-            state = self.requests[request_id]
-            row = self.batch_rows[request_id]
-            start = state.num_computed_tokens
-            if start >= state.num_prompt_tokens:
-                read = self._decode(state, row, start, num_tokens)
-            else:
-                read = self._prefill(state, row, start, num_tokens)
-            if self.num_speculative_tokens:
-                self._draft(state, row, start, num_tokens)
-            state.num_computed_tokens = start + num_tokens
-            if start + num_tokens >= len(state.token_ids):
-                token = _signature(tuple(read[position] for position in sorted(read))) % 500 + 3
-                state.token_ids.append(token)
-                sampled[request_id] = [token]
-        request_ids = list(output.num_scheduled_tokens)
-        return ModelRunnerOutput(
-            req_ids=request_ids,
-            req_id_to_index={request_id: i for i, request_id in enumerate(request_ids)},
-            sampled_token_ids=[sampled.get(request_id, []) for request_id in request_ids],
-        )
+    def execute_model(
+        self, output: SchedulerOutput, warmup_mode: bool = False
+    ) -> ModelRunnerOutput | None:
+        """runner.py:4151-4224: the defragmenter hook, ``_update_states``; the output is
+        kept for ``sample_tokens`` (None returned), or ``EMPTY_MODEL_RUNNER_OUTPUT``."""
+        self._in_execute = True
+        try:
+            self._run_defragmenter(output, warmup_mode)
+            self._update_states(output)
+        finally:
+            self._in_execute = False
+        if not output.total_num_scheduled_tokens:
+            return EMPTY_MODEL_RUNNER_OUTPUT
+        self.scheduler_output = output
+        self.warmup_mode = warmup_mode
+        return None
 
-    def _run_defragmenter(self, output: SchedulerOutput) -> None:
+    def _run_defragmenter(self, output: SchedulerOutput, warmup_mode: bool) -> None:
+        """runner.py:4135-4148 (skipped without a defragmenter, KV caches, or in warmup)."""
         defragmenter = self.defragmenter
-        if not defragmenter.enabled:
+        if not (defragmenter and defragmenter.enabled and self.kv_caches and not warmup_mode):
             return
         new = {req.req_id: list(req.block_ids[0]) for req in output.scheduled_new_reqs}
         cached = output.scheduled_cached_reqs
@@ -187,6 +323,7 @@ class HPURunnerModel:
                 token_ids=prompt,
                 num_prompt_tokens=len(prompt),
                 num_computed_tokens=new.num_computed_tokens,
+                is_dummy=new.sampling_params is None,
             )
             to_add.append(new.req_id)
         cached = output.scheduled_cached_reqs
@@ -211,39 +348,129 @@ class HPURunnerModel:
             self.batch_rows[request_id] = list(self.requests[request_id].block_ids)
         assert not output.new_block_ids_to_zero and not output.kv_cache_block_copies
 
-    # -- the input build ------------------------------------------------------------------
+    # -- sample_tokens -------------------------------------------------------------------
 
-    def _resolve(self, block_id: int) -> int:
-        return int(block_id) if self.skip_resolve else int(self.defragmenter.resolve(block_id))
+    def sample_tokens(self, grammar_output: Any) -> ModelRunnerOutput | None:
+        """runner.py:4303 on: the inputs built (every block id resolved), the forward,
+        the sampled tokens, then the Eagle draft (runner.py:4734)."""
+        output = self.scheduler_output
+        if output is None:
+            return None  # runner.py:4305-4307
+        warmup_mode = self.warmup_mode
+        self.scheduler_output = None
+        self.warmup_mode = False
+        if self.kv_lock is not None and not warmup_mode:
+            self.num_sampled_steps += 1
+            if not self.kv_lock.locked():
+                self.num_unlocked += 1
+        decodes: list[str] = []
+        prefills: list[str] = []
+        for request_id, num_tokens in output.num_scheduled_tokens.items():
+            state = self.requests[request_id]
+            is_prompt = state.num_computed_tokens < state.num_prompt_tokens or num_tokens > 1
+            (prefills if is_prompt else decodes).append(request_id)
+        reads: dict[str, dict[int, int]] = {}
+        if decodes:
+            reads |= self._decode_batch(decodes)
+        for request_id in prefills:
+            reads[request_id] = self._prefill(
+                request_id, output.num_scheduled_tokens[request_id], warmup=warmup_mode
+            )
+        sampled: dict[str, list[int]] = {}
+        for request_id in decodes + prefills:
+            state = self.requests[request_id]
+            start = state.num_computed_tokens
+            num_tokens = output.num_scheduled_tokens[request_id]
+            if self.num_speculative_tokens and not state.is_dummy:
+                self._draft(state, self.batch_rows[request_id], start, num_tokens)
+            state.num_computed_tokens = start + num_tokens
+            if start + num_tokens >= len(state.token_ids) and not state.is_dummy:
+                read = reads[request_id]
+                token = _signature(tuple(read[position] for position in sorted(read))) % 500 + 3
+                state.token_ids.append(token)
+                sampled[request_id] = [token]
+        request_ids = list(output.num_scheduled_tokens)
+        return ModelRunnerOutput(
+            req_ids=request_ids,
+            req_id_to_index={request_id: i for i, request_id in enumerate(request_ids)},
+            sampled_token_ids=[sampled.get(request_id, []) for request_id in request_ids],
+        )
 
-    def _resolve_all(self, tables: list[list[int]]) -> list[list[int]]:
-        if self.skip_resolve:
+    # -- resolving ------------------------------------------------------------------------
+
+    def _resolve_block(self, block_id: int) -> int:
+        """runner.py:1570-1574 (the ids unchanged with no defragmenter)."""
+        if self._in_execute:
+            self.num_resolved_in_execute += 1
+        if self.skip_resolve or not self.defragmenter:
+            return int(block_id)
+        physical = int(self.defragmenter.resolve(block_id))
+        if int(block_id) == self.pad_block_id:
+            self.num_pad_resolved += 1
+            self.num_pad_changed += physical != self.pad_block_id
+        return physical
+
+    def _resolve_all_blocks(self, tables: list[list[int]]) -> list[list[int]]:
+        """runner.py:1576-1580."""
+        if self.skip_resolve or not self.defragmenter:
             return [list(map(int, row)) for row in tables]
         resolved: list[list[int]] = self.defragmenter.resolve_all(tables)
         return resolved
 
-    def _sign(self, state: _State, position: int) -> int:
-        return _signature(tuple(state.token_ids[: position + 1]))
+    def _dp_padding(self, count: int, choices: list[int]) -> int:
+        """``get_dp_padding`` (runner.py:1166-1178): up to the largest count across the DP
+        ranks, the others' drawn from ``choices`` (0 with DP off)."""
+        if self.dp_rng is None:
+            return 0
+        return max(0, self.dp_rng.choice(choices) - count)
 
-    def _read(self, kv: torch.Tensor, slot: int, expected: int) -> int:
-        """The value at ``slot`` (0 off the cache), checked against ``expected``."""
-        self.num_checked += 1
-        value = int(kv[slot, 0]) if 0 <= slot < kv.shape[0] else 0
-        if value != expected:
-            self.num_corrupted += 1
+    # -- KV slots -------------------------------------------------------------------------
+
+    def _slot_tensor(self, kv: torch.Tensor, slot: int) -> tuple[torch.Tensor, int]:
+        """The tensor and row of ``slot``: the pad block's slots live in ``pad_kv``."""
+        if slot >= self.pad_block_id * BLOCK_SIZE:
+            return self.pad_kv, slot - self.pad_block_id * BLOCK_SIZE
+        return kv, slot
+
+    def _write(self, kv: torch.Tensor, slot: int, value: int) -> None:
+        tensor, row = self._slot_tensor(kv, slot)
+        tensor[row, 0] = value
+
+    def _read(self, kv: torch.Tensor, slot: int, expected: int | None) -> int:
+        """The value at ``slot``, checked against ``expected`` (None: not checked)."""
+        tensor, row = self._slot_tensor(kv, slot)
+        value = int(tensor[row, 0])
+        if expected is not None:
+            self.num_checked += 1
+            self.num_corrupted += value != expected
         return value
 
-    def _prefill(
-        self, state: _State, row: list[int], start: int, num_tokens: int
-    ) -> dict[int, int]:
+    def _sign(self, state: _State, position: int) -> int | None:
+        if state.is_dummy:
+            return None
+        return _signature(tuple(state.token_ids[: position + 1]))
+
+    @staticmethod
+    def _row_entry(row: list[int], index: int) -> int:
+        """The block table's entry: 0 past the row (the CPU table is zero-filled)."""
+        return row[index] if index < len(row) else 0
+
+    # -- the input build and the forward --------------------------------------------------
+
+    def _prefill(self, request_id: str, num_tokens: int, *, warmup: bool) -> dict[int, int]:
         """``_extract_prefill_batch_contents`` + ``_form_prefill_batch``: one resolved
         block list; slots for the new tokens; the context read from its first blocks.
         Returns the values read, by position."""
+        state = self.requests[request_id]
+        row = self.batch_rows[request_id]
+        start = state.num_computed_tokens
         num_blocks = -(-(start + num_tokens) // BLOCK_SIZE)
-        blocks = [self._resolve(block_id) for block_id in row[:num_blocks]]
+        blocks = [self._row_entry(row, index) for index in range(num_blocks)]
+        if not warmup:
+            blocks = [self._resolve_block(block_id) for block_id in blocks]
         for position in range(start, start + num_tokens):
             slot = blocks[position // BLOCK_SIZE] * BLOCK_SIZE + position % BLOCK_SIZE
-            self.kv[slot, 0] = self._sign(state, position)
+            self._write(self.kv, slot, self._sign(state, position) or _DUMMY_SIGNATURE)
         return {
             position: self._read(
                 self.kv,
@@ -253,41 +480,93 @@ class HPURunnerModel:
             for position in range(start + num_tokens)
         }
 
-    def _decode(self, state: _State, row: list[int], start: int, num_tokens: int) -> dict[int, int]:
-        """``_create_decode_input_data`` with contiguous PA: the slot mapping through
-        ``resolve`` (element by element), the block table through ``resolve_all``, then
-        the dense block list over a bucket >= max id + 1 that attention reads. Returns
-        the values read, by position."""
-        for position in range(start, start + num_tokens):
-            block = self._resolve(row[position // BLOCK_SIZE])
-            self.kv[block * BLOCK_SIZE + position % BLOCK_SIZE, 0] = self._sign(state, position)
-        num_blocks = -(-(start + num_tokens) // BLOCK_SIZE)
-        (table,) = self._resolve_all([row[:num_blocks]])
-        return self._attend(self.kv, table, start + num_tokens, lambda p: self._sign(state, p))
+    def _decode_batch(self, request_ids: list[str]) -> dict[str, dict[int, int]]:
+        """``_create_decode_input_data``: the batch padded to its bucket (and across DP)
+        with rows of ``_PAD_BLOCK_ID``, the slot mapping resolved element by element, the
+        padded rows' slots in the pad block, the tables through ``_resolve_all_blocks``,
+        then contiguous-PA attention. Returns the values read, by request and position."""
+        states = [self.requests[request_id] for request_id in request_ids]
+        rows = [self.batch_rows[request_id] for request_id in request_ids]
+        positions = [state.num_computed_tokens for state in states]
+        num_blocks = [position // BLOCK_SIZE + 1 for position in positions]
+        batch_sizes = sorted({bucket[0] for bucket in self.decode_buckets})
+        padded_batch_size = find_decode_bucket(
+            self.decode_buckets, len(request_ids), sum(num_blocks)
+        )[0]
+        padded_batch_size += self._dp_padding(padded_batch_size, batch_sizes)
+        block_number = [
+            self._row_entry(row, position // BLOCK_SIZE)
+            for row, position in zip(rows, positions, strict=True)
+        ] + [self.pad_block_id] * (padded_batch_size - len(request_ids))
+        block_number = [self._resolve_block(block_id) for block_id in block_number]
+        for state, block_id, position in zip(states, block_number, positions, strict=False):
+            slot = block_id * BLOCK_SIZE + position % BLOCK_SIZE
+            self._write(self.kv, slot, self._sign(state, position) or _DUMMY_SIGNATURE)
+        pad_slots = itertools.cycle(range(BLOCK_SIZE))  # runner.py:3202-3204
+        for _ in range(padded_batch_size - len(request_ids)):
+            self.pad_kv[next(pad_slots), 0] = _DUMMY_SIGNATURE
+        tables = self._resolve_all_blocks(
+            [
+                [self._row_entry(row, index) for index in range(n)]
+                for row, n in zip(rows, num_blocks, strict=True)
+            ]
+        )
+        reads = self._attend(self.kv, states, tables, [p + 1 for p in positions], padded_batch_size)
+        return dict(zip(request_ids, reads, strict=True))
+
+    def _block_bucket(self, batch_size: int, block_list: list[int]) -> int:
+        """The contiguous-PA block bucket of ``get_habana_paged_attn_buffers``
+        (runner.py:2443-2467)."""
+        needed = max(block_list) + 1 if block_list else 0
+        bucket = find_decode_bucket(self.decode_buckets, batch_size, needed)[2]
+        bucket += self._dp_padding(bucket, sorted({ctx for _, _, ctx in self.decode_buckets}))
+        bucket = max(bucket, needed)
+        assert needed <= self.pad_block_id + 1, f"{needed} blocks needed, the cache has fewer"
+        return min(bucket, self.pad_block_id + 1)
 
     def _attend(
-        self, kv: torch.Tensor, table: list[int], end: int, expected: Any
-    ) -> dict[int, int]:
-        """Contiguous-PA attention over ``table`` (physical ids) for positions below
-        ``end``: the dense list over a bucket >= max id + 1, read block by block in
-        physical order (``get_habana_paged_attn_buffers``, ``flat_pa``)."""
-        bucket = -(-(max(table) + 1) // DECODE_BUCKET_STEP) * DECODE_BUCKET_STEP
-        dense: list[int | None] = [None] * bucket  # physical id -> index in the table
-        for index, block_id in enumerate(table):
-            dense[block_id] = index
-        read: dict[int, int] = {}
-        for physical in range(bucket):  # attention over the first ``bucket`` blocks
-            index = dense[physical]
-            if index is None:
+        self,
+        kv: torch.Tensor,
+        states: list[_State],
+        tables: list[list[int]],
+        ends: list[int],
+        batch_size: int,
+        expected: Callable[[_State, int], int | None] | None = None,
+    ) -> list[dict[int, int]]:
+        """Contiguous-PA attention: the tables (physical ids) flattened into one block
+        list, laid out densely by physical id over the block bucket (an entry whose id
+        another entry also names is lost, runner.py:2469-2471), and every request reads
+        the blocks tagged with it, positions below its ``end``, from the first ``bucket``
+        blocks of ``kv``."""
+        sign = expected or self._sign
+        block_list = [block_id for table in tables for block_id in table]
+        entries = [
+            (group, index) for group, table in enumerate(tables) for index in range(len(table))
+        ]
+        bucket = self._block_bucket(batch_size, block_list)
+        dense: list[int | None] = [None] * bucket
+        for entry, block_id in enumerate(block_list):
+            dense[block_id] = entry
+        reads: list[dict[int, int]] = [{} for _ in states]
+        for physical in range(bucket):
+            entry = dense[physical]
+            if entry is None:
                 continue
-            for offset in range(min(BLOCK_SIZE, end - index * BLOCK_SIZE)):
+            group, index = entries[entry]
+            state = states[group]
+            for offset in range(max(0, min(BLOCK_SIZE, ends[group] - index * BLOCK_SIZE))):
                 position = index * BLOCK_SIZE + offset
-                read[position] = self._read(kv, physical * BLOCK_SIZE + offset, expected(position))
-        self.num_checked += 1
-        if len(set(table)) != len(table):  # two table entries on one block: one is lost
-            self.num_corrupted += 1
-            read[-1] = 0
-        return read
+                reads[group][position] = self._read(
+                    kv, physical * BLOCK_SIZE + offset, sign(state, position)
+                )
+        lost = set(range(len(block_list))) - {entry for entry in dense if entry is not None}
+        for entry in lost:
+            group, _ = entries[entry]
+            if not states[group].is_dummy:
+                self.num_checked += 1
+                self.num_corrupted += 1
+                reads[group][-1 - entry] = 0
+        return reads
 
     # -- the Eagle draft step -------------------------------------------------------------
 
@@ -300,56 +579,196 @@ class HPURunnerModel:
         return _signature((-2, position, *state.token_ids[: last + 1]))
 
     def _draft(self, state: _State, row: list[int], start: int, num_tokens: int) -> None:
-        """``HpuEagleProposer.propose`` on the draft layer: the first forward writes the
-        scheduled positions through the target's resolved slots; each further draft token
-        builds ``prepare_attn_metadata`` (the rows through ``resolve_all``, the slot's
-        block through ``resolve``) and attends over the draft layer."""
+        """``HpuEagleProposer.propose`` on the draft layer, from ``sample_tokens``: the
+        first forward writes the scheduled positions through the target's resolved slots;
+        each further draft token builds ``prepare_attn_metadata`` (the rows through
+        ``defragmenter.resolve_all``, eagle.py:198; the slot's block through
+        ``defragmenter.resolve``, eagle.py:209) and attends over the draft layer."""
         assert self.draft_kv is not None
         draft_kv = self.draft_kv
         last = start + num_tokens - 1
         for position in range(start, last + 1):
-            block = self._resolve(row[position // BLOCK_SIZE])
-            draft_kv[block * BLOCK_SIZE + position % BLOCK_SIZE, 0] = self._draft_sign(
-                state, position, last
-            )
+            block = self._resolve_block(row[position // BLOCK_SIZE])
+            slot = block * BLOCK_SIZE + position % BLOCK_SIZE
+            self._write(draft_kv, slot, self._draft_sign(state, position, last))
         if last + 1 < len(state.token_ids):
             return  # a prefill chunk that samples nothing: no draft tokens
-        resolve = (lambda b: int(b)) if self.skip_draft_resolve else self._resolve
         for position in range(last + 1, last + self.num_speculative_tokens):
             num_blocks = -(-(position + 1) // BLOCK_SIZE)
             assert len(row) >= num_blocks, "the scheduler allocated no lookahead slot"
             if self.skip_draft_resolve:
                 table = [int(block_id) for block_id in row[:num_blocks]]
+                block = int(row[position // BLOCK_SIZE])
             else:
-                (table,) = self._resolve_all([row[:num_blocks]])
-            block = resolve(row[position // BLOCK_SIZE])
+                (table,) = self.defragmenter.resolve_all([row[:num_blocks]])
+                block = int(self.defragmenter.resolve(row[position // BLOCK_SIZE]))
             self.num_draft_resolved += num_blocks + 1
-            draft_kv[block * BLOCK_SIZE + position % BLOCK_SIZE, 0] = self._draft_sign(
-                state, position, last
+            slot = block * BLOCK_SIZE + position % BLOCK_SIZE
+            self._write(draft_kv, slot, self._draft_sign(state, position, last))
+            self._attend(
+                draft_kv,
+                [state],
+                [table],
+                [position + 1],
+                1,
+                lambda draft_state, p: self._draft_sign(draft_state, p, last),
             )
-            self._attend(draft_kv, table, position + 1, lambda p: self._draft_sign(state, p, last))
+
+    # -- dummy batches and warm-up --------------------------------------------------------
+
+    def _dummy_run(self, max_num_batched_tokens: int) -> None:
+        """runner.py:6366-6376: one decode dummy scenario (1, 1, 1)."""
+        assert max_num_batched_tokens == 1
+        self.num_dummy_runs += 1
+        self._prepare_dummy_scenario((1, 1, 1))
+
+    def _prepare_dummy_scenario(self, decode_cfg: Bucket) -> None:
+        """runner.py:5662-5701 under contiguous PA: ``batch_size`` decode requests of one
+        block's tokens, all computed, one token scheduled, their rows naming block
+        ``min(bucket - 1, num_blocks - 1)`` (``_add_dummy_request``, runner.py:5507-5530,
+        with the Eagle lookahead blocks)."""
+        batch_size, _, num_blocks = decode_cfg
+        block_id = min(num_blocks - 1, self.num_blocks - 1)
+        num_tokens = BLOCK_SIZE
+        row_blocks = -(-(num_tokens + self.num_speculative_tokens) // BLOCK_SIZE)
+        requests = [
+            NewRequestData(
+                req_id=str(index),
+                prompt_token_ids=list(range(num_tokens)),
+                mm_features=[],
+                sampling_params=None,
+                pooling_params=None,
+                block_ids=([block_id] * row_blocks,),
+                num_computed_tokens=num_tokens,
+                lora_request=None,
+            )
+            for index in range(batch_size)
+        ]
+        self._execute_dummy_scenario(requests, {request.req_id: 1 for request in requests})
+
+    def _execute_dummy_scenario(
+        self, requests: list[NewRequestData], scheduled_tokens: dict[str, int]
+    ) -> None:
+        """runner.py:5703-5730: the scenario, ``sample_tokens(None)``, then the cleanup
+        step that finishes its requests, both ``execute_model`` calls in warmup mode."""
+        scheduled = _scheduler_output(requests, scheduled_tokens, finished=set())
+        cleanup = _scheduler_output([], {}, finished={request.req_id for request in requests})
+        self.execute_model(scheduled, warmup_mode=True)
+        self.sample_tokens(None)
+        self.execute_model(cleanup, warmup_mode=True)
+
+    def warmup_model(self) -> None:
+        """runner.py:6133-6320, decode buckets only: a new ``OnlineDefragmenter`` first
+        (runner.py:6200), every decode bucket's dummy scenario, a new one last
+        (runner.py:6318), since reusing the warmed one "causes accuracy drops"."""
+        self.num_warmups += 1
+        self.defragmenter = IdentityDefragmenter()
+        for bucket in self.decode_buckets:
+            if bucket[0] <= 2:  # NOTE: two batch sizes are enough to exercise the path
+                self._prepare_dummy_scenario(bucket)
+        self.defragmenter = IdentityDefragmenter()
+
+    def initialize_kv_cache(self) -> None:
+        """The KV caches allocated again, zero-filled (as ``initialize_kv_cache``)."""
+        self.kv = torch.zeros_like(self.kv)
+        if self.draft_kv is not None:
+            self.draft_kv = torch.zeros_like(self.draft_kv)
+        self.pad_kv = torch.zeros_like(self.pad_kv)
+        self._set_kv_caches()
+
+
+def _scheduler_output(
+    requests: list[NewRequestData], scheduled_tokens: dict[str, int], *, finished: set[str]
+) -> SchedulerOutput:
+    return SchedulerOutput(
+        scheduled_new_reqs=requests,
+        scheduled_cached_reqs=CachedRequestData.make_empty(),
+        num_scheduled_tokens=scheduled_tokens,
+        total_num_scheduled_tokens=sum(scheduled_tokens.values()),
+        scheduled_spec_decode_tokens={},
+        scheduled_encoder_inputs={},
+        finished_req_ids=finished,
+        free_encoder_mm_hashes=[],
+    )
 
 
 class HPUWorkerModel(SignedWorker):
     """vllm-gaudi's ``HPUWorker`` around ``HPURunnerModel``; each rank runs its own copy
-    of the output (vLLM's executor pickles one to each)."""
+    of the output (vLLM's executor pickles one to each).
+
+    ``execute`` / ``sample`` / ``dummy_batch`` are what ``vllm_harness.run_loop`` calls:
+    vLLM's executor calling ``execute_model``, ``sample_tokens``, ``execute_dummy_batch``
+    on the worker (through whatever class is in front of this one).
+    """
 
     def __init__(self, kv: torch.Tensor, num_blocks: int, rank: int = 0, **runner: Any) -> None:
-        super().__init__(kv)
         self.model_runner = HPURunnerModel(kv, num_blocks, **runner)
+        super().__init__(kv)
         self.rank = rank
+        self.cache_config = SimpleNamespace(block_size=BLOCK_SIZE)
+        self.model_sleeping = False
+        self.kv_cache_sleeping = False
+        self.compile_or_warm_up_model()  # the end of initialize_from_config (worker.py:552)
 
-    def execute_model(self, output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.model_runner.execute_model(output)
+    @property  # type: ignore[override]
+    def num_checked(self) -> int:
+        return self.model_runner.num_checked
 
-    def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
-        result: ModelRunnerOutput = self.execute_model(copy.deepcopy(output))
-        self.num_checked = self.model_runner.num_checked
-        self.num_corrupted = self.model_runner.num_corrupted
+    @num_checked.setter
+    def num_checked(self, value: int) -> None:
+        self.model_runner.num_checked = value
+
+    @property  # type: ignore[override]
+    def num_corrupted(self) -> int:
+        return self.model_runner.num_corrupted
+
+    @num_corrupted.setter
+    def num_corrupted(self, value: int) -> None:
+        self.model_runner.num_corrupted = value
+
+    # -- HPUWorker ------------------------------------------------------------------------
+
+    def compile_or_warm_up_model(self) -> None:
+        """worker.py:552-556: the runner warms up again while no graph was captured."""
+        if not self.model_runner.graphed_buckets:
+            self.model_runner.warmup_model()
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        return self.model_runner.execute_model(scheduler_output)
+
+    def sample_tokens(self, grammar_output: Any) -> ModelRunnerOutput | None:
+        return self.model_runner.sample_tokens(grammar_output)
+
+    def execute_dummy_batch(self) -> None:
+        self.model_runner._dummy_run(1)
+
+    def sleep(self, level: int = 1) -> None:
+        """worker.py:642-687 (every level runs as 1): the KV caches discarded."""
+        if not self.kv_cache_sleeping:
+            self.model_runner.defragmenter = None
+            self.model_runner.kv_caches = []
+            self.kv_cache_sleeping = True
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """worker.py:689-735: with the ``kv_cache`` tag, the caches allocated again and a
+        new ``OnlineDefragmenter``."""
+        if "kv_cache" in (tags or ["weights", "kv_cache"]) and self.kv_cache_sleeping:
+            self.model_runner.initialize_kv_cache()
+            self.model_runner.defragmenter = IdentityDefragmenter()
+            self.kv_cache_sleeping = False
+
+    # -- what the harness loop calls ------------------------------------------------------
+
+    def execute(self, output: SchedulerOutput) -> ModelRunnerOutput | None:
+        result: ModelRunnerOutput | None = self.execute_model(copy.deepcopy(output))
         return result
 
-    def wake_up(self, tags: Any = None) -> None:
-        self.model_runner.defragmenter = IdentityDefragmenter()
+    def sample(self, grammar_output: Any = None) -> ModelRunnerOutput | None:
+        result: ModelRunnerOutput | None = self.sample_tokens(grammar_output)
+        return result
+
+    def dummy_batch(self) -> None:
+        self.execute_dummy_batch()
 
 
 class HPUModelWorker(DefragHPUWorkerMixin, HPUWorkerModel):
@@ -368,6 +787,7 @@ class HPUModelWorker(DefragHPUWorkerMixin, HPUWorkerModel):
         super().__init__(kv, num_blocks, rank, **runner)
         if handle is not None:
             self.kvdefrag_attach(handle, num_blocks)
+            self.model_runner.kv_lock = handle.kv_lock
 
     def rank_service(self) -> ServerHandle | None:
         return self.kvdefrag_handle

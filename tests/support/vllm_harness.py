@@ -271,6 +271,13 @@ class SignedWorker:
         with handle.kv_lock:
             return self._execute(output)
 
+    def sample(self, grammar_output: Any = None) -> ModelRunnerOutput | None:
+        """vLLM's GPU runner as modelled here samples in ``execute``: never called."""
+        raise AssertionError("SignedWorker returned its output from execute")
+
+    def dummy_batch(self) -> None:
+        """A DP dummy batch: nothing is read or written through a row here."""
+
     def _execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
         """With a translator (as ``DefragWorkerMixin`` runs) the rows first follow the
         blocks that moved, then a copy of the output (the ranks share it here) turns
@@ -538,14 +545,27 @@ def run_loop(
     reset_prefix_cache_every: int = 0,
     in_flight: int = 1,
     snapshot_outputs: bool = False,
+    dummy_batch_every: int = 0,
 ) -> int:
     """Drives the scheduler and the workers until every request is done; returns steps.
 
+    Each step runs on the workers as vLLM 0.33's ``EngineCore`` calls them
+    (``vllm/v1/engine/core.py``, ``step`` and ``step_with_batch_queue``): ``execute``
+    (``execute_model``) on every worker; when it returned None, ``sample`` (the engine's
+    ``sample_tokens(grammar_output)``) on every worker, whose first output is the step's.
+    So each worker sees ``execute(N), sample(N), execute(N + 1), ...`` in order. Workers
+    that model vLLM's GPU runner (``SignedWorker``) return their output from
+    ``execute``; vllm-gaudi's (``support.hpu_runner_model``) from ``sample``.
+
     ``in_flight=2`` is async scheduling as vLLM's engine core runs it (a batch queue of
     two): step ``N + 1`` is scheduled, and its kvdefrag step taken, before the workers
-    run step ``N``. ``snapshot_outputs`` hands the workers a copy of each output taken
-    when it was scheduled, as vLLM's executor sends it then: a V2 scheduler's
-    ``prefill_token_ids`` is the request's live token list, which grows meanwhile.
+    run step ``N``; ``sample`` is called then only when tokens were scheduled.
+    ``snapshot_outputs`` hands the workers a copy of each output taken when it was
+    scheduled, as vLLM's executor sends it then: a V2 scheduler's ``prefill_token_ids``
+    is the request's live token list, which grows meanwhile. ``dummy_batch_every=k``
+    runs a DP dummy batch (``dummy_batch``: ``execute_dummy_batch``) on every worker
+    after every ``k``-th step's output is processed, as an idle data-parallel rank does
+    while another rank runs (``DPEngineCoreProc``), never inside a step.
     """
     pending = list(workload.requests(BLOCK_SIZE))
     rng = random.Random(workload.seed + 1)
@@ -567,10 +587,28 @@ def run_loop(
         if not queue or (len(queue) < in_flight and scheduler.has_requests()):
             continue
         output, sent = queue.pop(0)
-        runner_outputs = [worker.execute(sent) for worker in workers]
+        runner_output = _run_step(workers, sent, is_async=in_flight > 1)
         for worker in workers:
             worker.record_full_blocks(scheduler)
-        scheduler.update_from_output(output, runner_outputs[0])
+        scheduler.update_from_output(output, runner_output)
         for worker in workers:
             worker.check_cached_free(scheduler, resolve)
+        if dummy_batch_every and steps % dummy_batch_every == 0:
+            for worker in workers:
+                worker.dummy_batch()
     return steps
+
+
+def _run_step(workers: Sequence[Any], output: SchedulerOutput, *, is_async: bool) -> Any:
+    """One step on every worker, as ``EngineCore.step`` (sync: ``sample_tokens`` when
+    ``execute_model`` returned None) or ``step_with_batch_queue`` (async:
+    ``sample_tokens`` when tokens were scheduled) calls them; returns the step's output.
+    """
+    results = [worker.execute(output) for worker in workers]
+    if results[0] is not None:
+        return results[0]
+    assert not is_async or output.total_num_scheduled_tokens > 0, (
+        "execute_model returned None for a step without tokens"
+    )
+    sampled = [worker.sample(None) for worker in workers]
+    return sampled[0]

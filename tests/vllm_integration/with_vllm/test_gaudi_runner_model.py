@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import random
 import sys
 import types
 from collections.abc import Sequence
@@ -100,10 +101,17 @@ def _run(
     skip_draft_resolve: bool = False,
     drafts: Sequence[torch.Tensor] = (),
     seed: int = 1,
+    data_parallel: bool = False,
+    second_warmup: bool = False,
+    worker_cls: type[HPUModelWorker] = HPUModelWorker,
 ) -> _Run:
     """One workload on the small pool; ``ranks`` None runs plain vLLM (the runner's
     identity defragmenter, no kvdefrag; async with ``DefragAsyncScheduler``'s block-free
-    fence); ``drafts`` (a draft layer per rank) turns the Eagle draft step on."""
+    fence); ``drafts`` (a draft layer per rank) turns the Eagle draft step on.
+    ``data_parallel`` pads decode batches and block buckets as another DP rank's would
+    (``get_dp_padding``) and runs a DP dummy batch every third step; ``second_warmup``
+    calls ``compile_or_warm_up_model`` once the workers are up, as vLLM's engine core
+    does after ``initialize_from_config``."""
     if ranks is None:
         cls: type[Scheduler] = AsyncScheduler if is_async else Scheduler
         ranks = [(None, torch.zeros(NUM_BLOCKS * BLOCK_SIZE, 1, dtype=torch.int64))]
@@ -124,7 +132,7 @@ def _run(
     preempted = spy_preemptions(scheduler)
     outputs = _outputs(scheduler)
     workers = [
-        HPUModelWorker(
+        worker_cls(
             kv,
             NUM_BLOCKS,
             handle,
@@ -138,6 +146,10 @@ def _run(
     for worker in workers:
         worker.model_runner.skip_resolve = skip_resolve
         worker.model_runner.skip_draft_resolve = skip_draft_resolve
+        if data_parallel:
+            worker.model_runner.dp_rng = random.Random(seed)  # the same on every TP rank
+        if second_warmup:
+            worker.compile_or_warm_up_model()
     is_defrag = isinstance(scheduler, DefragScheduler)
     run_loop(
         scheduler,
@@ -146,6 +158,7 @@ def _run(
         resolve=scheduler.kvdefrag.ranks.primary.resolve if is_defrag else (lambda ids: ids),
         in_flight=2 if is_async else 1,
         abort_every=37,
+        dummy_batch_every=3 if data_parallel else 0,
     )
     if is_defrag:
         scheduler.kvdefrag.settle()
@@ -175,11 +188,12 @@ def test_outputs_are_plain_vllms_with_preemption(
 
 
 @pytest.mark.parametrize("is_async", [False, True], ids=["sync", "async"])
-def test_the_eagle_draft_step_resolves_through_the_switch(
+def test_the_eagle_draft_step_in_sample_tokens_resolves_through_the_switch(
     model_dir: str, run_dir: str, is_async: bool
 ) -> None:
     """The draft layer is bound with the target layer, so it moves with it, and the draft
-    step's ``prepare_attn_metadata`` resolves through the switch inside the pass."""
+    step's ``prepare_attn_metadata``, run from ``sample_tokens``, resolves through the
+    switch inside the pass."""
     plain = _run(model_dir, None, is_async=is_async, drafts=_draft_layers()[:1])
     drafts = _draft_layers()
     with contextlib.contextmanager(serve_two_ranks)(
@@ -192,8 +206,110 @@ def test_the_eagle_draft_step_resolves_through_the_switch(
     assert run.outputs == plain.outputs
     for worker in run.workers:
         assert worker.model_runner.num_draft_resolved > 1000
+        assert worker.model_runner.num_resolved_in_execute == 0
         assert worker.num_checked > 10_000
         assert worker.num_corrupted == 0
+
+
+def test_execute_model_returns_none_and_sample_tokens_resolves(
+    model_dir: str, ranks: list[Any]
+) -> None:
+    """The split: ``execute_model`` resolves nothing and returns None; every block id
+    of the step is resolved in ``sample_tokens``, whose output is the step's."""
+    scheduler = make_scheduler(
+        TwoRankScheduler, model_dir, num_blocks=NUM_BLOCKS, prefix_caching=False
+    )
+    workers = _workers(ranks, NUM_BLOCKS)
+    try:
+        for request in Workload(seed=3, num_requests=4).requests(BLOCK_SIZE):
+            scheduler.add_request(request)
+        for _ in range(6):  # prefills, then decodes
+            output = scheduler.schedule()
+            switches = [worker.kvdefrag_switch for worker in workers]
+            assert all(isinstance(switch, DefragHPUSwitch) for switch in switches)
+            before = [switch.num_resolved for switch in switches]  # type: ignore[union-attr]
+            assert [worker.execute(output) for worker in workers] == [None, None]
+            assert [switch.num_resolved for switch in switches] == before  # type: ignore[union-attr]
+            results = [worker.sample(None) for worker in workers]
+            for switch, resolved in zip(switches, before, strict=True):
+                assert switch.num_resolved > resolved  # type: ignore[union-attr]
+            assert results[0].req_ids == list(output.num_scheduled_tokens)
+            assert results[0].sampled_token_ids == results[1].sampled_token_ids
+            scheduler.update_from_output(output, results[0])
+        assert all(worker.num_corrupted == 0 and worker.num_checked > 0 for worker in workers)
+    finally:
+        scheduler.kvdefrag.ranks.close()
+
+
+@pytest.mark.parametrize("is_async", [False, True], ids=["sync", "async"])
+def test_kv_lock_is_held_through_sample_tokens(
+    model_dir: str, ranks: list[Any], is_async: bool
+) -> None:
+    """The pass ``execute_model`` opens stays open, ``kv_lock`` held, until
+    ``sample_tokens`` has run: no block moves between the two calls or during the
+    forward (the runner model checks ``kv_lock.locked()`` in every ``sample_tokens``)."""
+    run = _run(model_dir, ranks, is_async=is_async)
+    for handle, _ in ranks:
+        assert not handle.kv_lock.locked(), "a pass was left open"
+    for worker in run.workers:
+        assert worker.model_runner.num_sampled_steps > 100
+        assert worker.model_runner.num_unlocked == 0
+        assert worker.num_corrupted == 0
+
+
+@pytest.mark.parametrize("is_async", [False, True], ids=["sync", "async"])
+def test_a_dp_dummy_batch_and_dp_padding_resolve_through_the_switch(
+    model_dir: str, ranks: list[Any], is_async: bool
+) -> None:
+    """DP dummy batches between steps (``execute_dummy_batch``: block 0 resolved and
+    written outside any scheduled step) and DP-padded decode batches (rows of
+    ``_PAD_BLOCK_ID``, returned unchanged) and block buckets: every read clean, the
+    outputs plain vLLM's without DP."""
+    plain = _run(model_dir, None, is_async=is_async)
+    run = _run(model_dir, ranks, is_async=is_async, data_parallel=True)
+    assert ranks[0][0].stats().totals.num_moves > 0, "kvdefrag never moved a block"
+    assert run.outputs == plain.outputs
+    for worker in run.workers:
+        runner = worker.model_runner
+        assert runner.num_dummy_runs > 30
+        assert runner.num_pad_resolved > 100
+        assert runner.num_pad_changed == 0
+        assert runner.defragmenter is worker.kvdefrag_switch
+        assert worker.num_checked > 10_000
+        assert worker.num_corrupted == 0
+
+
+def test_the_second_warm_up_leaves_the_switch_in_place(model_dir: str, ranks: list[Any]) -> None:
+    """vLLM's engine core calls ``compile_or_warm_up_model`` again after
+    ``initialize_from_config``; in eager mode vllm-gaudi warms up again and re-creates
+    its ``OnlineDefragmenter`` at the start and the end: the switch must be back after
+    it, and the run as plain vLLM's."""
+    plain = _run(model_dir, None, is_async=False, second_warmup=True)
+    run = _run(model_dir, ranks, is_async=False, second_warmup=True)
+    assert run.outputs == plain.outputs
+    for worker in run.workers:
+        assert worker.model_runner.num_warmups == 2
+        assert worker.model_runner.defragmenter is worker.kvdefrag_switch
+        assert worker.num_corrupted == 0
+
+
+class _ForwardAfterThePass(HPUModelWorker):
+    """A worker whose forward runs in ``sample_tokens`` after kvdefrag's pass ended
+    (``kv_lock`` released): the runner's ``sample_tokens`` called around the wrapper."""
+
+    def sample_tokens(self, grammar_output: Any) -> Any:
+        runner = self.model_runner
+        held, runner.scheduler_output = runner.scheduler_output, None
+        super().sample_tokens(grammar_output)  # the wrapper's, with nothing to run
+        runner.scheduler_output = held
+        return runner.sample_tokens(grammar_output)
+
+
+def test_sabotage_a_forward_in_sample_tokens_outside_the_pass_is_refused(
+    model_dir: str, ranks: list[Any]
+) -> None:
+    with pytest.raises(RuntimeError, match="outside a pass"):
+        _run(model_dir, ranks, is_async=False, worker_cls=_ForwardAfterThePass)
 
 
 def test_sabotage_a_draft_step_that_skips_the_resolve_corrupts(
