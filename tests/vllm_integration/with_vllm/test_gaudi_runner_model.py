@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import random
+import subprocess
 import sys
 import types
 from collections.abc import Sequence
@@ -509,3 +510,15 @@ def test_the_hpu_async_scheduler_class_keeps_vllm_gaudis_fixes(
             gaudi.check_gaudi_scheduler(object.__new__(DefragAsyncScheduler))
     finally:
         gaudi._hpu_class.cache_clear()
+
+
+def test_the_scheduler_side_imports_neither_the_worker_side_nor_the_server() -> None:
+    """The Gaudi check the scheduler runs lives apart from the worker side."""
+    code = (
+        "import sys, kvdefrag.vllm.scheduler\n"
+        "worker_side = ('kvdefrag.server', 'kvdefrag.vllm.worker', 'kvdefrag.vllm.gaudi',\n"
+        "               'kvdefrag.vllm._pass')\n"
+        "loaded = [name for name in sys.modules if name.startswith(worker_side)]\n"
+        "assert not loaded, loaded\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
