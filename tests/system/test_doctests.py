@@ -12,7 +12,6 @@ import doctest
 import importlib
 import pkgutil
 import types
-import warnings
 
 import pytest
 
@@ -58,18 +57,13 @@ def run_examples(module: types.ModuleType) -> tuple[doctest.TestResults, str]:
 
 # Modules that import vLLM itself: they load only in .venv-vllm (``make test-vllm`` imports
 # and exercises them there). Any other module that fails to import fails this file.
-NEEDS_VLLM = {"kvdefrag.vllm.scheduler", "kvdefrag.client.vllm.scheduler"}
-# The old switches' one-release aliases: they warn when imported (tested where they live).
-ALIASES = {"kvdefrag.client.vllm.scheduler", "kvdefrag.server.vllm_worker"}
+NEEDS_VLLM = {"kvdefrag.vllm.scheduler"}
 
 
 def importable(name: str) -> bool:
     """True when the module imports here; False only for the modules that need vLLM."""
     try:
-        with warnings.catch_warnings():
-            if name in ALIASES:
-                warnings.simplefilter("ignore", DeprecationWarning)
-            importlib.import_module(name)
+        importlib.import_module(name)
     except ModuleNotFoundError as err:
         if name in NEEDS_VLLM and (err.name or "").split(".")[0] == "vllm":
             return False

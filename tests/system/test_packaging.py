@@ -152,14 +152,9 @@ def test_each_module_ships_in_one_wheel_and_the_tools_wheel_declares_matplotlib(
         "kvdefrag/vllm/scheduler.py",
         "kvdefrag/vllm/worker.py",
     } <= set(contents["vllm"])
-    # Only the old switches' one-release aliases stay in the client and the server.
-    assert [path for path in contents["client"] if "vllm" in path] == [
-        "kvdefrag/client/vllm/__init__.py",
-        "kvdefrag/client/vllm/scheduler.py",
-    ]
-    assert [path for path in contents["server"] if "vllm" in path] == [
-        "kvdefrag/server/vllm_worker.py"
-    ]
+    # The vLLM integration lives in kvdefrag-vllm alone.
+    assert [path for path in contents["client"] if "vllm" in path] == []
+    assert [path for path in contents["server"] if "vllm" in path] == []
     assert {
         "kvdefrag/tools/workload.py",
         "kvdefrag/tools/_block_pool.py",

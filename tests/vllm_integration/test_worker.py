@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import importlib
 import os
 import socket
 import stat
@@ -12,7 +11,6 @@ import sys
 import threading
 import types
 import urllib.request
-import warnings
 from types import SimpleNamespace
 from typing import Any
 
@@ -896,15 +894,3 @@ def test_worker_exports_are_pinned() -> None:
             "wait_for_planned_step",
         },
     )
-
-
-def test_the_old_worker_switch_is_an_alias_that_warns() -> None:
-    sys.modules.pop("kvdefrag.server.vllm_worker", None)
-    with pytest.warns(DeprecationWarning, match="moved to kvdefrag.vllm.worker"):
-        old = importlib.import_module("kvdefrag.server.vllm_worker")
-    assert old.DefragWorkerMixin is DefragWorkerMixin
-    assert old.bind_vllm_kv_caches is bind_vllm_kv_caches
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        with pytest.raises(AttributeError, match="NoSuchWorker"):
-            _ = old.NoSuchWorker

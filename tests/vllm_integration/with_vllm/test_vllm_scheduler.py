@@ -11,10 +11,8 @@ The scheduler side audits its ledger against vLLM's KV cache manager after every
 from __future__ import annotations
 
 import contextlib
-import importlib
 import json
 import os
-import sys
 import time
 from typing import Any
 
@@ -570,11 +568,3 @@ def test_scheduler_exports_are_pinned() -> None:
         "kvdefrag.vllm.scheduler",
         {"DefragAsyncScheduler", "DefragScheduler", "UnsupportedByKvdefrag", "check_supported"},
     )
-
-
-def test_the_old_scheduler_switch_is_an_alias_that_warns() -> None:
-    sys.modules.pop("kvdefrag.client.vllm.scheduler", None)
-    with pytest.warns(DeprecationWarning, match="moved to kvdefrag.vllm.scheduler"):
-        old = importlib.import_module("kvdefrag.client.vllm.scheduler")
-    assert old.DefragScheduler is DefragScheduler
-    assert old.DefragAsyncScheduler.__mro__[1] is DefragScheduler
