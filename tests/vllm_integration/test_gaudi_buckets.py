@@ -16,6 +16,8 @@ from kvdefrag.server import EngineConfig
 from kvdefrag.server.config import exponential_decode_buckets
 from kvdefrag.vllm._gaudi_buckets import runner_decode_buckets
 
+from support.hpu_buckets import decode_buckets
+
 
 def make_runner(
     decode_buckets: Sequence[Any],
@@ -98,3 +100,25 @@ def test_a_bucket_of_another_shape_is_named(bucket: object) -> None:
     )
     with pytest.raises(InvalidArgument, match=re.escape(message)):
         runner_decode_buckets(runner)
+
+
+@pytest.mark.parametrize(
+    ("num_blocks", "max_num_seqs", "max_model_len", "block_size"),
+    [(96, 16, 512, 16), (8192, 128, 4096, 128), (2048, 128, 16_384, 128), (4096, 16, 12_288, 256)],
+)
+def test_the_runner_models_buckets_agree_with_the_products_restatement(
+    num_blocks: int, max_num_seqs: int, max_model_len: int, block_size: int
+) -> None:
+    """Two restatements of vllm-gaudi's decode buckets, written apart: the HPU runner
+    model's and ``exponential_decode_buckets``; the worker reads the model's list as the
+    runner's (``runner_decode_buckets``)."""
+    modelled = decode_buckets(
+        max_num_seqs=max_num_seqs,
+        num_blocks=num_blocks,
+        max_model_len=max_model_len,
+        block_size=block_size,
+    )
+    runner = SimpleNamespace(bucketing_manager=SimpleNamespace(decode_buckets=modelled))
+    assert runner_decode_buckets(runner) == exponential_decode_buckets(
+        num_blocks, max_num_seqs=max_num_seqs, max_model_len=max_model_len, block_size=block_size
+    )
