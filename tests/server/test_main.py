@@ -40,6 +40,7 @@ def test_every_flag_reaches_its_field() -> None:
         "--max-moves-per-step", "16", "--pad-buckets", "8,16", "--decode-buckets", "64,128",
         "--no-placement",
         "--prefix-caching", "--address", "10.0.0.1:7000", "--metrics-port", "9464",
+        "--metrics-max-connections", "8", "--metrics-idle-timeout-s", "2.5",
         "--insecure", "--tls-cert", "c.pem", "--tls-key", "k.pem", "--tls-client-ca", "ca.pem",
         "--max-message-bytes", "65536", "--replay-cache-size", "8", "--grace-s", "1.5",
     ]  # fmt: skip
@@ -56,6 +57,8 @@ def test_every_flag_reaches_its_field() -> None:
     assert options.service_config == ServiceConfig(
         address="10.0.0.1:7000",
         metrics_port=9464,
+        metrics_max_connections=8,
+        metrics_idle_timeout_s=2.5,
         insecure=True,
         tls_cert_file="c.pem",
         tls_key_file="k.pem",

@@ -103,6 +103,14 @@ def build_parser() -> argparse.ArgumentParser:
     service.add_argument("--metrics-port", type=int, help="Prometheus /metrics port")
     service.add_argument("--metrics-host", help="interface of /metrics (default 127.0.0.1)")
     service.add_argument(
+        "--metrics-max-connections", type=int,
+        help="connections /metrics holds at once (past it the oldest is closed)",
+    )  # fmt: skip
+    service.add_argument(
+        "--metrics-idle-timeout-s", type=float,
+        help="seconds a /metrics connection has to send its request",
+    )  # fmt: skip
+    service.add_argument(
         "--insecure", action="store_const", const=True,
         help="allow a non-loopback TCP address without TLS",
     )  # fmt: skip

@@ -564,7 +564,11 @@ def serve_in_process(
         bound_address, socket_file = _listen(server, listen_address, service_config)
         if service_config.metrics_port is not None:
             metrics_server = serve_metrics(
-                metrics.registry, service_config.metrics_port, service_config.metrics_host
+                metrics.registry,
+                service_config.metrics_port,
+                service_config.metrics_host,
+                max_connections=service_config.metrics_max_connections,
+                idle_timeout_s=service_config.metrics_idle_timeout_s,
             )
     except BaseException:
         server.stop(None)

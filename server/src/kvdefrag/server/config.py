@@ -201,6 +201,10 @@ class ServiceConfig:
         address: ``unix:PATH`` (default) or ``HOST:PORT``.
         metrics_port: Port of the Prometheus ``/metrics`` endpoint; None disables it.
         metrics_host: Interface the ``/metrics`` endpoint listens on (0.0.0.0 in a pod).
+        metrics_max_connections: Connections the ``/metrics`` endpoint holds at once
+            (1 to 1024); a newcomer past it closes the oldest. Its thread count is fixed.
+        metrics_idle_timeout_s: Seconds a ``/metrics`` connection has to send its whole
+            request, and again to take its reply, before it is closed (> 0, <= 300).
         insecure: Allow a non-loopback TCP address without TLS.
         tls_cert_file: Server certificate (PEM) for TLS.
         tls_key_file: Server private key (PEM) for TLS.
@@ -214,6 +218,8 @@ class ServiceConfig:
     address: str = DEFAULT_ADDRESS
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
+    metrics_max_connections: int = 16
+    metrics_idle_timeout_s: float = 10.0
     insecure: bool = False
     tls_cert_file: str | None = None
     tls_key_file: str | None = None
@@ -225,9 +231,9 @@ class ServiceConfig:
     def __post_init__(self) -> None:
         _check_types(
             self,
-            ("max_message_bytes", "replay_cache_size"),
+            ("max_message_bytes", "replay_cache_size", "metrics_max_connections"),
             ("insecure",),
-            ("handshake_timeout_s",),
+            ("handshake_timeout_s", "metrics_idle_timeout_s"),
         )
         if self.max_message_bytes < 1024:
             raise InvalidArgument(
@@ -238,6 +244,15 @@ class ServiceConfig:
         if not 0 < self.handshake_timeout_s <= 3600:
             raise InvalidArgument(
                 f"handshake_timeout_s must be > 0 and <= 3600, got {self.handshake_timeout_s}"
+            )
+        if not 1 <= self.metrics_max_connections <= 1024:
+            raise InvalidArgument(
+                "metrics_max_connections must be >= 1 and <= 1024, "
+                f"got {self.metrics_max_connections}"
+            )
+        if not 0 < self.metrics_idle_timeout_s <= 300:
+            raise InvalidArgument(
+                f"metrics_idle_timeout_s must be > 0 and <= 300, got {self.metrics_idle_timeout_s}"
             )
 
 

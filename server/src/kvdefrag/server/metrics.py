@@ -22,11 +22,13 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Protocol
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from kvdefrag.common import InvalidArgument, PoolStats
 from kvdefrag.server._engine import StepObserver, StepResult
+from kvdefrag.server._metrics_http import MetricsServer as MetricsServer
+from kvdefrag.server.config import ServiceConfig
 
 # 50 µs .. 10 s in 1-2-5 steps: a swap of a few blocks or an idle step takes well under a
 # millisecond, a full 512-block pass on a large model tens of milliseconds.
@@ -282,48 +284,35 @@ class Metrics:
         self._replayed_steps.inc()
 
 
-class MetricsServer:
-    """A running ``/metrics`` HTTP endpoint (daemon thread).
+def serve_metrics(
+    registry: CollectorRegistry,
+    port: int,
+    host: str = "127.0.0.1",
+    *,
+    max_connections: int = ServiceConfig.metrics_max_connections,
+    idle_timeout_s: float = ServiceConfig.metrics_idle_timeout_s,
+) -> MetricsServer:
+    """Serves ``registry`` on ``http://host:port/metrics`` from one daemon thread.
 
-    Attributes:
-        host: The address it listens on.
-        port: The port it listens on (the real one when 0 was asked for).
-    """
-
-    def __init__(self, registry: CollectorRegistry, port: int, host: str) -> None:
-        try:
-            self._httpd, self._thread = start_http_server(port, addr=host, registry=registry)
-        except OSError as err:
-            raise OSError(
-                err.errno, f"cannot serve metrics on {host}:{port} (metrics_port): {err.strerror}"
-            ) from err
-        self.host = host
-        self.port: int = self._httpd.server_port
-        self._stopped = False
-
-    def stop(self) -> None:
-        """Stops serving and closes the socket (idempotent)."""
-        if self._stopped:
-            return
-        self._stopped = True
-        self._httpd.shutdown()
-        self._httpd.server_close()
-        self._thread.join()
-
-
-def serve_metrics(registry: CollectorRegistry, port: int, host: str = "127.0.0.1") -> MetricsServer:
-    """Serves ``registry`` on ``http://host:port/metrics`` from a daemon thread.
+    The output is prometheus_client's (``start_http_server``'s: content negotiation,
+    gzip), from a server whose threads and connections are bounded (``_metrics_http``).
 
     Args:
         registry: The registry a ``Metrics`` registered on.
         port: TCP port; 0 picks a free one (read it from the result's ``port``).
         host: Listen address; loopback by default. Use ``0.0.0.0`` in a container or pod
             so Prometheus can reach it.
+        max_connections: Connections held at once; a newcomer past it closes the oldest.
+        idle_timeout_s: Seconds a connection has to send its request, and again to take
+            its reply, before it is closed.
 
     Returns:
         The running server: ``.port`` and ``.stop()``.
 
     Raises:
         OSError: The port is taken (the message names it and ``metrics_port``).
+        InvalidArgument: ``max_connections`` under 1 or ``idle_timeout_s`` not positive.
     """
-    return MetricsServer(registry, port, host)
+    return MetricsServer(
+        registry, port, host, max_connections=max_connections, idle_timeout_s=idle_timeout_s
+    )
