@@ -231,10 +231,18 @@ def test_the_step_wait_defaults_to_a_minute_and_refuses_a_bad_value(
     assert step_wait_s() == 60.0
     monkeypatch.setenv("KVDEFRAG_VLLM_STEP_WAIT_S", "2.5")
     assert step_wait_s() == 2.5
-    for bad in ("0", "-1", "soon", "nan"):
+    monkeypatch.setenv("KVDEFRAG_VLLM_STEP_WAIT_S", "86400")
+    assert step_wait_s() == 86400.0  # a day, the longest
+    # NOTE: an infinite or huge wait used to pass here and overflow in the first pass
+    # that had to wait.
+    for bad in ("0", "-1", "soon", "nan", "inf", "1e12", "86400.5"):
         monkeypatch.setenv("KVDEFRAG_VLLM_STEP_WAIT_S", bad)
         with pytest.raises(
-            ValueError, match=f"KVDEFRAG_VLLM_STEP_WAIT_S must be a positive number, got '{bad}'"
+            ValueError,
+            match=(
+                "KVDEFRAG_VLLM_STEP_WAIT_S must be a positive number of seconds, at most "
+                rf"86400 \(a day\), got '{bad}'"
+            ),
         ):
             step_wait_s()
 

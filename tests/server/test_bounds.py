@@ -1,0 +1,91 @@
+"""Durations and limits are checked where they enter, named in the error, and a refused
+call changes nothing: ``ServerHandle.stop``/``wait``/``wait_applied``, the command line's
+``--grace-s``, and the service options gRPC or the metrics server would choke on later
+(``max_message_bytes``, ``metrics_port``, ``handshake_timeout_s``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from kvdefrag.client import DefragClient
+from kvdefrag.common import InvalidArgument
+from kvdefrag.server import ServiceConfig, load_config
+from kvdefrag.server.__main__ import parse_args
+
+from support.server import Serve
+
+TOO_LONG = [math.inf, 1e12, math.nan, 86_401]
+
+
+@pytest.mark.parametrize("grace_s", [*TOO_LONG, -1])
+def test_stop_with_a_bad_grace_is_refused_and_the_server_keeps_serving(
+    serve: Serve, grace_s: float
+) -> None:
+    handle = serve()
+    with pytest.raises(InvalidArgument, match=r"stop: grace_s must be a number of seconds >= 0"):
+        handle.stop(grace_s)
+    with DefragClient(handle.address, timeout_s=10) as client:  # still listening, healthy
+        assert client.step(new_blocks={"a": [1, 2]}).seq == 1
+    assert handle.stop(1.0)
+    assert handle.wait(0)
+
+
+@pytest.mark.parametrize("timeout_s", [*TOO_LONG, 0, -1])
+def test_wait_applied_with_a_bad_timeout_is_refused_by_name(serve: Serve, timeout_s: float) -> None:
+    handle = serve()
+    with pytest.raises(InvalidArgument, match=r"wait_applied: timeout_s must be .* > 0"):
+        handle.wait_applied(handle.epoch, 1, timeout_s)
+
+
+@pytest.mark.parametrize("timeout_s", [*TOO_LONG, -1])
+def test_wait_with_a_bad_timeout_is_refused_by_name(serve: Serve, timeout_s: float) -> None:
+    handle = serve()
+    with pytest.raises(InvalidArgument, match=r"wait: timeout_s must be .* >= 0"):
+        handle.wait(timeout_s)
+
+
+@pytest.mark.parametrize("text", ["inf", "1e12", "nan", "-1"])
+def test_the_command_line_refuses_a_bad_grace_by_name(
+    text: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        parse_args(["--grace-s", text], {})
+    assert "--grace-s must be a number of seconds >= 0 and <= 86400" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("environ", "message"),
+    [
+        (
+            {"KVDEFRAG_MAX_MESSAGE_BYTES": str(2**31)},
+            r"max_message_bytes \(KVDEFRAG_MAX_MESSAGE_BYTES, --max-message-bytes\) must be "
+            r"<= 2147483647",
+        ),
+        (
+            {"KVDEFRAG_METRICS_PORT": "65536"},
+            r"metrics_port \(KVDEFRAG_METRICS_PORT, --metrics-port\) must be a TCP port 0-65535",
+        ),
+        ({"KVDEFRAG_METRICS_PORT": "-1"}, r"KVDEFRAG_METRICS_PORT.* got -1"),
+        (
+            {"KVDEFRAG_HANDSHAKE_TIMEOUT_S": "inf"},
+            r"handshake_timeout_s \(KVDEFRAG_HANDSHAKE_TIMEOUT_S, --handshake-timeout-s\) must "
+            r"be a number of seconds > 0 and <= 3600, got inf",
+        ),
+    ],
+)
+def test_service_options_out_of_range_are_refused_at_load_naming_the_variable(
+    environ: dict[str, str], message: str
+) -> None:
+    with pytest.raises(InvalidArgument, match=message):
+        load_config({}, environ)
+
+
+def test_the_largest_message_limit_and_port_still_load() -> None:
+    _, config = load_config(
+        {}, {"KVDEFRAG_MAX_MESSAGE_BYTES": str(2**31 - 1), "KVDEFRAG_METRICS_PORT": "0"}
+    )
+    assert (config.max_message_bytes, config.metrics_port) == (2**31 - 1, 0)
+    assert ServiceConfig(metrics_port=65535).metrics_port == 65535
