@@ -221,12 +221,15 @@ def published_ranks(run_dir: str, world_size: int) -> list[PublishedRank]:
             "are bound; run the workers with --worker-cls "
             f"kvdefrag.vllm.worker.DefragWorker and the same {RUN_DIR_ENV}"
         ) from None
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth
         document = None
     addresses = document.get("addresses") if isinstance(document, dict) else None
     secrets = document.get("secrets") if isinstance(document, dict) else None
     if not isinstance(addresses, list) or not all(isinstance(a, str) for a in addresses):
-        raise RuntimeError(f"kvdefrag: {path} is not a rank list written by kvdefrag's rank 0")
+        raise RuntimeError(
+            f"kvdefrag: {path} is not a rank list written by kvdefrag's rank 0: remove it "
+            "and restart vLLM"
+        )
     if len(addresses) != world_size:
         raise RuntimeError(
             f"kvdefrag: {path} lists {len(addresses)} rank addresses, the engine has "
