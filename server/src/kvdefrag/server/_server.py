@@ -313,8 +313,9 @@ class ServerHandle:
             executor: A swap executor for them, instead of the one built for them.
 
         Raises:
-            InvalidArgument: ``kv_caches`` is malformed or not laid out as the bound
-                caches (the message names the first difference); nothing changed.
+            InvalidArgument: ``kv_caches`` is malformed, two of its tensors share memory
+                (both named), or it is not laid out as the bound caches (the message names
+                the first difference); nothing changed.
         """
         self._engine.rebind_kv_caches(kv_caches, executor)
 
@@ -516,7 +517,9 @@ def serve_in_process(
         The running server's handle; call ``stop()`` when the worker shuts down.
 
     Raises:
-        InvalidArgument: A config that is not of its type, a bad address, a
+        InvalidArgument: A config that is not of its type, malformed KV caches or two
+            KV tensors that share memory (both named), a bad address (its directory on a
+            file system without ``flock`` included), a
             non-loopback TCP address without TLS or ``insecure``, a
             ``max_message_bytes`` too small for a step's reply, or an
             ``identity_secret`` under 16 bytes, or a bad metrics label name.
