@@ -231,10 +231,10 @@ class ServerHandle:
             EngineUnhealthy: A KV move failed; the step may never be applied.
             ServiceUnavailable: Not applied within ``timeout_s``, or the service stops;
                 the message names the step (epoch, seq) and the bound.
-            InvalidArgument: ``timeout_s`` is not a number of seconds in ``(0,
-                MAX_DURATION_S]`` (a day).
+            InvalidArgument: ``timeout_s`` is not a number of seconds in ``[0,
+                MAX_DURATION_S]`` (a day; 0 only checks).
         """
-        timeout_s = check_duration("wait_applied: timeout_s", timeout_s)
+        timeout_s = check_duration("wait_applied: timeout_s", timeout_s, allow_zero=True)
         self._servicer.wait_applied(epoch, seq, timeout_s)
 
     @property
