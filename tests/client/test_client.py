@@ -11,6 +11,7 @@ connection, and a client interceptor that cancels the stream before a step leave
 from __future__ import annotations
 
 import dataclasses
+import math
 import queue
 import time
 from collections.abc import Callable, Iterator
@@ -862,3 +863,27 @@ def hold_the_session(address: str) -> RawStream:
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.05)
+
+
+@pytest.mark.parametrize("timeout_s", [math.inf, 1e12, math.nan, 86_401, 0, -1])
+def test_a_timeout_out_of_range_is_refused_by_name_before_connecting(
+    socket_dir: Path, timeout_s: float
+) -> None:
+    # NOTE: no server listens: the check comes before any call.
+    with pytest.raises(InvalidArgument, match=r"timeout_s must be a number of seconds > 0"):
+        DefragClient(f"unix:{socket_dir}/nobody.sock", timeout_s=timeout_s)
+
+
+def test_a_client_with_the_longest_timeout_adopts_state_and_refuses_a_bad_new_one(
+    socket_dir: Path, serve: Serve
+) -> None:
+    pool = serve_pool(serve, socket_dir / "server.sock")
+    with DefragClient(pool.handle.address, timeout_s=5) as first:
+        step_and_write(first, pool.signed, new_blocks={"a": [30, 31]})
+
+    with DefragClient(pool.handle.address, timeout_s=86_400) as second:  # a day
+        assert second.live_requests() == {"a": [30, 31]}
+        with pytest.raises(InvalidArgument, match=r"timeout_s must .* got inf"):
+            second.timeout_s = math.inf
+        assert second.timeout_s == 86_400
+        assert second.step(new_blocks={"b": [50]}).seq == 2

@@ -196,6 +196,27 @@ def test_a_ranks_file_that_is_a_link_or_not_private_is_refused(tmp_path: Path) -
         published_ranks(os.fspath(run_dir), 1)
 
 
+def test_a_ranks_file_nested_past_the_parsers_depth_is_refused_by_name(tmp_path: Path) -> None:
+    path = tmp_path / RANKS_FILE
+    path.write_text("[" * 100_000 + "]" * 100_000)  # json would raise RecursionError
+    path.chmod(0o600)
+    with pytest.raises(RuntimeError, match=re.escape(f"{path} is not a rank list")) as caught:
+        published_ranks(os.fspath(tmp_path), 1)
+    assert "remove it and restart vLLM" in str(caught.value)
+
+
+def test_a_ranks_file_that_is_a_directory_is_refused_by_name_on_both_sides(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / RANKS_FILE).mkdir(mode=0o700)
+    message = f"{tmp_path / RANKS_FILE} is not a regular file"
+    with pytest.raises(UnsafeRunDir, match=re.escape(message)):
+        published_ranks(os.fspath(tmp_path), 1)
+    with pytest.raises(UnsafeRunDir, match=re.escape(f"{tmp_path / RANKS_FILE} is a directory")):
+        publish_ranks(os.fspath(tmp_path), [PublishedRank("unix:/a.sock", SECRETS[0])])
+    assert sorted(path.name for path in tmp_path.iterdir()) == [RANKS_FILE]  # nothing left
+
+
 def test_client_tls_reads_the_named_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     for variable in CLIENT_TLS_ENV.values():
         monkeypatch.delenv(variable, raising=False)
@@ -231,10 +252,18 @@ def test_the_step_wait_defaults_to_a_minute_and_refuses_a_bad_value(
     assert step_wait_s() == 60.0
     monkeypatch.setenv("KVDEFRAG_VLLM_STEP_WAIT_S", "2.5")
     assert step_wait_s() == 2.5
-    for bad in ("0", "-1", "soon", "nan"):
+    monkeypatch.setenv("KVDEFRAG_VLLM_STEP_WAIT_S", "86400")
+    assert step_wait_s() == 86400.0  # a day, the longest
+    # NOTE: an infinite or huge wait used to pass here and overflow in the first pass
+    # that had to wait.
+    for bad in ("0", "-1", "soon", "nan", "inf", "1e12", "86400.5"):
         monkeypatch.setenv("KVDEFRAG_VLLM_STEP_WAIT_S", bad)
         with pytest.raises(
-            ValueError, match=f"KVDEFRAG_VLLM_STEP_WAIT_S must be a positive number, got '{bad}'"
+            ValueError,
+            match=(
+                "KVDEFRAG_VLLM_STEP_WAIT_S must be a positive number of seconds, at most "
+                rf"86400 \(a day\), got '{bad}'"
+            ),
         ):
             step_wait_s()
 

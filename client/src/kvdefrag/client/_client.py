@@ -58,9 +58,11 @@ from kvdefrag.common import (
     StepInFlight,
 )
 from kvdefrag.common._exit import call_at_exit
+from kvdefrag.common.durations import check_duration
 from kvdefrag.common.events import step_call_events
 
 DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+MAX_MESSAGE_BYTES_LIMIT = 2**31 - 1  # gRPC keeps message limits in a C int
 # At interpreter exit, how long closing waits for a step running in another thread.
 _EXIT_LOCK_WAIT_S = 1.0
 
@@ -110,7 +112,8 @@ class DefragClient:
             address: ``unix:/abs/path.sock`` or ``HOST:PORT``.
             prefix_caching: The scheduler's prefix caching mode; the server's engine is
                 switched to it if it holds no state, refused otherwise.
-            timeout_s: Deadline of every call, and of every step including reconnects.
+            timeout_s: Deadline of every call, and of every step including reconnects:
+                ``(0, MAX_DURATION_S]`` seconds (a day).
             client_name: A name for the server's logs and errors (host:pid by default).
             root_certificates: PEM CA bundle; any TLS argument makes the channel TLS.
             private_key: PEM client key (mTLS).
@@ -126,13 +129,14 @@ class DefragClient:
             ServiceUnavailable: The server did not answer within ``timeout_s``.
             DefragError: Any other refusal of the session.
         """
-        if not timeout_s > 0:
-            raise InvalidArgument(f"timeout_s must be > 0, got {timeout_s}")
-        if max_message_bytes < 1024:
-            raise InvalidArgument(f"max_message_bytes must be >= 1024, got {max_message_bytes}")
+        self._timeout_s = check_duration("timeout_s", timeout_s)
+        if not 1024 <= max_message_bytes <= MAX_MESSAGE_BYTES_LIMIT:
+            raise InvalidArgument(
+                f"max_message_bytes must be >= 1024 and <= {MAX_MESSAGE_BYTES_LIMIT} (gRPC's "
+                f"limit), got {max_message_bytes}"
+            )
         self.address = address
         self.prefix_caching = prefix_caching
-        self.timeout_s = float(timeout_s)
         self.client_name = client_name or _default_client_name()
         self.max_message_bytes = max_message_bytes
         channel = open_channel(
@@ -168,6 +172,21 @@ class DefragClient:
         call_at_exit(self._close_at_exit)
 
     # --- properties -------------------------------------------------------------------
+    @property
+    def timeout_s(self) -> float:
+        """Deadline of every call and step, in seconds: ``(0, MAX_DURATION_S]`` (a day).
+
+        Settable; a new value applies from the next call.
+
+        Raises:
+            InvalidArgument: (on set) The value is out of range; the old one stays.
+        """
+        return self._timeout_s
+
+    @timeout_s.setter
+    def timeout_s(self, timeout_s: float) -> None:
+        self._timeout_s = check_duration("timeout_s", timeout_s)
+
     @property
     def epoch(self) -> int:
         """The server epoch the mirror belongs to."""

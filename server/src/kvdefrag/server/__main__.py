@@ -23,6 +23,7 @@ from types import FrameType
 import torch
 
 from kvdefrag.common import InvalidArgument
+from kvdefrag.common.durations import check_duration
 from kvdefrag.server._server import serve_in_process
 from kvdefrag.server.config import EngineConfig, ServiceConfig, load_config
 
@@ -63,6 +64,13 @@ def _positive(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
+
+
+def _grace_s(text: str) -> float:
+    try:
+        return check_duration("--grace-s", float(text), allow_zero=True)
+    except (ValueError, InvalidArgument) as err:
+        raise argparse.ArgumentTypeError(str(err)) from err
 
 
 def _buckets(text: str) -> tuple[int, ...]:
@@ -125,7 +133,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--handshake-timeout-s", type=float, help="seconds a new step stream has to send open"
     )
     parser.add_argument(
-        "--grace-s", type=float, default=5.0, help="seconds in-flight calls get on stop"
+        "--grace-s",
+        type=_grace_s,
+        default=5.0,
+        help="seconds in-flight calls get on stop (0 to 86400)",
     )
     return parser
 

@@ -676,9 +676,10 @@ class Engine:
             executor: A swap executor for them, instead of the one built for them.
 
         Raises:
-            InvalidArgument: ``kv_caches`` is malformed, or not laid out as the bound
-                caches (the message names the first difference), or ``executor`` moves
-                another number of blocks; nothing changed.
+            InvalidArgument: ``kv_caches`` is malformed, or two of its tensors share
+                memory (both named), or not laid out as the bound caches (the message
+                names the first difference), or ``executor`` moves another number of
+                blocks; nothing changed: the bound caches stay.
         """
         check_same_geometry(self._kv_geometry, kv_caches, self.block_size)
         bound = executor or self._bind_executor(kv_caches)

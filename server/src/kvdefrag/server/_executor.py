@@ -59,7 +59,7 @@ def bind_kv_caches(kv_caches: KvCaches, block_size: int) -> tuple[list[torch.Ten
     Raises:
         InvalidArgument: The caches are empty, not (key, value) pairs, or disagree on
             device or on the number of token slots, or that is not a multiple of
-            ``block_size``.
+            ``block_size``, or two tensors share memory (``check_disjoint``).
     """
     if block_size < 1:
         raise InvalidArgument(f"block_size must be >= 1, got {block_size}")
@@ -88,10 +88,56 @@ def bind_kv_caches(kv_caches: KvCaches, block_size: int) -> tuple[list[torch.Ten
         raise InvalidArgument(
             f"token slots ({num_slots}) are not a multiple of block_size ({block_size})"
         )
+    check_disjoint(kv_caches)
     num_blocks = num_slots // block_size
     if num_blocks < 2:
         raise InvalidArgument(f"the pool needs at least 2 blocks, got {num_blocks}")
     return tensors, num_blocks
+
+
+def check_disjoint(kv_caches: KvCaches) -> None:
+    """Refuses KV tensors whose memory overlaps: the same tensor bound twice (as a
+    layer's key and value, or in two layers), or two views of one storage that share
+    bytes.
+
+    A move is applied to every bound tensor in turn, so memory bound twice is moved
+    twice: a two-way swap then undoes itself and a one-way move reads a block it has
+    just overwritten, while the mapping says the blocks moved. Each tensor's span is
+    its first to last byte (``data_ptr`` to the element at the largest offset its
+    strides reach); spans are compared sorted by start, O(n log n) in the tensors and
+    independent of the pool's size. Two views that interleave in one storage (not
+    contiguous) have intersecting spans and are refused even where their elements
+    differ: binding them is not worth proving safe. vLLM's layouts bind disjoint spans:
+    ``[2, num_blocks, ...]``'s key and value halves, vllm-gaudi's caches and scales.
+
+    Raises:
+        InvalidArgument: Two tensors' spans intersect; the message names both, as
+            ``kv_caches[LAYER].key`` or ``.value``.
+    """
+    spans: list[tuple[int, int, int, str]] = []
+    for layer, pair in enumerate(kv_caches):
+        for name, tensor in zip(("key", "value"), pair, strict=True):
+            if tensor is None or tensor.numel() == 0 or tensor.device.type == "meta":
+                continue  # no memory to share
+            start = tensor.data_ptr()
+            strides = tensor.stride()
+            last = sum(
+                (size - 1) * stride for size, stride in zip(tensor.shape, strides, strict=True)
+            )
+            end = start + (last + 1) * tensor.element_size()
+            spans.append((start, len(spans), end, f"kv_caches[{layer}].{name}"))
+    spans.sort()
+    furthest_end, furthest_name = 0, ""
+    for start, _, end, name in spans:
+        if furthest_name and start < furthest_end:
+            raise InvalidArgument(
+                f"{name} overlaps {furthest_name}: the two share memory, so every move "
+                "would be applied to it twice (a swap undoes itself); bind each KV "
+                "tensor once (a tensor that two layers share is one pair), and key and "
+                "value as disjoint tensors"
+            )
+        if end > furthest_end:
+            furthest_end, furthest_name = end, name
 
 
 TensorGeometry = tuple[tuple[int, ...], torch.dtype, str]

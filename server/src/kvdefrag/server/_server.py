@@ -31,6 +31,7 @@ from prometheus_client import CollectorRegistry
 
 from kvdefrag.common import InvalidArgument, PoolStats
 from kvdefrag.common._exit import call_at_exit
+from kvdefrag.common.durations import check_duration
 from kvdefrag.server import _convert, _identity, _socket_file
 from kvdefrag.server._engine import Engine, StepObserver, StepResult
 from kvdefrag.server._executor import KvCaches, SwapExecutor
@@ -230,7 +231,10 @@ class ServerHandle:
             EngineUnhealthy: A KV move failed; the step may never be applied.
             ServiceUnavailable: Not applied within ``timeout_s``, or the service stops;
                 the message names the step (epoch, seq) and the bound.
+            InvalidArgument: ``timeout_s`` is not a number of seconds in ``[0,
+                MAX_DURATION_S]`` (a day; 0 only checks).
         """
+        timeout_s = check_duration("wait_applied: timeout_s", timeout_s, allow_zero=True)
         self._servicer.wait_applied(epoch, seq, timeout_s)
 
     @property
@@ -309,8 +313,9 @@ class ServerHandle:
             executor: A swap executor for them, instead of the one built for them.
 
         Raises:
-            InvalidArgument: ``kv_caches`` is malformed or not laid out as the bound
-                caches (the message names the first difference); nothing changed.
+            InvalidArgument: ``kv_caches`` is malformed, two of its tensors share memory
+                (both named), or it is not laid out as the bound caches (the message names
+                the first difference); nothing changed.
         """
         self._engine.rebind_kv_caches(kv_caches, executor)
 
@@ -324,11 +329,17 @@ class ServerHandle:
 
         Returns:
             True when every step had finished by then; False when one was still running.
+
+        Raises:
+            InvalidArgument: ``grace_s`` is not None nor a number of seconds in ``[0,
+                MAX_DURATION_S]`` (a day); nothing is stopped.
         """
+        grace_s = (
+            0.0 if grace_s is None else check_duration("stop: grace_s", grace_s, allow_zero=True)
+        )
         with self._stop_lock:
             if self._stopped.is_set():
                 return self._is_stopped_cleanly
-            grace_s = 0.0 if grace_s is None else max(grace_s, 0.0)
             deadline = time.monotonic() + grace_s
             self._health.enter_graceful_shutdown()
             is_idle = self._servicer.begin_shutdown(grace_s)
@@ -362,7 +373,17 @@ class ServerHandle:
             self.stop(_EXIT_GRACE_S)
 
     def wait(self, timeout_s: float | None = None) -> bool:
-        """Blocks until ``stop`` has finished; False if ``timeout_s`` passed first."""
+        """Blocks until ``stop`` has finished; False if ``timeout_s`` passed first.
+
+        Args:
+            timeout_s: At most this long, in ``[0, MAX_DURATION_S]`` (a day); None: until
+                ``stop`` has finished, however long that takes.
+
+        Raises:
+            InvalidArgument: ``timeout_s`` is out of range (not finite included).
+        """
+        if timeout_s is not None:
+            timeout_s = check_duration("wait: timeout_s", timeout_s, allow_zero=True)
         return self._stopped.wait(timeout_s)
 
     def __enter__(self) -> ServerHandle:
@@ -496,7 +517,9 @@ def serve_in_process(
         The running server's handle; call ``stop()`` when the worker shuts down.
 
     Raises:
-        InvalidArgument: A config that is not of its type, a bad address, a
+        InvalidArgument: A config that is not of its type, malformed KV caches or two
+            KV tensors that share memory (both named), a bad address (its directory on a
+            file system without ``flock`` included), a
             non-loopback TCP address without TLS or ``insecure``, a
             ``max_message_bytes`` too small for a step's reply, or an
             ``identity_secret`` under 16 bytes, or a bad metrics label name.

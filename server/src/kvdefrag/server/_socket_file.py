@@ -19,7 +19,9 @@ lifetime::
 
 A server that stops removes PATH and ``PATH.lock`` while it still holds the lock, then
 releases it; a replacement that finds the lock held waits for it while nobody listens on
-PATH (the holder is stopping) and refuses the address at once while somebody does.
+PATH (the holder is stopping) and refuses the address at once while somebody does. A
+child forked from the holder without exec closes its copy of the lock at once
+(``os.register_at_fork``): the lock dies with the server, not with its last child.
 NOTE: the inode alone cannot tell: a replacement that unlinks the stale file and binds
 gets the same ``(st_dev, st_ino)`` back from the file system more often than not.
 """
@@ -30,12 +32,14 @@ import contextlib
 import dataclasses
 import errno
 import fcntl
+import functools
 import logging
 import os
 import socket
 import stat
 import tempfile
 import time
+import weakref
 from collections.abc import Iterator
 
 from kvdefrag.common import InvalidArgument
@@ -51,6 +55,8 @@ LOCK_SUFFIX = ".lock"
 # stopping: its grace, then gRPC's shutdown) before it gives up on the address.
 LOCK_WAIT_S = 10.0
 _LOCK_POLL_S = 0.005
+# flock's answers on a file system that has no such locks (NFS without lockd, some FUSE).
+_NO_FLOCK_ERRNOS = frozenset({errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS})
 
 
 class PathLock:
@@ -71,7 +77,9 @@ class PathLock:
 
         Raises:
             InvalidArgument: The lock file is not a regular file of this user, or cannot
-                be opened (a symlink, another user's file).
+                be opened (a symlink, another user's file), or its file system has no
+                ``flock`` (``ENOLCK`` and kin: the message names the directory; the lock
+                file is removed).
             OSError: A live server listens on ``socket_path``, or the holder of the lock
                 has not released it within ``wait_s`` (``errno.EADDRINUSE``).
         """
@@ -94,6 +102,24 @@ class PathLock:
                     ) from None
                 time.sleep(_LOCK_POLL_S)
                 continue
+            except OSError as err:
+                if err.errno not in _NO_FLOCK_ERRNOS:
+                    os.close(fd)
+                    raise
+                # NOTE: on this file system nobody can hold the lock, so the file is
+                # nobody's: it goes, and nothing is left behind.
+                if _same_file(fd, lock_path):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(lock_path)
+                os.close(fd)
+                raise InvalidArgument(
+                    f"address unix:{socket_path}: the file system of "
+                    f"{os.path.dirname(socket_path)} does not support flock on its lock "
+                    f"file {lock_path} ({err.strerror}), which keeps two servers off one "
+                    "address; serve the socket (KVDEFRAG_ADDRESS, or KVDEFRAG_VLLM_RUN_DIR "
+                    "for vLLM workers) in a directory on a local file system, e.g. under "
+                    "$XDG_RUNTIME_DIR"
+                ) from None
             except BaseException:
                 os.close(fd)
                 raise
@@ -101,7 +127,11 @@ class PathLock:
             # is the lock only if the file we locked is still the one at the path (an
             # open file keeps its inode, so no other file can have its number).
             if _same_file(fd, lock_path):
-                return cls(lock_path, fd)
+                lock = cls(lock_path, fd)
+                os.register_at_fork(
+                    after_in_child=functools.partial(_drop_in_child, weakref.ref(lock))
+                )
+                return lock
             os.close(fd)
 
     def release(self) -> None:
@@ -114,6 +144,21 @@ class PathLock:
                 os.unlink(self.path)
         finally:
             os.close(self.fd)
+
+
+def _drop_in_child(lock_ref: weakref.ref[PathLock]) -> None:
+    """In a child forked from the holder: closes its copy of the lock's descriptor.
+
+    A ``flock`` belongs to the open file, which a fork shares: a child forked without
+    exec (a worker's helper process) would hold the lock for as long as it lives, and a
+    replacement of a killed server would be refused the address. ``O_CLOEXEC`` covers
+    an exec, not a fork. The child never owned the path, so it never removes anything.
+    """
+    lock = lock_ref()
+    if lock is not None and lock.is_held:
+        lock.is_held = False
+        with contextlib.suppress(OSError):
+            os.close(lock.fd)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,10 +17,20 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvdefrag.common import InvalidArgument
+from kvdefrag.common.durations import check_duration
 
 DEFAULT_PAD_BUCKETS = (8, 16, 32, 64, 128, 256, 512)
 DEFAULT_ADDRESS = "unix:/tmp/kvdefrag.sock"
 ENV_PREFIX = "KVDEFRAG_"
+MAX_MESSAGE_BYTES_LIMIT = 2**31 - 1
+"""The largest ``max_message_bytes``: gRPC keeps message limits in a C int."""
+MAX_HANDSHAKE_TIMEOUT_S = 3600.0
+MAX_PORT = 65535
+
+
+def _option(name: str) -> str:
+    """An option as an operator may have set it: the field, its variable and its flag."""
+    return f"{name} ({ENV_PREFIX}{name.upper()}, --{name.replace('_', '-')})"
 
 
 def _check_types(
@@ -239,11 +249,21 @@ class ServiceConfig:
             raise InvalidArgument(
                 f"max_message_bytes must be >= 1024, got {self.max_message_bytes}"
             )
+        if self.max_message_bytes > MAX_MESSAGE_BYTES_LIMIT:
+            raise InvalidArgument(
+                f"{_option('max_message_bytes')} must be <= {MAX_MESSAGE_BYTES_LIMIT} (gRPC's "
+                f"limit, 2 GiB - 1), got {self.max_message_bytes}"
+            )
         if self.replay_cache_size < 1:
             raise InvalidArgument(f"replay_cache_size must be >= 1, got {self.replay_cache_size}")
-        if not 0 < self.handshake_timeout_s <= 3600:
+        if self.metrics_port is not None and (
+            isinstance(self.metrics_port, bool)
+            or not isinstance(self.metrics_port, int)
+            or not 0 <= self.metrics_port <= MAX_PORT
+        ):
             raise InvalidArgument(
-                f"handshake_timeout_s must be > 0 and <= 3600, got {self.handshake_timeout_s}"
+                f"{_option('metrics_port')} must be a TCP port 0-{MAX_PORT} (0 picks a free "
+                f"one) or unset, got {self.metrics_port!r}"
             )
         if not 1 <= self.metrics_max_connections <= 1024:
             raise InvalidArgument(
@@ -254,6 +274,15 @@ class ServiceConfig:
             raise InvalidArgument(
                 f"metrics_idle_timeout_s must be > 0 and <= 300, got {self.metrics_idle_timeout_s}"
             )
+        object.__setattr__(
+            self,
+            "handshake_timeout_s",
+            check_duration(
+                _option("handshake_timeout_s"),
+                self.handshake_timeout_s,
+                max_s=MAX_HANDSHAKE_TIMEOUT_S,
+            ),
+        )
 
 
 _CONFIG_CLASSES = (EngineConfig, ServiceConfig)

@@ -94,7 +94,13 @@ def write_private_file(directory: str, name: str, data: bytes) -> None:
             finally:
                 os.close(fd)
             # NOTE: rename replaces a link at the final name, never what it points to.
-            os.rename(partial, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+            try:
+                os.rename(partial, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+            except IsADirectoryError:
+                raise UnsafeRunDir(
+                    f"kvdefrag: {os.path.join(directory, name)} is a directory, where "
+                    "kvdefrag writes a file: remove it and restart vLLM"
+                ) from None
         except BaseException:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(partial, dir_fd=dir_fd)
@@ -121,14 +127,19 @@ def read_private_file(directory: str, name: str) -> bytes:
                 f"kvdefrag: {path} is a symlink; kvdefrag reads only the file rank 0 wrote: "
                 f"remove it and restart vLLM"
             ) from None
+        # NOTE: checked before fdopen, which refuses a directory naming only the fd.
+        try:
+            problem = _file_problem(os.fstat(fd))
+        except BaseException:
+            os.close(fd)
+            raise
+        if problem:
+            os.close(fd)
+            raise UnsafeRunDir(
+                f"kvdefrag: {path} {problem}; kvdefrag reads only the file rank 0 "
+                "wrote (0600): remove it and restart vLLM"
+            )
         with os.fdopen(fd, "rb") as file:
-            info = os.fstat(file.fileno())
-            problem = _file_problem(info)
-            if problem:
-                raise UnsafeRunDir(
-                    f"kvdefrag: {path} {problem}; kvdefrag reads only the file rank 0 "
-                    "wrote (0600): remove it and restart vLLM"
-                )
             return file.read()
 
 

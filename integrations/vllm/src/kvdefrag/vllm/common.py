@@ -33,6 +33,8 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any, TypedDict
 
+from kvdefrag.common import InvalidArgument
+from kvdefrag.common.durations import MAX_DURATION_S, check_duration
 from kvdefrag.common.identity import IDENTITY_SECRET_BYTES
 from kvdefrag.vllm._run_dir import (
     UnsafeRunDir,
@@ -219,12 +221,15 @@ def published_ranks(run_dir: str, world_size: int) -> list[PublishedRank]:
             "are bound; run the workers with --worker-cls "
             f"kvdefrag.vllm.worker.DefragWorker and the same {RUN_DIR_ENV}"
         ) from None
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth
         document = None
     addresses = document.get("addresses") if isinstance(document, dict) else None
     secrets = document.get("secrets") if isinstance(document, dict) else None
     if not isinstance(addresses, list) or not all(isinstance(a, str) for a in addresses):
-        raise RuntimeError(f"kvdefrag: {path} is not a rank list written by kvdefrag's rank 0")
+        raise RuntimeError(
+            f"kvdefrag: {path} is not a rank list written by kvdefrag's rank 0: remove it "
+            "and restart vLLM"
+        )
     if len(addresses) != world_size:
         raise RuntimeError(
             f"kvdefrag: {path} lists {len(addresses)} rank addresses, the engine has "
@@ -295,16 +300,19 @@ def step_wait_s() -> float:
     """How long a worker waits for its step: ``KVDEFRAG_VLLM_STEP_WAIT_S``, 60 s if unset.
 
     Raises:
-        ValueError: The variable is not a positive number.
+        ValueError: The variable is not a positive number of seconds up to
+            ``MAX_DURATION_S`` (a day).
     """
     text = os.environ.get(STEP_WAIT_ENV, "").strip()
+    if not text:
+        return _DEFAULT_STEP_WAIT_S
     try:
-        wait_s = float(text) if text else _DEFAULT_STEP_WAIT_S
-    except ValueError:
-        wait_s = -1.0
-    if not wait_s > 0:
-        raise ValueError(f"kvdefrag: {STEP_WAIT_ENV} must be a positive number, got {text!r}")
-    return wait_s
+        return check_duration(STEP_WAIT_ENV, float(text))
+    except (ValueError, InvalidArgument):
+        raise ValueError(
+            f"kvdefrag: {STEP_WAIT_ENV} must be a positive number of seconds, at most "
+            f"{MAX_DURATION_S:g} (a day), got {text!r}"
+        ) from None
 
 
 # ---------------------------------------------------------------------------------------
