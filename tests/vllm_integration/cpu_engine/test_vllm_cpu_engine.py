@@ -210,7 +210,8 @@ def test_tensor_parallel_2_in_vllms_engine_and_worker_processes(root: str) -> No
     for rank, scraped in enumerate(metrics):
         samples = scraped["samples"]
         assert samples and all(f'rank="{rank}"' in name for name in samples), samples
-        steps.append(samples[f'kvdefrag_steps_total{{rank="{rank}"}}'])
+        # one engine, no data parallelism: DP rank 0 (the text format sorts the labels)
+        steps.append(samples[f'kvdefrag_steps_total{{dp_rank="0",rank="{rank}"}}'])
     assert steps[0] == steps[1] > 0  # the same steps on every rank
 
 
