@@ -1,7 +1,7 @@
 """Real vLLM CPU engine runs, one per mode in turn: prints a JSON line of each one's results.
 
     python engine_run.py MODE[,MODE...] MODEL_DIR RUN_DIR [--prefix-caching] [--tp N]
-        [--engine-processes] [--async-scheduling] [--force-async] [--reset-every N]
+        [--dp N] [--engine-processes] [--async-scheduling] [--force-async] [--reset-every N]
         [--num-requests N] [--max-num-seqs N]
 
 The modes run in this one process (vLLM is imported once), each engine started, run to
@@ -16,7 +16,11 @@ A mode says who schedules and what is sabotaged:
   moved (it reads moved blocks at their old places).
 
 The options are vLLM's settings, the same for every mode: ``--prefix-caching``,
-``--tp N`` (tensor parallel over N worker processes, one core each),
+``--tp N`` (tensor parallel over N worker processes, one core each), ``--dp N`` (data
+parallel: N engines, each in its own engine-core process, driven through vLLM's
+``AsyncLLM`` and its DP coordinator as ``vllm serve --data-parallel-size N`` does, since
+vLLM's ``LLM`` refuses ``data_parallel_size > 1``; a dense model, so the engines are
+independent; with ``--tp 1`` only),
 ``--engine-processes`` (vLLM's engine-core and worker processes, as under ``vllm
 serve``; otherwise the engine core runs in this process), ``--async-scheduling`` (NOTE:
 vLLM 0.32's CPU platform turns it off again, ``platforms/cpu.py``; the result line says
@@ -46,6 +50,7 @@ endpoint (that port + local rank) served once the requests were done.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import random
@@ -99,6 +104,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("run_dir")
     parser.add_argument("--prefix-caching", action="store_true")
     parser.add_argument("--tp", type=int, default=1, metavar="N")
+    parser.add_argument("--dp", type=int, default=1, metavar="N")
     parser.add_argument("--engine-processes", action="store_true")
     parser.add_argument("--async-scheduling", action="store_true")
     parser.add_argument("--force-async", action="store_true")
@@ -213,6 +219,9 @@ def run(mode: str, args: argparse.Namespace) -> dict[str, Any]:
     """Runs one engine to the end and shuts it down; returns its result."""
     from vllm import LLM, SamplingParams
 
+    if args.dp > 1:
+        return asyncio.run(run_data_parallel(mode, args))
+
     run_dir = os.path.join(args.run_dir, mode)
     os.environ["KVDEFRAG_VLLM_RUN_DIR"] = os.path.abspath(run_dir)
     # The scheduler side compares its ledger with vLLM's after every step (the engine
@@ -275,6 +284,88 @@ def run(mode: str, args: argparse.Namespace) -> dict[str, Any]:
         "resets": resets,
         "scheduler": scheduler,
         "worker_waits_s": worker_waits_s,
+        "metrics": metrics,
+    }
+
+
+def engine_dirs(run_dir: str, dp: int) -> list[str]:
+    """Each DP engine's run directory (``kvdefrag.vllm.common.engine_run_dir``)."""
+    return [run_dir] + [os.path.join(run_dir, f"dp{k}") for k in range(1, dp)]
+
+
+async def run_data_parallel(mode: str, args: argparse.Namespace) -> dict[str, Any]:
+    """``run`` for ``--dp N``: the requests go to vLLM's ``AsyncLLM`` at once, which
+    spreads them over its DP engines; each engine's scheduler writes its own report in its
+    own run directory. The result has every engine's report (``schedulers``), their
+    preemptions summed and moves per engine, and, with ``KVDEFRAG_METRICS_PORT``, each
+    engine's rank's metrics (that port + DP rank x TP + local rank)."""
+    from vllm import SamplingParams
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    if args.tp != 1 or args.force_async or args.reset_every:
+        sys.exit("engine_run.py: --dp runs with --tp 1, without --force-async or --reset-every")
+    run_dir = os.path.join(args.run_dir, mode)
+    os.environ["KVDEFRAG_VLLM_RUN_DIR"] = os.path.abspath(run_dir)
+    os.environ.setdefault("KVDEFRAG_VLLM_AUDIT_EVERY", "1")
+    dirs = engine_dirs(run_dir, args.dp)
+    for folder in dirs:
+        if os.path.exists(report_path(folder)):
+            os.remove(report_path(folder))
+    engine = AsyncLLM.from_engine_args(
+        AsyncEngineArgs(
+            model=args.model_dir,
+            load_format="dummy",
+            skip_tokenizer_init=True,
+            enforce_eager=True,
+            block_size=BLOCK_SIZE,
+            num_gpu_blocks_override=NUM_BLOCKS,
+            max_model_len=512,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=512,
+            enable_prefix_caching=args.prefix_caching,
+            data_parallel_size=args.dp,
+            scheduler_cls=f"measured_schedulers.{SCHEDULERS[mode]}",
+            worker_cls=f"weighted_workers.{WORKERS[mode]}",
+            dtype="float32",
+            seed=0,
+        )
+    )
+    rng = random.Random(11)
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=rng.randrange(8, 64), ignore_eos=True)
+        for _ in range(args.num_requests)
+    ]
+
+    async def generate(index: int, prompt: dict[str, list[int]]) -> Any:
+        last = None
+        async for output in engine.generate(prompt, params[index], request_id=str(index)):
+            last = output
+        return last
+
+    try:
+        outputs = await asyncio.gather(
+            *(generate(index, prompt) for index, prompt in enumerate(prompts(args.num_requests)))
+        )
+        metrics = (
+            scrape_rank_metrics(args.dp) if WORKERS[mode] != WORKERS["plain"] else []
+        )  # one rank per engine: DP rank k serves on the port + k
+    finally:
+        engine.shutdown()
+    schedulers = [read_report(folder) for folder in dirs]
+    return {
+        "mode": mode,
+        "async_scheduling": False,
+        "tokens": [list(output.outputs[0].token_ids) for output in outputs],
+        "num_cached_tokens": sum(output.num_cached_tokens or 0 for output in outputs),
+        "resets": [],
+        "scheduler": {
+            "num_preempted": sum(report["num_preempted"] for report in schedulers),
+            "num_moves": sum(report.get("num_moves", 0) for report in schedulers),
+        },
+        "schedulers": schedulers,
+        "engine_dirs": {folder: sorted(os.listdir(folder)) for folder in dirs},
+        "worker_waits_s": [],
         "metrics": metrics,
     }
 

@@ -1,6 +1,7 @@
 """Schedulers for engine_run.py that measure the run and write it down at shutdown.
 
-Both write ``scheduler.json`` into ``$KVDEFRAG_VLLM_RUN_DIR`` whenever the last request
+Both write ``scheduler.json`` into their engine's run directory (``$KVDEFRAG_VLLM_RUN_DIR``,
+or its ``dp<k>`` for data-parallel engine ``k > 0``) whenever the last request
 has finished (in whichever process the engine core runs; not at shutdown: with tensor
 parallel workers vLLM kills the engine core before its scheduler shuts down): preemptions,
 and the fragmentation of the pool sampled after every ``schedule()`` that leaves a block
@@ -27,15 +28,15 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutputs
 
-from kvdefrag.vllm.common import run_dir_from_env
+from kvdefrag.vllm.common import engine_run_dir
 from kvdefrag.vllm.scheduler import DefragAsyncScheduler, DefragScheduler
 
 REPORT_NAME = "scheduler.json"
 
 
-def write_report(report: dict[str, Any]) -> None:
-    """Writes ``report`` as ``$KVDEFRAG_VLLM_RUN_DIR/scheduler.json``."""
-    run_dir = run_dir_from_env()
+def write_report(report: dict[str, Any], parallel_config: Any) -> None:
+    """Writes ``report`` as ``scheduler.json`` in the engine's run directory."""
+    run_dir = engine_run_dir(parallel_config)
     os.makedirs(run_dir, mode=0o700, exist_ok=True)
     with open(os.path.join(run_dir, REPORT_NAME), "w") as file:
         json.dump(report, file)
@@ -61,7 +62,10 @@ class MeasuredScheduler(Scheduler):  # type: ignore[misc]
     def update_from_output(self, *args: Any, **kwargs: Any) -> dict[int, EngineCoreOutputs]:
         outputs = super().update_from_output(*args, **kwargs)
         if not self.has_unfinished_requests():
-            write_report({"num_preempted": self.num_preempted, "fragmentation": self.fragmentation})
+            write_report(
+                {"num_preempted": self.num_preempted, "fragmentation": self.fragmentation},
+                self.vllm_config.parallel_config,
+            )
         return outputs
 
 
@@ -98,7 +102,8 @@ class MeasuredDefragScheduler(DefragScheduler):
                         {"num_moves": rank.num_moves, "num_placements": rank.num_placements}
                         for rank in ranks
                     ],
-                }
+                },
+                self.vllm_config.parallel_config,
             )
         return outputs
 

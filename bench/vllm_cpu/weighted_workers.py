@@ -11,7 +11,7 @@ import torch
 from vllm.model_executor.model_loader.dummy_loader import DummyModelLoader
 from vllm.v1.worker.cpu_worker import CPUWorker
 
-from kvdefrag.vllm.common import read_step_stamp, run_dir_from_env
+from kvdefrag.vllm.common import read_step_stamp
 from kvdefrag.vllm.worker import DefragWorkerMixin, wait_for_planned_step
 
 # Standard deviations (times 1/sqrt(fan_in)) that make the attention path dominate the
@@ -72,7 +72,7 @@ class WeightedDefragWorker(DefragWorkerMixin, WeightedCPUWorker):
             if read_step_stamp(scheduler_output) is not None:
                 # NOTE: written as it goes: vLLM kills tensor-parallel workers before
                 # their shutdown runs. The stamp shows it crossed vLLM's executor.
-                path = os.path.join(run_dir_from_env(), WAITS_NAME.format(rank=self.rank))
+                path = os.path.join(self.kvdefrag_run_dir(), WAITS_NAME.format(rank=self.rank))
                 with open(path, "w") as file:
                     json.dump(waits_s, file)
         return super().execute_model(scheduler_output)  # waits again: returns at once

@@ -21,7 +21,14 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
-from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.config import (
+    CacheConfig,
+    DeviceConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    VllmConfig,
+)
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -128,11 +135,13 @@ def make_scheduler(
     max_num_batched_tokens: int = 256,
     async_scheduling: bool = False,
     v2: bool = False,
+    parallel_config: ParallelConfig | None = None,
 ) -> Scheduler:
     """Builds ``cls`` the way ``EngineCore`` does, on a one-group full-attention cache.
 
     ``v2`` selects vLLM's V2 model runner: the scheduler then sends resumed requests as new
     ones, with every token (``prefill_token_ids``), and the workers translate.
+    ``parallel_config``: vLLM's default (one rank, no data parallelism) when None.
     """
     config_cls = V2VllmConfig if v2 else VllmConfig
     vllm_config = config_cls(
@@ -146,6 +155,7 @@ def make_scheduler(
             async_scheduling=async_scheduling,
         ),
         device_config=DeviceConfig(device="cpu"),
+        **({} if parallel_config is None else {"parallel_config": parallel_config}),
     )
     vllm_config.cache_config.num_gpu_blocks = num_blocks
     spec = FullAttentionSpec(

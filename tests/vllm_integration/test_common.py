@@ -12,7 +12,8 @@ import re
 import stat
 from collections.abc import Sequence
 from pathlib import Path
-from typing import NamedTuple
+from types import SimpleNamespace
+from typing import Any, NamedTuple
 
 import pytest
 
@@ -20,6 +21,8 @@ from kvdefrag.vllm.common import (
     AUDIT_EVERY_ENV,
     CLIENT_TLS_ENV,
     RANKS_FILE,
+    RAY_ENV_PREFIXES_ENV,
+    RUN_DIR_ENV,
     TCP_HOST_ENV,
     TCP_PORT_ENV,
     PublishedRank,
@@ -29,12 +32,16 @@ from kvdefrag.vllm.common import (
     audit_every,
     client_tls_from_env,
     copy_destinations,
+    data_parallel_rank,
+    engine_run_dir,
     ensure_run_dir,
     first_fresh_block_index,
     map_block_ids,
     publish_ranks,
     published_ranks,
+    rank_port_offset,
     read_step_stamp,
+    run_dir_from_env,
     step_wait_s,
     tcp_address,
 )
@@ -57,13 +64,25 @@ def test_each_local_rank_takes_the_next_port(monkeypatch: pytest.MonkeyPatch) ->
     assert tcp_address(1, lambda: "10.0.0.7") == "[fd00::5]:50101"
 
 
-@pytest.mark.parametrize("port", ["http", "0", "65535"])
-def test_a_bad_port_is_named(monkeypatch: pytest.MonkeyPatch, port: str) -> None:
+def test_a_port_that_is_not_a_number_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(TCP_PORT_ENV, "http")
+    with pytest.raises(
+        RuntimeError, match=re.escape(f"{TCP_PORT_ENV} must be a TCP port, got 'http'")
+    ):
+        tcp_address(0, lambda: "10.0.0.7")
+
+
+@pytest.mark.parametrize(("port", "offset"), [("0", 0), ("65535", 1), ("65000", 1000)])
+def test_a_ranks_port_past_the_range_names_the_setting_and_the_largest_base(
+    monkeypatch: pytest.MonkeyPatch, port: str, offset: int
+) -> None:
     monkeypatch.setenv(TCP_PORT_ENV, port)
     with pytest.raises(
-        RuntimeError, match=re.escape(f"{TCP_PORT_ENV} must be a TCP port, got {port!r}")
+        RuntimeError,
+        match=re.escape(f"= {int(port) + offset}, not a TCP port; choose {TCP_PORT_ENV} in 1..")
+        + str(65535 - offset),
     ):
-        tcp_address(1 if port == "65535" else 0, lambda: "10.0.0.7")
+        tcp_address(offset, lambda: "10.0.0.7")
 
 
 SECRETS = [bytes([rank]) * 32 for rank in range(2)]
@@ -367,6 +386,7 @@ def test_common_exports_are_pinned() -> None:
             "AUDIT_EVERY_ENV",
             "CLIENT_TLS_ENV",
             "RANKS_FILE",
+            "RAY_ENV_PREFIXES_ENV",
             "RUN_DIR_ENV",
             "STEP_WAIT_ENV",
             "TCP_HOST_ENV",
@@ -379,12 +399,15 @@ def test_common_exports_are_pinned() -> None:
             "audit_every",
             "client_tls_from_env",
             "copy_destinations",
+            "data_parallel_rank",
+            "engine_run_dir",
             "ensure_run_dir",
             "first_fresh_block_index",
             "map_block_ids",
             "publish_ranks",
             "published_ranks",
             "rank_address",
+            "rank_port_offset",
             "read_step_stamp",
             "run_dir_from_env",
             "step_wait_s",
@@ -393,3 +416,65 @@ def test_common_exports_are_pinned() -> None:
             "UnsupportedByKvdefrag",
         },
     )
+
+
+# --- data parallelism: each DP engine's run directory and ports ------------------------
+def _parallel(
+    *, dp_index: int | None = None, dp_rank: int = 0, world_size: int = 1, backend: Any = None
+) -> SimpleNamespace:
+    """The parts of vLLM's ``ParallelConfig`` the DP rules read (``data_parallel_index``
+    absent when None, as on a config that predates it)."""
+    config = SimpleNamespace(
+        data_parallel_rank=dp_rank, world_size=world_size, distributed_executor_backend=backend
+    )
+    if dp_index is not None:
+        config.data_parallel_index = dp_index
+    return config
+
+
+def test_each_data_parallel_engine_gets_a_run_directory_of_its_own(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(RUN_DIR_ENV, str(tmp_path))
+    # a dense model's DP engine 1: vLLM reset data_parallel_rank to 0, the index stays 1
+    assert engine_run_dir(_parallel(dp_index=1, dp_rank=0)) == str(tmp_path / "dp1")
+    assert engine_run_dir(_parallel(dp_index=3, dp_rank=3)) == str(tmp_path / "dp3")
+    # DP engine 0, and an engine without data parallelism, keep the directory itself
+    assert engine_run_dir(_parallel(dp_index=0)) == str(tmp_path)
+    assert engine_run_dir(None) == str(tmp_path)
+    # no data_parallel_index: the DP rank
+    assert engine_run_dir(_parallel(dp_rank=2)) == str(tmp_path / "dp2")
+    assert engine_run_dir(_parallel(dp_index=2), run_dir="/base") == "/base/dp2"
+    assert not os.listdir(tmp_path)  # nothing is created
+
+
+def test_the_data_parallel_rank_is_the_index_vllm_keeps_per_engine() -> None:
+    assert data_parallel_rank(_parallel(dp_index=1, dp_rank=0)) == 1
+    assert data_parallel_rank(_parallel(dp_rank=1)) == 1
+    assert data_parallel_rank(None) == 0
+
+
+def test_no_two_ranks_of_any_data_parallel_engine_share_a_port_offset() -> None:
+    world_size = 4
+    offsets = [
+        rank_port_offset(_parallel(dp_index=dp_rank, world_size=world_size), local_rank)
+        for dp_rank in range(3)
+        for local_rank in range(world_size)
+    ]
+    assert offsets == list(range(12))
+    # without data parallelism: the local rank, as before
+    assert rank_port_offset(_parallel(world_size=2), 1) == 1
+    assert rank_port_offset(None, 3) == 3
+
+
+def test_an_unset_run_dir_under_ray_says_how_ray_copies_variables(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv(RUN_DIR_ENV, raising=False)
+    with pytest.raises(RuntimeError, match=f"export {RAY_ENV_PREFIXES_ENV}=KVDEFRAG_ where"):
+        run_dir_from_env("ray")
+    with pytest.raises(RuntimeError, match=f"export {RAY_ENV_PREFIXES_ENV}=KVDEFRAG_ where"):
+        engine_run_dir(_parallel(backend=type("RayExecutorV2", (), {"uses_ray": True})))
+    with pytest.raises(RuntimeError, match=f"set {RUN_DIR_ENV} to an absolute") as refused:
+        run_dir_from_env("mp")
+    assert RAY_ENV_PREFIXES_ENV not in str(refused.value)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import socket
 import stat
 import subprocess
@@ -21,6 +22,7 @@ import torch
 from kvdefrag.client import DefragClient
 from kvdefrag.common import InvalidArgument, StepEvents
 from kvdefrag.server import Engine, EngineConfig, Move, MoveBatch, make_executor
+from kvdefrag.vllm import _engine_checks
 from kvdefrag.vllm._ranks import connect_ranks
 from kvdefrag.vllm._runner_rows import Remap
 from kvdefrag.vllm.common import (
@@ -109,15 +111,22 @@ class _FakeRunner:
 class _FakeVllmWorker:
     """What the mixin uses of vLLM's Worker: ranks, configs, model_runner, hooks."""
 
-    def __init__(self, rank: int, world_size: int = 1) -> None:
+    def __init__(self, rank: int, world_size: int = 1, dp_rank: int = 0) -> None:
         self.rank = rank
         self.local_rank = rank
         # NOTE: one rank as far as vLLM's world group goes unless a test fakes the group
-        # (_FakeWorld: ranks in threads of this process).
-        self.parallel_config = type("ParallelConfig", (), {"world_size": world_size})()
+        # (_FakeWorld: ranks in threads of this process). ``data_parallel_index`` is the
+        # engine's DP rank, as vLLM sets it in every DP engine.
+        self.parallel_config = SimpleNamespace(world_size=world_size, data_parallel_index=dp_rank)
         self.cache_config = type("CacheConfig", (), {"block_size": BLOCK_SIZE})()
         self.model_runner = _FakeRunner()
         self.calls: list[str] = []
+
+    def init_device(self) -> None:
+        self.calls.append("init_device")
+
+    def load_model(self) -> None:
+        self.calls.append("load_model")
 
     def initialize_from_config(self, kv_cache_config: Any) -> None:
         self.model_runner.kv_caches = [torch.zeros(LAYOUTS["cpu"]) for _ in range(2)]
@@ -455,8 +464,9 @@ def test_every_rank_serves_its_metrics_on_base_port_plus_local_rank_labelled_by_
         for rank, worker in enumerate(workers):
             assert worker.kvdefrag_handle.metrics_port == base + rank
             text = _scrape(base + rank)
-            assert f'kvdefrag_capacity_blocks{{rank="{rank}"}} {float(NUM_BLOCKS)}' in text
-            assert f'kvdefrag_steps_total{{rank="{rank}"}} 0.0' in text
+            labels = f'dp_rank="0",rank="{rank}"'  # in the order the text format writes them
+            assert f"kvdefrag_capacity_blocks{{{labels}}} {float(NUM_BLOCKS)}" in text
+            assert f"kvdefrag_steps_total{{{labels}}} 0.0" in text
             # every series carries the rank
             series = [line for line in text.splitlines() if line.startswith("kvdefrag_")]
             assert series and all(f'rank="{rank}"' in line for line in series)
@@ -479,9 +489,198 @@ def test_a_metrics_port_past_the_last_port_for_a_rank_is_named(
     monkeypatch.setenv("KVDEFRAG_VLLM_RUN_DIR", str(tmp_path / "run"))
     monkeypatch.setenv("KVDEFRAG_METRICS_PORT", "65535")
     worker = _Worker(rank=1)  # one rank here, local rank 1
-    with pytest.raises(InvalidArgument, match="local rank 1 would serve its metrics on port 65536"):
+    with pytest.raises(InvalidArgument, match=r"KVDEFRAG_METRICS_PORT \+ 1 .* = port 65536"):
         worker.initialize_from_config(_kv_cache_config())
     assert worker.kvdefrag_handle is None
+
+
+def _free_ports(count: int) -> int:
+    """A port ``p`` with ``p`` .. ``p + count - 1`` free on the loopback interface."""
+    for _ in range(100):
+        with contextlib.ExitStack() as stack:
+            first = stack.enter_context(socket.socket())
+            first.bind(("127.0.0.1", 0))
+            port = int(first.getsockname()[1])
+            try:
+                for offset in range(1, count):
+                    stack.enter_context(socket.socket()).bind(("127.0.0.1", port + offset))
+            except OSError:
+                continue
+        return port
+    raise AssertionError(f"no {count} consecutive free ports")
+
+
+def _start_dp_ranks(world: _FakeWorld, dp_size: int, world_size: int) -> list[Any]:
+    """Starts ``dp_size`` data-parallel engines of ``world_size`` ranks each, every rank in
+    a thread, all in one world group as vLLM makes it for a MoE model (the slot of rank
+    ``r`` of DP engine ``d`` is ``d * world_size + r``); returns each worker or its error."""
+    results: list[Any] = [None] * (dp_size * world_size)
+
+    def start(slot: int) -> None:
+        world.local.rank = slot
+        dp_rank, rank = divmod(slot, world_size)
+        worker = _Worker(rank=rank, world_size=world_size, dp_rank=dp_rank)
+        try:
+            worker.init_device()
+            worker.initialize_from_config(_kv_cache_config())
+            results[slot] = worker
+        except BaseException as err:
+            results[slot] = err
+
+    threads = [
+        threading.Thread(target=start, args=(slot,), daemon=True) for slot in range(len(results))
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert not any(thread.is_alive() for thread in threads), "a rank still waits in the gather"
+    return results
+
+
+def test_data_parallel_engines_serve_apart_each_publishing_only_its_own_ranks(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two DP engines of two ranks in one world group (a MoE model): each engine's ranks
+    serve in its own run directory, on their own metrics ports, labelled with the DP rank,
+    and each engine's rank 0 publishes its two ranks only."""
+    base = _free_ports(4)
+    run_dir = tmp_path / "run"
+    monkeypatch.setenv("KVDEFRAG_VLLM_RUN_DIR", str(run_dir))
+    monkeypatch.setenv("KVDEFRAG_METRICS_PORT", str(base))
+    world = _fake_world(monkeypatch, 4)
+    workers = _start_dp_ranks(world, dp_size=2, world_size=2)
+    assert all(isinstance(worker, _Worker) for worker in workers), workers
+    try:
+        for dp_rank, engine_dir in enumerate([run_dir, run_dir / "dp1"]):
+            published = published_ranks(str(engine_dir), 2)
+            assert [rank.address for rank in published] == [
+                f"unix:{engine_dir}/rank{rank}.sock" for rank in range(2)
+            ]
+            # each published address proves the secret of that engine's rank
+            for client in connect_ranks(published, prefix_caching=False, tls={}):
+                client.close()
+            for rank in range(2):
+                port = base + dp_rank * 2 + rank  # DP rank x world size + local rank
+                assert workers[dp_rank * 2 + rank].kvdefrag_handle.metrics_port == port
+                text = _scrape(port)
+                labels = f'dp_rank="{dp_rank}",rank="{rank}"'
+                assert f"kvdefrag_capacity_blocks{{{labels}}} {float(NUM_BLOCKS)}" in text
+        assert sorted(os.listdir(run_dir / "dp1")) == sorted(
+            ["rank0.sock", "rank0.sock.lock", "rank1.sock", "rank1.sock.lock", RANKS_FILE]
+        )
+    finally:
+        for worker in workers:
+            if isinstance(worker, _Worker):
+                worker.shutdown()
+
+
+def test_independent_data_parallel_engines_on_one_host_never_share_a_socket_or_port(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``vllm serve --data-parallel-size 2`` of a dense model: two engines of one rank each,
+    rank 0 both, one run directory named for both."""
+    base = _free_ports(2)
+    run_dir = tmp_path / "run"
+    monkeypatch.setenv("KVDEFRAG_VLLM_RUN_DIR", str(run_dir))
+    monkeypatch.setenv("KVDEFRAG_METRICS_PORT", str(base))
+    engines = [_Worker(rank=0, dp_rank=dp_rank) for dp_rank in range(2)]
+    try:
+        for engine in engines:
+            engine.init_device()
+            engine.initialize_from_config(_kv_cache_config())
+        for dp_rank, engine_dir in enumerate([run_dir, run_dir / "dp1"]):
+            [published] = published_ranks(str(engine_dir), 1)
+            assert published.address == f"unix:{engine_dir}/rank0.sock"
+            assert engines[dp_rank].kvdefrag_handle.metrics_port == base + dp_rank
+            assert f'dp_rank="{dp_rank}",rank="0"' in _scrape(base + dp_rank)
+    finally:
+        for engine in engines:
+            engine.shutdown()
+
+
+def _refused_config(setting: str, monkeypatch: pytest.MonkeyPatch) -> SimpleNamespace:
+    """A worker's ``vllm_config`` with ``setting`` kvdefrag refuses (and the environment it
+    needs), everything else served."""
+    parallel = SimpleNamespace(
+        world_size=2,
+        data_parallel_index=1,
+        pipeline_parallel_size=1,
+        decode_context_parallel_size=1,
+        prefill_context_parallel_size=1,
+        distributed_executor_backend="mp",
+    )
+    config = SimpleNamespace(
+        parallel_config=parallel, kv_transfer_config=None, speculative_config=None
+    )
+    if setting in ("pipeline_parallel_size", "decode_context_parallel_size"):
+        setattr(parallel, setting, 2)
+    elif setting == "prefill_context_parallel_size":
+        parallel.prefill_context_parallel_size = 2
+    elif setting == "kv_transfer_config":
+        config.kv_transfer_config = SimpleNamespace(kv_connector="NixlConnector")
+    elif setting == "speculative_config":
+        config.speculative_config = SimpleNamespace(method="eagle")
+    elif setting == "VLLM_USE_RAY_V2_EXECUTOR_BACKEND":
+        parallel.distributed_executor_backend = "ray"
+        monkeypatch.setenv(setting, "0")
+        monkeypatch.setattr(_engine_checks, "has_legacy_ray_executor", lambda: True)
+    elif setting in ("KVDEFRAG_METRICS_PORT", "KVDEFRAG_VLLM_TCP_PORT"):
+        monkeypatch.setenv(setting, "65534")  # DP rank 1 x 2 ranks + local rank 1: 65537
+    else:
+        raise AssertionError(setting)
+    return config
+
+
+EARLY_REFUSALS = {
+    "pipeline_parallel_size": (UnsupportedByKvdefrag, "--pipeline-parallel-size"),
+    "decode_context_parallel_size": (UnsupportedByKvdefrag, "--decode-context-parallel-size"),
+    "prefill_context_parallel_size": (UnsupportedByKvdefrag, "--prefill-context-parallel-size"),
+    "kv_transfer_config": (UnsupportedByKvdefrag, "drop --kv-transfer-config"),
+    "speculative_config": (UnsupportedByKvdefrag, "method 'eagle'"),
+    "VLLM_USE_RAY_V2_EXECUTOR_BACKEND": (UnsupportedByKvdefrag, "Unset VLLM_USE_RAY_V2"),
+    "KVDEFRAG_METRICS_PORT": (InvalidArgument, "choose KVDEFRAG_METRICS_PORT at most 65532"),
+    "KVDEFRAG_VLLM_TCP_PORT": (RuntimeError, "choose KVDEFRAG_VLLM_TCP_PORT in 1..65532"),
+}
+"""What the configuration or the settings alone decide: refused before the model loads."""
+
+
+@pytest.mark.parametrize("setting", sorted(EARLY_REFUSALS))
+def test_what_the_configuration_decides_is_refused_before_the_model_loads(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, setting: str
+) -> None:
+    run_dir = tmp_path / "run"
+    monkeypatch.setenv("KVDEFRAG_VLLM_RUN_DIR", str(run_dir))
+    worker = _Worker(rank=1, world_size=2, dp_rank=1)
+    worker.vllm_config = _refused_config(setting, monkeypatch)  # type: ignore[attr-defined]
+    worker.parallel_config = worker.vllm_config.parallel_config  # type: ignore[attr-defined]
+    error, message = EARLY_REFUSALS[setting]
+    with pytest.raises(error, match=re.escape(message)):
+        worker.init_device()
+    assert worker.calls == []  # vLLM's init_device (and so load_model) never ran
+    assert not run_dir.exists()  # nothing created, nothing left behind
+
+
+def test_a_served_configuration_goes_on_to_vllms_init_device(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run_dir = tmp_path / "run"
+    monkeypatch.setenv("KVDEFRAG_VLLM_RUN_DIR", str(run_dir))
+    worker = _Worker(rank=0)
+    worker.init_device()
+    assert worker.calls == ["init_device"]
+    assert not run_dir.exists()  # created once the caches are bound, not before
+
+
+def test_a_ray_worker_without_the_run_dir_is_told_how_ray_copies_variables(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("KVDEFRAG_VLLM_RUN_DIR", raising=False)
+    worker = _Worker(rank=0)
+    worker.parallel_config.distributed_executor_backend = "ray"
+    with pytest.raises(RuntimeError, match="VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY=KVDEFRAG_"):
+        worker.init_device()
+    assert worker.calls == []
 
 
 @pytest.mark.parametrize("cause", ["hybrid model", "metrics port taken"])

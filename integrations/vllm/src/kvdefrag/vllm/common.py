@@ -6,15 +6,18 @@ alone:
 
 * **The run directory and rank discovery.** Every worker (rank ``N`` of ``world_size``)
   serves on ``unix:<run dir>/rank<N>.sock``, or, with ``KVDEFRAG_VLLM_TCP_PORT`` set (ranks
-  on several hosts), on ``HOST:PORT+local rank`` with TLS from the ``KVDEFRAG_TLS_*``
-  variables, and proves a secret of its own (``IdentityService``). Once every rank
-  serves, the workers gather their addresses and secrets over vLLM's own world process
-  group and rank 0 writes them to ``<run dir>/ranks.json`` (0600); the scheduler, built on
-  rank 0's host after the KV caches exist, reads that file and checks each rank's proof
-  before it trusts the address. The run directory comes from ``KVDEFRAG_VLLM_RUN_DIR``
-  (set it once for ``vllm serve``; every process of the engine inherits it): it must be
-  this user's and unreachable by group and others (created 0700 if missing), and no file
-  in it is written or read through a link (``_run_dir``; ``UnsafeRunDir`` otherwise).
+  on several hosts), on ``HOST:PORT+offset`` (``rank_port_offset``) with TLS from the
+  ``KVDEFRAG_TLS_*`` variables, and proves a secret of its own (``IdentityService``). Once
+  every rank serves, the workers gather their addresses and secrets over vLLM's own world
+  process group and rank 0 writes them to ``<run dir>/ranks.json`` (0600); the scheduler,
+  built on rank 0's host after the KV caches exist, reads that file and checks each rank's
+  proof before it trusts the address. The run directory comes from
+  ``KVDEFRAG_VLLM_RUN_DIR`` (set it once for ``vllm serve``; every process of the engine
+  inherits it): it must be this user's and unreachable by group and others (created 0700 if
+  missing), and no file in it is written or read through a link (``_run_dir``;
+  ``UnsafeRunDir`` otherwise). Under data parallelism every DP engine has a scheduler and
+  ranks of its own, so each gets a run directory of its own (``engine_run_dir``: DP engine
+  ``k > 0`` in ``<run dir>/dp<k>``) and ports of its own (``rank_port_offset``).
 * **How often the scheduler side audits** its ledger against vLLM (``audit_every``).
 * **The step stamp**: the step planned with an output, which a worker waits for before it
   translates that output (``attach_step_stamp`` / ``read_step_stamp``).
@@ -47,6 +50,7 @@ __all__ = [
     "AUDIT_EVERY_ENV",
     "CLIENT_TLS_ENV",
     "RANKS_FILE",
+    "RAY_ENV_PREFIXES_ENV",
     "RUN_DIR_ENV",
     "STEP_WAIT_ENV",
     "TCP_HOST_ENV",
@@ -60,12 +64,15 @@ __all__ = [
     "audit_every",
     "client_tls_from_env",
     "copy_destinations",
+    "data_parallel_rank",
+    "engine_run_dir",
     "ensure_run_dir",
     "first_fresh_block_index",
     "map_block_ids",
     "publish_ranks",
     "published_ranks",
     "rank_address",
+    "rank_port_offset",
     "read_step_stamp",
     "run_dir_from_env",
     "step_wait_s",
@@ -83,19 +90,106 @@ RUN_DIR_ENV = "KVDEFRAG_VLLM_RUN_DIR"
 """The environment variable naming the run directory of one vLLM engine."""
 
 
-def run_dir_from_env() -> str:
-    """Returns the run directory named by ``KVDEFRAG_VLLM_RUN_DIR``.
+RAY_ENV_PREFIXES_ENV = "VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY"
+"""vLLM's Ray executors copy to their workers only the variables whose names start with
+one of their prefixes (``VLLM_``, ``NCCL_``, ``HF_``, ...; vLLM 0.32 and 0.33
+``vllm/ray/ray_env.py`` ``DEFAULT_ENV_VAR_PREFIXES``) plus the ones this adds."""
+
+
+def run_dir_from_env(executor_backend: object = None) -> str:
+    """Returns the run directory named by ``KVDEFRAG_VLLM_RUN_DIR`` (the base one: a data
+    parallel engine's own is ``engine_run_dir``).
+
+    Args:
+        executor_backend: ``ParallelConfig.distributed_executor_backend``, for the message:
+            under Ray a variable set where vLLM starts reaches the workers only through
+            ``VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY``.
 
     Raises:
         RuntimeError: The variable is unset or not an absolute path.
     """
     run_dir = os.environ.get(RUN_DIR_ENV, "")
     if not os.path.isabs(run_dir):
+        fix = f"set {RUN_DIR_ENV} to an absolute directory private to this vLLM engine"
+        if _uses_ray(executor_backend) and not run_dir:
+            fix = (
+                f"{RUN_DIR_ENV} is unset in this Ray worker: vLLM's Ray executor copies only "
+                f"variables with the prefixes VLLM_, NCCL_, HF_, ... to its workers; export "
+                f"{RAY_ENV_PREFIXES_ENV}=KVDEFRAG_ where you start vLLM (with {RUN_DIR_ENV} "
+                "set to an absolute directory private to this vLLM engine)"
+            )
         raise RuntimeError(
-            f"kvdefrag: set {RUN_DIR_ENV} to an absolute directory private to this vLLM "
-            f"engine (e.g. $XDG_RUNTIME_DIR/kvdefrag/<engine>), got {run_dir!r}"
+            f"kvdefrag: {fix} (e.g. $XDG_RUNTIME_DIR/kvdefrag/<engine>), got {run_dir!r}"
         )
     return run_dir
+
+
+def _uses_ray(executor_backend: object) -> bool:
+    """Whether vLLM's executor runs its workers as Ray actors (``"ray"``, or a class that
+    says so: ``Executor.uses_ray``)."""
+    if executor_backend == "ray":
+        return True
+    return bool(getattr(executor_backend, "uses_ray", False))
+
+
+def data_parallel_rank(parallel_config: object) -> int:
+    """The data-parallel engine a process belongs to (0 without data parallelism).
+
+    It is ``ParallelConfig.data_parallel_index`` (vLLM 0.33 ``config/parallel.py:443``),
+    which ``EngineCoreProc.run_engine_core`` sets to the engine's DP rank
+    (``v1/engine/core.py:1545``) before it builds the engine core, its executor (whose
+    workers get this config) and its scheduler. Not ``data_parallel_rank``: for a dense
+    model each DP engine is independent and ``reconfigure_for_independent_dp_rank``
+    (``config/parallel.py:1191``) resets that to 0 and ``data_parallel_size`` to 1, as
+    vLLM's own per-rank names note (``v1/worker/gpu_worker.py:381``). For a MoE model
+    (``DPEngineCoreProc``, ``core.py:2281``) the two are equal. Inside one DP engine the
+    workers are numbered ``rank`` 0 .. ``world_size - 1`` (``world_size`` = PP x TP x PCP,
+    ``config/parallel.py:964``), whatever the DP rank.
+    """
+    index = getattr(parallel_config, "data_parallel_index", None)
+    if index is None:
+        index = getattr(parallel_config, "data_parallel_rank", 0)
+    return int(index or 0)
+
+
+def engine_run_dir(parallel_config: object, run_dir: str | None = None) -> str:
+    """This engine's run directory, the same on the scheduler side and every worker.
+
+    ``KVDEFRAG_VLLM_RUN_DIR`` itself for DP engine 0 (and any engine without data
+    parallelism), ``<KVDEFRAG_VLLM_RUN_DIR>/dp<k>`` for DP engine ``k > 0``::
+
+        $KVDEFRAG_VLLM_RUN_DIR/            DP engine 0 (or no DP)
+            rank0.sock  rank1.sock  ranks.json
+            dp1/                           DP engine 1
+                rank0.sock  rank1.sock  ranks.json
+
+    NOTE: engine 0 stays in the base directory because a dense model's DP engine 0 cannot
+    be told from an engine without data parallelism: vLLM leaves it
+    ``data_parallel_size == 1`` and ``data_parallel_index == 0`` (``data_parallel_rank``).
+
+    Args:
+        parallel_config: vLLM's ``ParallelConfig`` (the scheduler's or the worker's).
+        run_dir: The base run directory; ``KVDEFRAG_VLLM_RUN_DIR`` when None.
+
+    Raises:
+        RuntimeError: As ``run_dir_from_env``.
+    """
+    if run_dir is None:
+        run_dir = run_dir_from_env(getattr(parallel_config, "distributed_executor_backend", None))
+    dp_rank = data_parallel_rank(parallel_config)
+    return run_dir if dp_rank == 0 else os.path.join(run_dir, f"dp{dp_rank}")
+
+
+def rank_port_offset(parallel_config: object, local_rank: int) -> int:
+    """What a rank adds to ``KVDEFRAG_METRICS_PORT`` and ``KVDEFRAG_VLLM_TCP_PORT``:
+    ``dp_rank * world_size + local_rank``.
+
+    ``local_rank`` < ``world_size`` (vLLM numbers a DP engine's workers on one host 0 ..
+    ``local_world_size - 1``), so no two ranks of any DP engine share an offset: the ranks
+    on one host never contend for a port. Without data parallelism it is the local rank.
+    """
+    world_size = int(getattr(parallel_config, "world_size", 1) or 1)
+    return data_parallel_rank(parallel_config) * world_size + local_rank
 
 
 def ensure_run_dir(run_dir: str) -> None:
@@ -141,7 +235,8 @@ RANKS_FILE = "ranks.json"
 """Written by rank 0's worker into the run directory: every rank's address, rank 0 first."""
 
 TCP_PORT_ENV = "KVDEFRAG_VLLM_TCP_PORT"
-"""Set: rank ``N`` serves on TCP port ``value + local rank`` instead of a unix socket."""
+"""Set: a rank serves on TCP port ``value + rank_port_offset`` (``value + local rank``
+without data parallelism) instead of a unix socket."""
 
 TCP_HOST_ENV = "KVDEFRAG_VLLM_TCP_HOST"
 """The interface TCP ranks listen on and announce (default: the IP vLLM uses for the host)."""
@@ -154,23 +249,30 @@ CLIENT_TLS_ENV = {
 """``DefragClient`` TLS argument -> the variable naming its PEM file (scheduler side)."""
 
 
-def tcp_address(local_rank: int, default_host: Callable[[], str]) -> str | None:
+def tcp_address(port_offset: int, default_host: Callable[[], str]) -> str | None:
     """``HOST:PORT`` for this rank when ``KVDEFRAG_VLLM_TCP_PORT`` is set, else None.
 
-    ``default_host()`` is asked only when the port is set and the host is not.
+    Args:
+        port_offset: What this rank adds to the port (``rank_port_offset``: the local rank
+            without data parallelism).
+        default_host: Asked only when the port is set and the host is not.
 
     Raises:
-        RuntimeError: The port is not a number in 1..65535 for every local rank.
+        RuntimeError: The port is not a number, or this rank's port is not in 1..65535.
     """
     text = os.environ.get(TCP_PORT_ENV, "").strip()
     if not text:
         return None
     try:
-        port = int(text) + local_rank
+        port = int(text) + port_offset
     except ValueError:
-        port = -1
+        raise RuntimeError(f"kvdefrag: {TCP_PORT_ENV} must be a TCP port, got {text!r}") from None
     if not 0 < port < 65536:
-        raise RuntimeError(f"kvdefrag: {TCP_PORT_ENV} must be a TCP port, got {text!r}")
+        raise RuntimeError(
+            f"kvdefrag: {TCP_PORT_ENV}={text}: this rank serves on {TCP_PORT_ENV} + "
+            f"{port_offset} (DP rank x world size + local rank) = {port}, not a TCP port; "
+            f"choose {TCP_PORT_ENV} in 1..{65535 - port_offset}"
+        )
     host = os.environ.get(TCP_HOST_ENV, "").strip() or default_host()
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 

