@@ -32,11 +32,13 @@ import contextlib
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from collections.abc import Sequence
@@ -366,12 +368,8 @@ def run_server(
 ) -> ServerRun:
     name = f"{config.name}-{index}-{side}"
     out = args.out
-    run_dir = out / "runs" / name
-    if run_dir.exists():
-        for stale in run_dir.iterdir():
-            if stale.is_file():
-                stale.unlink()
-    run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    # NOTE: a short private folder: the run directory holds the rank's unix socket.
+    run_dir = Path(tempfile.mkdtemp(prefix=f"kvdefrag-{name}-"))
     print(f"  {name}: starting vllm serve ...", end="", flush=True)
     started = time.monotonic()
     server = Server(config, side, model_dir, run_dir, out / f"{name}.log")
@@ -395,12 +393,14 @@ def run_server(
             result.metrics = server.scrape()
             time.sleep(0.5)  # scheduler.json is written as the last request finishes
             result.scheduler = json.loads((run_dir / "scheduler.json").read_text())
-            waits = run_dir / "worker0_waits.json"
-            probes = json.loads(waits.read_text()) if waits.exists() else {}
-            result.worker_waits_s = probes.get("waits_s", [])
-            result.worker_begins_s = probes.get("begins_s", [])
+            waits = run_dir / "worker0_waits.jsonl"
+            for line in waits.read_text().splitlines() if waits.exists() else ():
+                probes = json.loads(line)
+                result.worker_waits_s += probes["waits_s"]
+                result.worker_begins_s += probes["begins_s"]
     finally:
         server.stop()
+        shutil.rmtree(run_dir, ignore_errors=True)
     tokens_s = ", ".join(f"{run['output_throughput']:.0f}" for run in runs)
     print(f" {tokens_s} tokens/s ({time.monotonic() - started:.0f} s)", flush=True)
     return result

@@ -10,8 +10,8 @@ into ``$KVDEFRAG_VLLM_RUN_DIR`` as JSON for the benchmark to read:
   nothing else changed);
 * ``scheduler.json``, each time the last running request finishes: the kvdefrag
   scheduler's ``schedule()`` calls, steps sent and the time of each ``apply``;
-* ``worker<rank>_waits.json``, every ``WAITS_EVERY`` passes: how long each pass waited
-  for its step, and how long the pass then took before vLLM's runner started
+* ``worker<rank>_waits.jsonl``, a line every ``WAITS_EVERY`` passes: how long each pass
+  waited for its step, and how long the pass then took before vLLM's runner started
   (``ProbedDefragWorker``, on vLLM's CPU worker; the last few passes may be missing).
 
 Nothing here is on the per-step path beyond appending a float; the files are written
@@ -36,7 +36,7 @@ from kvdefrag.vllm.worker import DefragWorkerMixin, wait_for_planned_step
 
 MODE_NAME = "mode.json"
 SCHEDULER_NAME = "scheduler.json"
-WAITS_NAME = "worker{rank}_waits.json"
+WAITS_NAME = "worker{rank}_waits.jsonl"
 WAITS_EVERY = 64
 
 
@@ -132,9 +132,15 @@ class ProbedDefragWorker(DefragWorkerMixin, _RunnerClock):
         wait_for_planned_step(handle, self.rank, scheduler_output, self.kvdefrag_step_wait_s)
         waited = time.perf_counter()
         result = super().execute_model(scheduler_output, *args, **kwargs)
-        probes = self.__dict__.setdefault("kvdefrag_probes", {"waits_s": [], "begins_s": []})
-        probes["waits_s"].append(waited - started)
-        probes["begins_s"].append(self.kvdefrag_runner_started - waited)
-        if len(probes["waits_s"]) % WAITS_EVERY == 0:
-            _write(WAITS_NAME.format(rank=self.rank), probes)
+        probes = self.__dict__.setdefault("kvdefrag_probes", ([], []))
+        probes[0].append(waited - started)
+        probes[1].append(self.kvdefrag_runner_started - waited)
+        if len(probes[0]) == WAITS_EVERY:
+            # NOTE: appended, one line per WAITS_EVERY passes: rewriting every pass so
+            # far each time showed in a profile of this process.
+            path = os.path.join(run_dir_from_env(), WAITS_NAME.format(rank=self.rank))
+            with open(path, "a") as file:
+                file.write(json.dumps({"waits_s": probes[0], "begins_s": probes[1]}) + "\n")
+            probes[0].clear()
+            probes[1].clear()
         return result
