@@ -113,7 +113,7 @@ bench-vllm: $(VLLM_STAMP)
 
 # `vllm serve` plain and with kvdefrag, alternated, measured by vLLM's own benchmark
 # (vllm.benchmarks.serve): one table per scheduling mode and prefix caching setting, ratios
-# to plain (.venv-vllm-cpu; about 15 minutes, BENCH_SERVE_ARGS=--quick for about 1).
+# to plain (.venv-vllm-cpu; 15-20 minutes, BENCH_SERVE_ARGS=--quick for about 1).
 bench-serve: $(VLLM_CPU_STAMP)
 	$(VLLM_CPU_PY) bench/vllm_cpu/serve_bench.py $(BENCH_SERVE_ARGS)
 

@@ -164,6 +164,9 @@ def format_table(title: str, servers: Sequence[ServerRun]) -> str:
         )
     defrag_servers = [server for server in servers if server.side == "kvdefrag"]
     steps = [s for server in defrag_servers for s in server.scheduler.get("step_durations_s", [])]
+    settles = [
+        s for server in defrag_servers for s in server.scheduler.get("settle_durations_s", [])
+    ]
     waits = [w for server in defrag_servers for w in server.worker_waits_s]
     begins = [b for server in defrag_servers for b in server.worker_begins_s]
     num_schedules = sum(server.scheduler.get("num_schedules", 0) for server in defrag_servers)
@@ -178,6 +181,7 @@ def format_table(title: str, servers: Sequence[ServerRun]) -> str:
         ("preemptions (kvdefrag servers)", "-", f"{preempted}", "", ""),
         ("what kvdefrag adds, per step:", "", "", "", ""),
         ("  scheduler, per schedule(), p50/p99/mean ms", "-", _ms(steps), "", ""),
+        ("    of which waiting for the last step's replies", "-", _ms(settles), "", ""),
         (
             "  schedule() calls that sent a step",
             "-",

@@ -9,7 +9,8 @@ into ``$KVDEFRAG_VLLM_RUN_DIR`` as JSON for the benchmark to read:
   plain vLLM too (``ModeScheduler``, ``ModeAsyncScheduler``: vLLM's own schedulers,
   nothing else changed);
 * ``scheduler.json``, each time the last running request finishes: the kvdefrag
-  scheduler's ``schedule()`` calls, steps sent and the time of each ``apply``;
+  scheduler's ``schedule()`` calls, steps sent, the time of each ``apply`` and how much
+  of it went to waiting for the previous step's replies (``settle``);
 * ``worker<rank>_waits.jsonl``, a line every ``WAITS_EVERY`` passes: how long each pass
   waited for its step, and how long the pass then took before vLLM's runner started
   (``ProbedDefragWorker``, on vLLM's CPU worker; the last few passes may be missing).
@@ -84,6 +85,18 @@ class ProbedDefragScheduler(DefragScheduler):
         super().__init__(*args, **kwargs)
         _write_mode(self)
         self.num_schedules = 0
+        # How long each ``apply`` waited for the previous step's replies (``settle``).
+        self.settle_durations_s: list[float] = []
+        settle = self.kvdefrag.settle
+
+        def timed_settle() -> None:
+            started = time.perf_counter()
+            try:
+                settle()
+            finally:
+                self.settle_durations_s.append(time.perf_counter() - started)
+
+        self.kvdefrag.settle = timed_settle  # type: ignore[method-assign]
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         self.num_schedules += 1
@@ -100,6 +113,7 @@ class ProbedDefragScheduler(DefragScheduler):
                     "num_steps": totals.num_steps,
                     "num_preempted": totals.num_preempted,
                     "step_durations_s": totals.step_durations_s,
+                    "settle_durations_s": self.settle_durations_s,
                 },
             )
         return outputs
