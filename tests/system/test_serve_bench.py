@@ -58,6 +58,7 @@ def canned_servers(bench: ModuleType) -> list:
                 "num_steps": 4,
                 "num_preempted": 3,
                 "step_durations_s": [0.001, 0.003],
+                "settle_durations_s": [0.0, 0.002],
             },
             worker_waits_s=[0.0, 0.002],
             worker_begins_s=[0.0001],
@@ -95,7 +96,11 @@ def test_table_shows_each_metric_its_ratio_and_kvdefrags_side(bench: ModuleType)
     assert rows["service, applying a step, mean ms"][-1] == "0.50"
     # p50 / p99 / mean of [1 ms, 3 ms]
     assert " ".join(rows["scheduler, per schedule(), p50/p99/mean ms"][-5:]) == "2.00 / 3.00 / 2.00"
+    assert (
+        " ".join(rows["of which waiting for the last step's replies"][-5:]) == "1.00 / 2.00 / 1.00"
+    )
     assert " ".join(rows["worker, wait for its step, p50/p99/mean ms"][-5:]) == "1.00 / 2.00 / 1.00"
+    assert rows["worker, lock + rows + translation, p50/p99/mean ms"][-5] == "0.10"
 
 
 def test_table_without_kvdefrags_probes_says_so(bench: ModuleType) -> None:
