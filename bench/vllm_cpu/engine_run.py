@@ -215,6 +215,28 @@ def read_report(run_dir: str) -> dict[str, Any]:
     return report
 
 
+def engine_options(args: argparse.Namespace, mode: str) -> dict[str, Any]:
+    """vLLM's engine settings every mode and layout shares (the tiny Llama, drawn weights,
+    the 40-block pool, the mode's scheduler and worker classes)."""
+    schedulers = ASYNC_SCHEDULERS if args.force_async else SCHEDULERS
+    return {
+        "model": args.model_dir,
+        "load_format": "dummy",
+        "skip_tokenizer_init": True,
+        "enforce_eager": True,
+        "block_size": BLOCK_SIZE,
+        "num_gpu_blocks_override": NUM_BLOCKS,
+        "max_model_len": 512,
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": 512,
+        "enable_prefix_caching": args.prefix_caching,
+        "scheduler_cls": f"measured_schedulers.{schedulers[mode]}",
+        "worker_cls": f"weighted_workers.{WORKERS[mode]}",
+        "dtype": "float32",
+        "seed": 0,
+    }
+
+
 def run(mode: str, args: argparse.Namespace) -> dict[str, Any]:
     """Runs one engine to the end and shuts it down; returns its result."""
     from vllm import LLM, SamplingParams
@@ -230,27 +252,10 @@ def run(mode: str, args: argparse.Namespace) -> dict[str, Any]:
     if os.path.exists(report_path(run_dir)):
         os.remove(report_path(run_dir))  # an earlier run's, in a reused directory
     llm = LLM(
-        model=args.model_dir,
-        load_format="dummy",
-        skip_tokenizer_init=True,
-        enforce_eager=True,
-        block_size=BLOCK_SIZE,
-        num_gpu_blocks_override=NUM_BLOCKS,
-        max_model_len=512,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=512,
-        enable_prefix_caching=args.prefix_caching,
+        **engine_options(args, mode),
         async_scheduling=args.async_scheduling or args.force_async,
         tensor_parallel_size=args.tp,
         distributed_executor_backend="mp" if args.tp > 1 else None,
-        scheduler_cls=(
-            f"measured_schedulers.{ASYNC_SCHEDULERS[mode]}"
-            if args.force_async
-            else f"measured_schedulers.{SCHEDULERS[mode]}"
-        ),
-        worker_cls=f"weighted_workers.{WORKERS[mode]}",
-        dtype="float32",
-        seed=0,
     )
     rng = random.Random(11)
     params = [
@@ -313,23 +318,7 @@ async def run_data_parallel(mode: str, args: argparse.Namespace) -> dict[str, An
         if os.path.exists(report_path(folder)):
             os.remove(report_path(folder))
     engine = AsyncLLM.from_engine_args(
-        AsyncEngineArgs(
-            model=args.model_dir,
-            load_format="dummy",
-            skip_tokenizer_init=True,
-            enforce_eager=True,
-            block_size=BLOCK_SIZE,
-            num_gpu_blocks_override=NUM_BLOCKS,
-            max_model_len=512,
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=512,
-            enable_prefix_caching=args.prefix_caching,
-            data_parallel_size=args.dp,
-            scheduler_cls=f"measured_schedulers.{SCHEDULERS[mode]}",
-            worker_cls=f"weighted_workers.{WORKERS[mode]}",
-            dtype="float32",
-            seed=0,
-        )
+        AsyncEngineArgs(**engine_options(args, mode), data_parallel_size=args.dp)
     )
     rng = random.Random(11)
     params = [
