@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from kvdefrag.client import DefragClient
-from kvdefrag.server import Move, _executor
+from kvdefrag.server import Move, _backends
 
 from support.kv import SignedKv, kv_tensors
 from support.server import Serve
@@ -124,7 +124,7 @@ def test_a_service_on_hpu_warms_at_bind_on_request_and_after_a_rebind(
     serve: Serve, fake_habana: StandInHabana, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # CPU tensors get the HPU backend here, built by serve_in_process's own path.
-    monkeypatch.setitem(_executor._BACKENDS, "cpu", _executor._hpu_executor)
+    monkeypatch.setitem(_backends._BACKENDS, "cpu", _backends._hpu_executor)
     old = SignedKv.create(64, block_size=4)
     handle = serve(kv=old, pad_buckets=(4, 8), threshold=0)
     assert fake_habana.swaps == EVERY_BUCKET_BOTH_WAYS

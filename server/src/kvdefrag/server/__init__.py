@@ -4,8 +4,9 @@ Runs inside the vLLM worker process, next to the KV tensors it moves.
 """
 
 from kvdefrag.common import PoolStats, StepEvents, Totals
+from kvdefrag.server._backends import make_executor
 from kvdefrag.server._engine import Engine, StepObserver, StepResult
-from kvdefrag.server._executor import SwapExecutor, make_executor
+from kvdefrag.server._executor import SwapExecutor
 from kvdefrag.server._moves import Move, MoveBatch, MoveReport
 from kvdefrag.server._server import ServerHandle, serve_in_process
 from kvdefrag.server.config import EngineConfig, ServiceConfig, load_config

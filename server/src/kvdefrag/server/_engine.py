@@ -39,12 +39,12 @@ from kvdefrag.common import (
 from kvdefrag.common.errors import quote
 from kvdefrag.common.events import step_call_events
 from kvdefrag.server import _policy
+from kvdefrag.server._backends import make_executor
 from kvdefrag.server._executor import (
     KvCaches,
     SwapExecutor,
     check_same_geometry,
     kv_geometry,
-    make_executor,
     warm_up,
 )
 from kvdefrag.server._moves import Move, MoveBatch, MoveReport

@@ -8,19 +8,18 @@ is ``block_size`` consecutive rows::
     key[l]:  | blk 0 (null) | blk 1 | blk 2 | ... | blk n-1 |
                ^ block_size rows each; a move copies whole blocks
 
-This module holds what every backend shares (the ``SwapExecutor`` protocol, binding and
-viewing the caches, padding) and the backend table. One module per backend, chosen once
-from the tensors' device through ``_BACKENDS`` and imported only when chosen:
-``_executor_cpu`` (``CpuSwapExecutor``), ``_executor_cuda`` (``CudaSwapExecutor``) and
-``_executor_hpu`` (``HpuSwapExecutor``, the only module that imports
-``habana_frameworks``).
+This module holds what every backend shares and what they import: the ``SwapExecutor``
+protocol, binding and viewing the caches, padding. One module per backend
+(``_executor_cpu``: ``CpuSwapExecutor``, ``_executor_cuda``: ``CudaSwapExecutor``,
+``_executor_hpu``: ``HpuSwapExecutor``, the only module that imports
+``habana_frameworks``), chosen once from the tensors' device by ``_backends.make_executor``,
+which imports only the one it chooses; nothing here imports a backend.
 """
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
@@ -226,46 +225,3 @@ def pad_to_bucket(
     num_padded = size - len(src_ids)
     pad = [0] * num_padded
     return src_ids + pad, dst_ids + pad, num_padded
-
-
-# NOTE: each backend's module is imported when a device of its kind is bound, not at the
-# top: the CPU and CUDA modules import this one for the shared helpers, and the HPU one
-# must not be imported where habana_frameworks is absent.
-def _cpu_executor(kv_caches: KvCaches, block_size: int, **options: Any) -> SwapExecutor:
-    from kvdefrag.server._executor_cpu import CpuSwapExecutor
-
-    return CpuSwapExecutor(kv_caches, block_size)
-
-
-def _cuda_executor(kv_caches: KvCaches, block_size: int, **options: Any) -> SwapExecutor:
-    from kvdefrag.server._executor_cuda import CudaSwapExecutor
-
-    return CudaSwapExecutor(kv_caches, block_size, stream=options.get("stream"))
-
-
-def _hpu_executor(kv_caches: KvCaches, block_size: int, **options: Any) -> SwapExecutor:
-    module = importlib.import_module("kvdefrag.server._executor_hpu")
-    executor: SwapExecutor = module.HpuSwapExecutor(kv_caches, block_size, **options)
-    return executor
-
-
-_BACKENDS = {"cpu": _cpu_executor, "cuda": _cuda_executor, "hpu": _hpu_executor}
-
-
-def make_executor(kv_caches: KvCaches, block_size: int, **options: Any) -> SwapExecutor:
-    """Builds the executor for the caches' device (cpu, cuda or hpu).
-
-    Args:
-        kv_caches: The worker's per-layer ``(key, value)`` tensors.
-        block_size: Token slots per block.
-        **options: Backend options: ``stream`` (CUDA/HPU: the forward pass's stream),
-            ``pad_buckets`` (HPU: static batch sizes).
-    """
-    tensors, _ = bind_kv_caches(kv_caches, block_size)
-    device_type = tensors[0].device.type
-    backend = _BACKENDS.get(device_type)
-    if backend is None:
-        raise InvalidArgument(
-            f"no swap executor for device {device_type!r}; supported: {sorted(_BACKENDS)}"
-        )
-    return backend(kv_caches, block_size, **options)

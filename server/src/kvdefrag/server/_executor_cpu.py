@@ -1,6 +1,6 @@
 """CPU swap executor: moves blocks of CPU tensors through numpy views, on threads.
 
-Imported by ``_executor.make_executor`` when the KV tensors live on the CPU (the
+Imported by ``_backends.make_executor`` when the KV tensors live on the CPU (the
 ``kvdefrag-server`` command's embedded cache, vLLM's CPU backend, the tests).
 """
 

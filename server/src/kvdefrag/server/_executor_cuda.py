@@ -1,7 +1,7 @@
 """CUDA swap executor: moves blocks of CUDA tensors with torch gather and scatter, on
 the worker's stream.
 
-Imported by ``_executor.make_executor`` when the KV tensors live on a CUDA device; CPU
+Imported by ``_backends.make_executor`` when the KV tensors live on a CUDA device; CPU
 tensors get ``_executor_cpu.CpuSwapExecutor`` there, so nothing here runs on the CPU.
 """
 

@@ -1,6 +1,6 @@
 """HPU (Intel Gaudi) swap executor: the only module that imports ``habana_frameworks``.
 
-Imported by ``_executor.make_executor`` only when the KV tensors live on an HPU. Gaudi
+Imported by ``_backends.make_executor`` only when the KV tensors live on an HPU. Gaudi
 graphs want static shapes, so every batch is padded to a bucket with the null pair
 (0 -> 0) and the swap is pre-warmed for every bucket at bind time, so no graph is
 compiled inside a worker step (``HpuSwapExecutor.warmup``, which the service runs again
