@@ -50,7 +50,7 @@ from seed_baseline import SeedEquivalentDefragmenter
 from kvdefrag.client.record import parse_trace
 from kvdefrag.common import NULL_BLOCK_ID, StepEvents
 from kvdefrag.server import Engine, EngineConfig
-from kvdefrag.server.config import decode_bucket, exponential_decode_buckets
+from kvdefrag.server.buckets import decode_bucket, exponential_decode_buckets
 from kvdefrag.tools.workload import SyntheticWorkload, WorkloadConfig, WorkloadStep
 
 NUM_BLOCKS = 2_048  # 128-token blocks: 256k tokens of KV

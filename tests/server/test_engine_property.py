@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from kvdefrag.common import InvalidArgument
 from kvdefrag.server import Engine, EngineConfig
-from kvdefrag.server.config import decode_bucket
+from kvdefrag.server.buckets import decode_bucket
 
 from support.kv import SignedKv
 from support.reference_model import (

@@ -20,7 +20,8 @@ from kvdefrag.server._policy import (
     should_compact,
 )
 from kvdefrag.server._tracker import BlockTracker
-from kvdefrag.server.config import EngineConfig, decode_bucket
+from kvdefrag.server.buckets import decode_bucket
+from kvdefrag.server.config import EngineConfig
 
 NUM_BLOCKS = 16
 

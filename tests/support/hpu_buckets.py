@@ -2,7 +2,7 @@
 runner model (vllm-project/vllm-gaudi at 091bbadd: ``vllm_gaudi/extension/bucketing/
 exponential.py`` and ``common.py``; lines cited per function).
 
-A restatement of its own, apart from ``kvdefrag.server.config.exponential_decode_buckets``
+A restatement of its own, apart from ``kvdefrag.server.buckets.exponential_decode_buckets``
 (the product's): ``tests/vllm_integration/test_gaudi_buckets.py`` checks that the two
 agree on the block counts.
 """

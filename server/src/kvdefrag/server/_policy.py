@@ -46,7 +46,8 @@ import numpy.typing as npt
 
 from kvdefrag.server._moves import MoveBatch
 from kvdefrag.server._tracker import BlockTracker
-from kvdefrag.server.config import EngineConfig, decode_bucket
+from kvdefrag.server.buckets import decode_bucket
+from kvdefrag.server.config import EngineConfig
 
 
 def should_compact(tracker: BlockTracker, config: EngineConfig, *, is_forced: bool) -> bool:

@@ -1,7 +1,7 @@
 """The decode block buckets a vllm-gaudi HPU runner runs, read from the runner itself.
 
 ``EngineConfig.decode_buckets`` should be the decode sizes the backend actually uses;
-``kvdefrag.server.config.exponential_decode_buckets`` restates vllm-gaudi's default, and
+``kvdefrag.server.buckets.exponential_decode_buckets`` restates vllm-gaudi's default, and
 this reads the list the runner built, which also covers bucketing from a file, the linear
 and padding-aware strategies and speculative decoding. Where vllm-gaudi keeps it (commit
 091bbadd):
