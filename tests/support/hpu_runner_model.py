@@ -93,7 +93,13 @@ from kvdefrag.server import ServerHandle
 from kvdefrag.vllm.gaudi import DefragHPUWorkerMixin
 
 from support.hpu_buckets import Bucket, decode_buckets, find_decode_bucket
-from support.vllm_harness import BLOCK_SIZE, MAX_MODEL_LEN, SignedWorker, _signature
+from support.vllm_harness import (
+    BLOCK_SIZE,
+    MAX_MODEL_LEN,
+    SignedWorker,
+    _signature,
+    runner_output,
+)
 
 _DUMMY_SIGNATURE = 7
 """What a dummy (warm-up or DP) request writes into its slot."""
@@ -320,12 +326,7 @@ class HPURunnerModel:
                 token = _signature(tuple(read[position] for position in sorted(read))) % 500 + 3
                 state.token_ids.append(token)
                 sampled[request_id] = [token]
-        request_ids = list(output.num_scheduled_tokens)
-        return ModelRunnerOutput(
-            req_ids=request_ids,
-            req_id_to_index={request_id: i for i, request_id in enumerate(request_ids)},
-            sampled_token_ids=[sampled.get(request_id, []) for request_id in request_ids],
-        )
+        return runner_output(output, sampled)
 
     # -- resolving ------------------------------------------------------------------------
 

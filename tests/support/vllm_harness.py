@@ -238,6 +238,17 @@ def _slot(block_ids: list[int], position: int) -> int:
     return block_ids[position // BLOCK_SIZE] * BLOCK_SIZE + position % BLOCK_SIZE
 
 
+def runner_output(output: SchedulerOutput, sampled: dict[str, list[int]]) -> ModelRunnerOutput:
+    """The ``ModelRunnerOutput`` of a step: every scheduled request, in the output's order,
+    with the tokens it sampled (none for a prefill chunk that samples nothing)."""
+    request_ids = list(output.num_scheduled_tokens)
+    return ModelRunnerOutput(
+        req_ids=request_ids,
+        req_id_to_index={request_id: i for i, request_id in enumerate(request_ids)},
+        sampled_token_ids=[sampled.get(request_id, []) for request_id in request_ids],
+    )
+
+
 class SignedWorker:
     """A worker that keeps persistent rows like vLLM's V1 runner and signs its KV writes.
 
@@ -354,12 +365,7 @@ class SignedWorker:
                 token = _signature(tuple(row.token_ids)) % 500 + 3
                 row.token_ids.append(token)
                 sampled[request_id] = [token]
-        request_ids = list(output.num_scheduled_tokens)
-        return ModelRunnerOutput(
-            req_ids=request_ids,
-            req_id_to_index={request_id: i for i, request_id in enumerate(request_ids)},
-            sampled_token_ids=[sampled.get(request_id, []) for request_id in request_ids],
-        )
+        return runner_output(output, sampled)
 
     def _check_row(self, row: _Row, block_ids: list[int], num_tokens: int) -> None:
         for position in range(num_tokens):
