@@ -6,6 +6,7 @@ Also the server's metrics: registered once its engine exists, served on /metrics
 from __future__ import annotations
 
 import re
+import threading
 import urllib.request
 from typing import Any
 
@@ -13,6 +14,7 @@ import grpc
 import pytest
 from prometheus_client import REGISTRY, CollectorRegistry
 
+from kvdefrag.client import DefragClient
 from kvdefrag.common import EngineUnhealthy, InvalidArgument
 from kvdefrag.server import Engine, EngineConfig
 from kvdefrag.server._executor_cpu import CpuSwapExecutor
@@ -326,3 +328,24 @@ def test_two_servers_serve_their_ranks_side_by_side(serve: Serve) -> None:
             text = response.read().decode()
         assert f'kvdefrag_steps_total{{rank="{rank}"}} {float(rank)}' in text
         assert f'kvdefrag_capacity_blocks{{rank="{rank}"}} 64.0' in text
+
+
+def test_a_workers_wait_for_its_step_is_a_histogram(serve: Serve) -> None:
+    """``wait_applied`` (the vLLM worker's wait before its pass) records how long it
+    waited, a step already applied included."""
+    registry = CollectorRegistry()
+    handle = serve(registry=registry, metrics_labels={"rank": "0"})
+    with DefragClient(handle.address, timeout_s=10) as client:
+        client.step(new_blocks={"a": [1, 2]})
+        handle.wait_applied(client.epoch, client.next_seq - 1, 10)
+        assert value(registry, "kvdefrag_step_wait_seconds_count", rank="0") == 1
+        waiting = threading.Thread(
+            target=handle.wait_applied, args=(client.epoch, client.next_seq, 10)
+        )
+        waiting.start()  # the next step is not sent yet: it waits
+        client.step(new_blocks={"b": [3]})
+        waiting.join(timeout=10)
+        assert not waiting.is_alive()
+    assert value(registry, "kvdefrag_step_wait_seconds_count", rank="0") == 2
+    total = value(registry, "kvdefrag_step_wait_seconds_sum", rank="0")
+    assert total is not None and total > 0

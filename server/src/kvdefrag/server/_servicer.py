@@ -137,6 +137,8 @@ class ServiceMetrics(Protocol):
 
     def record_replay(self) -> None: ...
 
+    def record_step_wait(self, duration_s: float) -> None: ...
+
 
 class _ShuttingDown(Exception):
     """The server is stopping: steps are refused with UNAVAILABLE (retry elsewhere)."""
@@ -229,7 +231,8 @@ class DefragServicer:
             ServiceUnavailable: The step was not applied within ``timeout_s``, or the
                 server is stopping; the message names the step and the bound.
         """
-        deadline = time.monotonic() + timeout_s
+        started = time.monotonic()
+        deadline = started + timeout_s
         with self._progress:
             while True:
                 current_epoch, next_seq = self._applied
@@ -239,6 +242,8 @@ class DefragServicer:
                         f"epoch {current_epoch} (it restarted or was reset)"
                     )
                 if next_seq > seq:
+                    if self._metrics is not None:
+                        self._metrics.record_step_wait(time.monotonic() - started)
                     return
                 reason = self._engine.unhealthy_reason
                 if reason is not None:

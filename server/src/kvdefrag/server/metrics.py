@@ -235,6 +235,11 @@ class Metrics:
             "kvdefrag_step_duration_seconds",
             "Time the engine took to handle one step, moves included.",
         )
+        self._step_wait = histogram(
+            "kvdefrag_step_wait_seconds",
+            "Time a worker waited for its step to be applied before its pass (the vLLM "
+            "integration's wait_applied; 0 when the step was applied already).",
+        )
         # NOTE: children with known label values exist from the start, so rate() and
         # alerts see a 0 before the first event instead of a missing series.
         self._runs_moved = self._defrag_runs.labels(**constant, result="moved")
@@ -278,6 +283,10 @@ class Metrics:
             code: The gRPC status code's name, e.g. ``"INVALID_ARGUMENT"``.
         """
         self._errors.labels(**self.labels, method=method, code=code).inc()
+
+    def record_step_wait(self, duration_s: float) -> None:
+        """Records how long a worker waited for its step (``wait_applied``)."""
+        self._step_wait.observe(duration_s)
 
     def record_replay(self) -> None:
         """Counts a resent step answered from the replay cache."""
