@@ -244,6 +244,46 @@ def test_a_pass_holds_kv_lock_from_execute_model_through_sample_tokens(
     worker.shutdown()
 
 
+def test_a_warm_up_that_steps_the_runner_through_the_worker_runs_inside_its_pass(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM 0.33's GPU worker warms its V2 runner with its own execute_model and
+    sample_tokens from compile_or_warm_up_model (``warmup_kernels``): those calls run in
+    the warm-up's pass, under the one kv_lock it holds, and the lock is free after."""
+    monkeypatch.setenv("KVDEFRAG_VLLM_RUN_DIR", str(tmp_path))
+    worker = _Worker(rank=0)
+    worker.initialize_from_config(_kv_cache_config())
+    handle = worker.kvdefrag_handle
+    assert handle is not None
+    held: list[tuple[str, bool]] = []
+
+    def execute(self: Any, out: Any) -> None:
+        held.append(("execute_model", handle.kv_lock.locked()))
+
+    def sample(self: Any, grammar: Any) -> str:
+        held.append(("sample_tokens", handle.kv_lock.locked()))
+        return "sampled"
+
+    def warm_up(self: Any) -> None:
+        self.execute_model(_output())
+        self.sample_tokens(None)
+        self.execute_dummy_batch()
+
+    monkeypatch.setattr(_FakeVllmWorker, "execute_model", execute)
+    monkeypatch.setattr(_FakeVllmWorker, "sample_tokens", sample)
+    monkeypatch.setattr(_FakeVllmWorker, "compile_or_warm_up_model", warm_up)
+    worker.compile_or_warm_up_model()
+    assert held == [("execute_model", True), ("sample_tokens", True)]
+    assert worker.calls[-1] == "execute_dummy_batch"
+    assert not handle.kv_lock.locked()
+    step = worker.kvdefrag_pass
+    assert step is not None and step.num_unclosed == 0 and step.num_idle == 1
+    worker.execute_model(_output())  # the next step's pass begins as usual
+    assert worker.sample_tokens(None) == "sampled"
+    assert not handle.kv_lock.locked()
+    worker.shutdown()
+
+
 def test_a_failing_execute_model_ends_its_pass(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:

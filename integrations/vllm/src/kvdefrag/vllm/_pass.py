@@ -24,6 +24,11 @@ runner returns None the lock stays held until the step's ``sample_tokens`` has r
 Calls outside any scheduled step (a data-parallel rank's dummy batch, a warm-up) run
 holding the lock too, with the mapping as it is (``RunnerPass.idle``).
 
+Calls made from inside an idle call run inside it, holding the same lock: vLLM 0.33's GPU
+worker warms its V2 runner's kernels with its own ``execute_model`` and ``sample_tokens``
+from ``compile_or_warm_up_model`` (``v1/worker/gpu_worker.py``, ``warmup_kernels`` in
+``v1/worker/gpu/warmup.py``), so those come back through this object.
+
 Invariants: between ``begin`` and ``end`` this rank's ``kv_lock`` is held, so no step's
 moves and no Reset change the mapping the runner reads; at most one pass is open; a pass
 left open by a ``sample_tokens`` that never came is closed (with a warning) before the
@@ -109,6 +114,7 @@ class RunnerPass:
         self._target = target
         self._lock = service.kv_lock
         self._is_open = False
+        self._is_idle = False  # an idle call holds the lock; calls inside it run in it
         self.num_passes = 0
         self.num_idle = 0
         self.num_unclosed = 0
@@ -128,6 +134,9 @@ class RunnerPass:
             EpochMismatch, EngineUnhealthy, ServiceUnavailable: As
                 ``ServerHandle.wait_applied`` (the step will not be applied here).
         """
+        if self._is_idle:  # a warm-up stepping the runner through the worker
+            self._target.begin(output)
+            return run()
         if self._is_open:
             self.num_unclosed += 1
             logger.warning(
@@ -155,7 +164,7 @@ class RunnerPass:
         tokens or a pipeline stage does) it runs ``run`` as it is: the runner has
         nothing pending and reads no block.
         """
-        if not self._is_open:
+        if not self._is_open or self._is_idle:
             return run()
         try:
             return run()
@@ -165,17 +174,26 @@ class RunnerPass:
     def idle(self, run: Callable[[], _T]) -> _T:
         """Runs a call outside any scheduled step (a dummy batch, a warm-up) holding
         ``kv_lock``, the target begun with no output: the runner reads the mapping as it
-        is, and nothing moves meanwhile."""
+        is, and nothing moves meanwhile. Inside another idle call it runs in that one.
+
+        Raises:
+            RuntimeError: Called between a step's ``execute_model`` and its
+                ``sample_tokens``.
+        """
+        if self._is_idle:
+            return run()
         if self._is_open:
             raise RuntimeError(
                 f"kvdefrag: rank {self._rank} was asked to run a dummy batch or a warm-up "
                 "between a step's execute_model and its sample_tokens"
             )
         self._open(None)
+        self._is_idle = True
         self.num_idle += 1
         try:
             return run()
         finally:
+            self._is_idle = False
             self._close()
 
     def _open(self, output: Any) -> None:

@@ -275,7 +275,9 @@ class _SwitchTarget:
         self._switch = switch
 
     def begin(self, output: Any) -> None:
-        if output is not None and read_step_stamp(output) is None:
+        # NOTE: inside an idle pass (a warm-up stepping the runner) outputs carry no stamp.
+        is_scheduled = output is not None and not self._switch.in_pass
+        if is_scheduled and read_step_stamp(output) is None:
             raise UnsupportedByKvdefrag(
                 "kvdefrag: this output carries no step stamp: the scheduler is not "
                 "kvdefrag's. Serve with --scheduler-cls "
