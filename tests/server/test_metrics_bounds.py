@@ -112,7 +112,9 @@ def test_idle_connections_past_the_cap_add_no_thread_and_a_scrape_still_succeeds
         num_held = len(still_open(attackers))
     assert b"kvdefrag_capacity_blocks 64.0" in body
     assert content_type == CONTENT_TYPE_PLAIN_0_0_4
-    assert threads_during == threads_before
+    # NOTE: at most as many: a thread an earlier test left (a gRPC shutdown) may end
+    # meanwhile; before the bound every idle connection held a thread of its own.
+    assert threads_during <= threads_before
     assert num_held < ServiceConfig().metrics_max_connections
 
 
