@@ -110,6 +110,11 @@ class DefragScheduler(Scheduler):  # type: ignore[misc]
             )
         if is_async:
             check_gaudi_scheduler(self)  # on Gaudi: must inherit HPUAsyncScheduler
+        if int(self.vllm_config.max_concurrent_batches) > 1:
+            # NOTE: pipeline parallelism keeps one batch in flight per stage (the engine
+            # core's batch queue), under sync scheduling too: see ``DefragAsyncScheduler``
+            # for why freed blocks must wait for every batch in flight.
+            self.defer_block_free = True
         manager = self.kv_cache_manager
         self._kvdefrag_blocks = manager.coordinator.single_type_managers[0].req_to_blocks
         self._kvdefrag_pool = manager.block_pool.blocks
@@ -248,6 +253,15 @@ class DefragAsyncScheduler(DefragScheduler, AsyncScheduler):  # type: ignore[mis
     would change what that step computes, so this class turns on vLLM's own fence for
     KV connectors (``defer_block_free``): freed blocks return to the pool only once the
     steps that were in flight have run, and until then kvdefrag keeps them live.
+
+    Under pipeline parallelism (``DefragScheduler`` too) several batches are in flight
+    and each stage's rank runs them later than the one before it, while every rank
+    applies each step as soon as it arrives. vLLM's fence covers them all: a freed list
+    is parked with the sequence number of the last batch scheduled
+    (``Scheduler._free_request_blocks``) and returned only once the engine core has
+    processed that batch's output, which the last stage returns after every stage ran it.
+    Each rank translates a batch's ids with its mapping at pass time, which holds every
+    block that batch names: live ones where their data moved, freed ones still parked.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
