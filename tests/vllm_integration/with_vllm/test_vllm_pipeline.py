@@ -27,6 +27,7 @@ from vllm.config import ParallelConfig
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
+from kvdefrag.vllm._ledger import DEFERRED_PREFIX
 from kvdefrag.vllm.scheduler import DefragAsyncScheduler, DefragScheduler
 
 from support.vllm_harness import Workload, make_scheduler, spy_preemptions
@@ -153,9 +154,10 @@ def test_every_stage_reads_every_signature(
         )
         assert scheduler.defer_block_free  # the fence, under sync scheduling too
         _assert_reads_every_signature(scheduler, workers, preempted, totals)
-        # NOTE: lists parked after the last batch with tokens wait for the next one.
-        parked = sorted(scheduler._kvdefrag_parked.block_lists())
-        assert sorted(scheduler.kvdefrag.ledger.held.values()) == parked
+        # NOTE: no request holds a block; a list parked by the fence may still be held
+        # (returned after the last schedule, the ledger learns it at the next one).
+        assert all(name.startswith(DEFERRED_PREFIX) for name in scheduler.kvdefrag.ledger.held)
+        assert scheduler.kvdefrag.totals.num_audits == scheduler._kvdefrag_num_schedules
         stats = [handle.stats() for handle, _ in served]
         assert stats[0].totals.num_moves > 0, "the workload never made kvdefrag move a block"
         assert all(stat == stats[0] for stat in stats), "the stages applied different steps"
