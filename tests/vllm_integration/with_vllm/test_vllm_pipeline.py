@@ -152,8 +152,8 @@ def test_every_stage_reads_every_signature(
             seed=num_stages,
             last_stage_lags=SCHEDULES[schedule],
         )
-        assert scheduler.defer_block_free  # the fence, under sync scheduling too
         _assert_reads_every_signature(scheduler, workers, preempted, totals)
+        assert scheduler.defer_block_free  # the fence, under sync scheduling too
         # NOTE: no request holds a block; a list parked by the fence may still be held
         # (returned after the last schedule, the ledger learns it at the next one).
         assert all(name.startswith(DEFERRED_PREFIX) for name in scheduler.kvdefrag.ledger.held)
