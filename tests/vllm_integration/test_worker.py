@@ -653,7 +653,10 @@ def _refused_config(setting: str, monkeypatch: pytest.MonkeyPatch) -> SimpleName
     config = SimpleNamespace(
         parallel_config=parallel, kv_transfer_config=None, speculative_config=None
     )
-    if setting in ("pipeline_parallel_size", "decode_context_parallel_size"):
+    if setting == "pipeline_parallel_size":  # served, except under an external launcher
+        parallel.pipeline_parallel_size = 2
+        parallel.distributed_executor_backend = "external_launcher"
+    elif setting == "decode_context_parallel_size":
         setattr(parallel, setting, 2)
     elif setting == "prefill_context_parallel_size":
         parallel.prefill_context_parallel_size = 2

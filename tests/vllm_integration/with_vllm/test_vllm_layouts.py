@@ -85,7 +85,6 @@ class _Worker(DefragWorkerMixin, _VllmWorker):
 
 
 REFUSED = {
-    "pipeline parallel 2": ({"pipeline_parallel_size": 2}, "--pipeline-parallel-size"),
     "decode context parallel 2": (
         {"tensor_parallel_size": 4, "decode_context_parallel_size": 2},
         "--decode-context-parallel-size",
@@ -134,8 +133,13 @@ def make_scheduler_kv_cache_config() -> Any:
     )
 
 
-def test_tensor_and_data_parallel_configs_are_served(model_dir: str, run_dir: str) -> None:
-    for settings in ({"data_parallel_size": 2}, {"tensor_parallel_size": 2}):
+def test_tensor_data_and_pipeline_parallel_configs_are_served(model_dir: str, run_dir: str) -> None:
+    for settings in (
+        {"data_parallel_size": 2},
+        {"tensor_parallel_size": 2},
+        {"pipeline_parallel_size": 2},
+        {"pipeline_parallel_size": 4, "tensor_parallel_size": 2},
+    ):
         worker = _Worker(_config(model_dir, **settings), rank=0)
         worker.init_device()
         assert worker.calls == ["init_device"]
