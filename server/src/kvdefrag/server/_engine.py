@@ -1,6 +1,6 @@
 """The defragmentation engine: the one owner of kvdefrag's mutable state.
 
-A step applies the scheduler's events in docs/design.md §4 order, all-or-nothing up to the KV
+A step applies the scheduler's events in docs/design/step.md order, all-or-nothing up to the KV
 moves::
 
     validate -> finished -> resumed -> evicted -> new blocks -> placement -> compaction
@@ -140,7 +140,7 @@ class Engine:
     none (``[]``, ``[0]``) is not kept: it is not counted in ``num_requests``, and
     finishing it later counts as an unknown finished id.
 
-    Locks, always taken in this order (see docs/design.md §9)::
+    Locks, always taken in this order (see docs/design/kv-access-and-locks.md)::
 
         servicer lock  ->  engine lock (_lock)  ->  kv_lock
 
@@ -733,7 +733,7 @@ def _moves_rows_follow(
     free block a swap sends up. No row a runner reads again names a free block: only rows
     of requests that released it, which the runner drops or replaces before it reads them
     (a block that a step in flight still reads stays live until that step has run: the
-    scheduler holds it back, docs/design.md §13).
+    scheduler holds it back, docs/design/vllm-integration.md).
     """
     src_ids, dst_ids = moves.src_ids, moves.dst_ids
     if newly_live:

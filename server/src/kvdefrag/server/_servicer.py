@@ -547,7 +547,7 @@ class DefragServicer:
                 result = engine.apply_events(events)
             except EngineUnhealthy:
                 if engine.stats().totals.num_steps > num_steps:
-                    # NOTE: applied without its compaction (docs/design.md §4): the seq
+                    # NOTE: applied without its compaction (docs/design/step.md): the seq
                     # is used up. A resend gets EngineUnhealthy, as every step does until
                     # a Reset starts a new epoch, so no reply is cached for it.
                     self._next_seq += 1

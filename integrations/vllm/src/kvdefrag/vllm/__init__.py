@@ -17,5 +17,5 @@
                               SchedulerOutput fields carry block ids, the fresh-block rule.
 
 Only ``scheduler`` imports vLLM when imported; ``worker`` imports it when a worker class is
-looked up. The two switches go together: see the README.
+looked up. The two switches go together: see docs/operator/vllm.md.
 """

@@ -4,7 +4,7 @@ Turn it on with ``vllm serve ... --scheduler-cls
 kvdefrag.vllm.scheduler.DefragAsyncScheduler`` (async scheduling, vLLM's default) or
 ``--scheduler-cls kvdefrag.vllm.scheduler.DefragScheduler --no-async-scheduling`` (or
 ``LLM(..., scheduler_cls=...)``), with ``KVDEFRAG_VLLM_RUN_DIR`` set and the workers
-running ``kvdefrag.vllm.worker.DefragWorker`` (see the README).
+running ``kvdefrag.vllm.worker.DefragWorker`` (see docs/operator/vllm.md).
 
 The output leaves here in logical ids, as vLLM built it, stamped with the step planned
 with it (``common.attach_step_stamp``); every worker, under every scheduling mode and
