@@ -569,5 +569,11 @@ def test_the_scheduler_refuses_a_ranks_file_that_is_a_link(
 def test_scheduler_exports_are_pinned() -> None:
     assert_public_names(
         "kvdefrag.vllm.scheduler",
-        {"DefragAsyncScheduler", "DefragScheduler", "UnsupportedByKvdefrag", "check_supported"},
+        {
+            "DefragAsyncScheduler",
+            "DefragScheduler",
+            "StartupRefused",
+            "UnsupportedByKvdefrag",
+            "check_supported",
+        },
     )
