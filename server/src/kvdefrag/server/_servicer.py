@@ -139,6 +139,27 @@ class ServiceMetrics(Protocol):
 
     def record_step_wait(self, duration_s: float) -> None: ...
 
+    def record_applied(self, path: str) -> None: ...
+
+
+APPLIED_BY_RPC = "rpc"
+APPLIED_IN_PROCESS = "in_process"
+"""How a step reached the engine first (``record_applied``): a Step or StepStream call, or
+``apply_planned_step`` in the worker's process."""
+
+# The session argument of a step applied in process: whichever stream session is open.
+_OPEN_SESSION = object()
+
+
+@dataclasses.dataclass(frozen=True)
+class _PlannedStep:
+    """A step handed over in process (``apply_planned_step``): what ``_step`` reads of a
+    StepRequest, with the events already a ``StepEvents``."""
+
+    seq: int
+    epoch: int
+    events: StepEvents
+
 
 class _ShuttingDown(Exception):
     """The server is stopping: steps are refused with UNAVAILABLE (retry elsewhere)."""
@@ -205,6 +226,8 @@ class DefragServicer:
         self._applied = (self._epoch, self._next_seq)
         self._progress = threading.Condition(threading.Lock())
         self._replies: collections.OrderedDict[int, Message] = collections.OrderedDict()
+        # The seq a worker applied in process whose stream copy has not come yet (0: none).
+        self._seq_applied_in_process = 0
         self._session: _Session | None = None
         # Set without the lock: stop() must not wait behind a step that hangs.
         self._is_stopping = threading.Event()
@@ -491,14 +514,60 @@ class DefragServicer:
             self._session = None
             _LOGGER.info("stream session of %r closed", session.client_name)
 
-    def _step(self, request: Message, session: _Session | None) -> Message:
+    def apply_planned_step(self, epoch: int, seq: int, events: StepEvents) -> bool:
+        """Applies step ``seq`` of ``epoch`` in process for the open stream session, unless
+        it was applied already: the one entry point besides the RPCs.
+
+        The vLLM integration's scheduler sends each step over its stream and hands the
+        same events to the workers with the output; a worker whose step has not arrived
+        yet applies it here, through the same checks as the stream's (only the open
+        session's next seq of the current epoch). Whichever comes first applies it; the
+        other finds it applied, and the stream's copy is answered from the replay cache
+        (the same reply).
+
+        Returns:
+            True when this call applied the step, False when it was applied already.
+
+        Raises:
+            EpochMismatch: ``epoch`` is not the current epoch (restarted, or reset).
+            SessionConflict: No stream session is open (ended, or a forced reset).
+            OutOfOrder: ``seq`` skips ahead of the next seq (an earlier step is missing).
+            StepInFlight: Another step held the service past ``LOCK_WAIT_S``.
+            EngineUnhealthy, InvalidArgument, MessageTooLarge: As a step from the
+                stream; nothing changed.
+        """
+        started = time.monotonic()
+        current_epoch, next_seq = self._applied
+        if current_epoch == epoch and next_seq > seq:
+            is_applied_here = False
+        else:
+            if not epoch:
+                raise InvalidArgument("apply_planned_step: epoch 0 names no epoch")
+            planned = _PlannedStep(seq, epoch, events)
+            is_applied_here = (
+                self._step(planned, _OPEN_SESSION, path=APPLIED_IN_PROCESS) is not None
+            )
+        if self._metrics is not None:
+            self._metrics.record_step_wait(time.monotonic() - started)
+        return is_applied_here
+
+    def _step(
+        self, request: Message, session: _Session | None | object, *, path: str = APPLIED_BY_RPC
+    ) -> Message:
         """Applies one step once; returns its reply as the stream sends it (a
-        StepStreamResponse; the unary Step returns its ``step``)."""
+        StepStreamResponse; the unary Step returns its ``step``), or None for a step
+        applied in process that was applied already."""
         seq, epoch = request.seq, request.epoch
         engine = self._engine
         with self._locked(f"step seq {seq}"):
             if self._is_stopping.is_set():
                 raise _ShuttingDown("the server is shutting down")
+            if session is _OPEN_SESSION:
+                session = self._session
+                if session is None:
+                    raise SessionConflict(
+                        f"step seq {seq}: no stream session is open to apply it for"
+                    )
             if self._session is not session:
                 if session is None:
                     assert self._session is not None
@@ -528,18 +597,25 @@ class DefragServicer:
                     f"seq {self._next_seq}"
                 )
             if seq < self._next_seq:
+                if path == APPLIED_IN_PROCESS:
+                    return None
                 cached = self._replies.get(seq)
                 if cached is None:
                     raise OutOfOrder(
                         f"seq {seq} was applied and its reply is no longer cached (the last "
                         f"{self._replay_cache_size} are kept); expected seq {self._next_seq}"
                     )
-                if self._metrics is not None:
+                if seq == self._seq_applied_in_process:
+                    # NOTE: the stream's copy of a step a worker applied first: no resend.
+                    self._seq_applied_in_process = 0
+                elif self._metrics is not None:
                     self._metrics.record_replay()
                 return _convert.replayed_response(cached)
             if seq > self._next_seq:
                 raise OutOfOrder(f"seq {seq} skips ahead: expected seq {self._next_seq}")
-            events = _convert.step_events(request)
+            events = (
+                request.events if isinstance(request, _PlannedStep) else _convert.step_events(request)
+            )
             self._check_reply_bound(events)
             num_steps = engine.stats().totals.num_steps
             self._in_progress = _StepInProgress(self._epoch, seq, time.monotonic())
@@ -560,6 +636,10 @@ class DefragServicer:
             while len(self._replies) > self._replay_cache_size:
                 self._replies.popitem(last=False)
             self._next_seq += 1
+            if path == APPLIED_IN_PROCESS:
+                self._seq_applied_in_process = seq
+            if self._metrics is not None:
+                self._metrics.record_applied(path)
             self._publish_progress()
         return response
 
@@ -721,6 +801,7 @@ class DefragServicer:
                 self._epoch = new_epoch(self._epoch)
                 self._next_seq = 1
                 self._replies.clear()
+                self._seq_applied_in_process = 0
                 if session is not None:
                     session.reset_to = self._epoch
                     self._session = None

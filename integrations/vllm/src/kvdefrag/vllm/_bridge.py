@@ -199,11 +199,13 @@ class SchedulerBridge:
         self.totals.num_preempted += len(output.preempted_req_ids or ())
         self.settle()
         events = self.ledger.plan(changes, is_cached)
+        stamp = self._stamp
         if not events.is_empty:
             self._in_flight = self.ranks.submit(events)
-            self._stamp = self._in_flight.stamp
+            stamp = self._in_flight.stamp  # with the events: the workers may apply it
+            self._stamp = stamp.without_events()
             self.totals.num_steps += 1
-        attach_step_stamp(output, self._stamp)
+        attach_step_stamp(output, stamp)
         if len(self.totals.step_durations_s) < self.keep_durations:
             self.totals.step_durations_s.append(time.perf_counter() - started)
 
