@@ -31,6 +31,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import enum
 import functools
 import logging
 import secrets
@@ -147,8 +148,14 @@ APPLIED_IN_PROCESS = "in_process"
 """How a step reached the engine first (``record_applied``): a Step or StepStream call, or
 ``apply_planned_step`` in the worker's process."""
 
-# The session argument of a step applied in process: whichever stream session is open.
-_OPEN_SESSION = object()
+
+class _Writer(enum.Enum):
+    """The session argument of a step applied in process: whichever stream session is open."""
+
+    OPEN_SESSION = enum.auto()
+
+
+_OPEN_SESSION = _Writer.OPEN_SESSION
 
 
 @dataclasses.dataclass(frozen=True)
@@ -552,7 +559,11 @@ class DefragServicer:
         return is_applied_here
 
     def _step(
-        self, request: Message, session: _Session | None | object, *, path: str = APPLIED_BY_RPC
+        self,
+        request: Message,
+        session: _Session | _Writer | None,
+        *,
+        path: str = APPLIED_BY_RPC,
     ) -> Message:
         """Applies one step once; returns its reply as the stream sends it (a
         StepStreamResponse; the unary Step returns its ``step``), or None for a step
@@ -613,9 +624,10 @@ class DefragServicer:
                 return _convert.replayed_response(cached)
             if seq > self._next_seq:
                 raise OutOfOrder(f"seq {seq} skips ahead: expected seq {self._next_seq}")
-            events = (
-                request.events if isinstance(request, _PlannedStep) else _convert.step_events(request)
-            )
+            if isinstance(request, _PlannedStep):
+                events = request.events
+            else:
+                events = _convert.step_events(request)
             self._check_reply_bound(events)
             num_steps = engine.stats().totals.num_steps
             self._in_progress = _StepInProgress(self._epoch, seq, time.monotonic())

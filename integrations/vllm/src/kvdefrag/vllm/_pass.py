@@ -20,8 +20,9 @@ runner:
 
 So a pass spans both calls: ``RunnerPass.execute_model`` makes sure the step stamped on
 the output is applied (applying it itself when the output carries its events and the
-scheduler's call has not arrived: ``wait_for_planned_step``), takes ``kv_lock`` and readies the runner (``PassTarget.begin``); when the
-runner returns None the lock stays held until the step's ``sample_tokens`` has run.
+scheduler's call has not arrived: ``wait_for_planned_step``), takes ``kv_lock`` and
+readies the runner (``PassTarget.begin``); when the runner returns None the lock stays
+held until the step's ``sample_tokens`` has run.
 Calls outside any scheduled step (a data-parallel rank's dummy batch, a warm-up) run
 holding the lock too, with the mapping as it is (``RunnerPass.idle``).
 

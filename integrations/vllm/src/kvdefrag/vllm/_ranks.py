@@ -198,9 +198,7 @@ class RankGroup:
             InvalidArgument: As ``step``; no rank was sent anything.
         """
         events = checked_step_events(events)
-        stamp = StepStamp(
-            tuple((client.epoch, client.next_seq) for client in self.clients), events
-        )
+        stamp = StepStamp(tuple((client.epoch, client.next_seq) for client in self.clients), events)
         futures = [
             self._pool.submit(_rank_step, rank, client, events)
             for rank, client in enumerate(self.clients)
