@@ -120,6 +120,7 @@ STEP_WAIT_S = 60.0
 WARM_DECODE_STEPS = 20
 
 GOAL_RATIO = 1.15
+GOAL_RATIO_P99 = 1.3
 GOAL_FLAT = 1.3
 GOAL_WORKER_MS = 0.2
 
@@ -701,7 +702,7 @@ def _run_config(
         side.top_up()
         side.step(timed=False, check=True)
     defrag_scheduler.kvdefrag.settle()
-    client = defrag_scheduler.kvdefrag.ranks.primary
+    client = defrag_scheduler.kvdefrag.ranks.clients[0]
     service_digest = client.stats().digest
     worker = defrag.worker
     assert worker is not None
@@ -803,7 +804,7 @@ def report(runs: list[dict[str, Any]], iterations: int) -> str:
                     f"{run['live_blocks'][1] / run['num_blocks']:.0%}",
                     _three(vllm),
                     _three(kvd),
-                    f"{kvd['p50'] / vllm['p50']:.2f}/{kvd['mean'] / vllm['mean']:.2f}",
+                    "/".join(f"{kvd[name] / vllm[name]:.2f}" for name in ("p50", "mean", "p99")),
                     f"{run['added'][clock]['median']:+.3f}/{run['added'][clock]['mean']:+.3f}",
                     f"{run['own'][clock]['p50']:.3f}/{run['own'][clock]['mean']:.3f}",
                     _three(run["worker_pass"][clock]),
@@ -818,7 +819,7 @@ def report(runs: list[dict[str, Any]], iterations: int) -> str:
                     "live",
                     "vLLM p50/mean/p99",
                     "kvdefrag p50/mean/p99",
-                    "ratio p50/mean",
+                    "ratio p50/mean/p99",
                     "added med/mean",
                     "own p50/mean",
                     "worker p50/mean/p99",
@@ -953,15 +954,12 @@ def goals(runs: list[dict[str, Any]]) -> list[list[str]]:
 
     at_goal = [run for run in runs if run["num_requests"] == GOAL_SIZE]
     for run in at_goal:
-        for name in ("p50", "mean"):
+        for name, goal in (("p50", GOAL_RATIO), ("mean", GOAL_RATIO), ("p99", GOAL_RATIO_P99)):
             cells = {}
             for clock, _ in CLOCKS:
                 kvd, vllm = run["kvdefrag"][clock][name], run["vllm"][clock][name]
-                cells[clock] = (
-                    f"{kvd:.2f}/{vllm:.2f} = {kvd / vllm:.2f}x",
-                    kvd / vllm <= GOAL_RATIO,
-                )
-            row(f"iteration {_size(run)} {_mode(run)}, {name}", cells, f"<= {GOAL_RATIO}x")
+                cells[clock] = (f"{kvd:.2f}/{vllm:.2f} = {kvd / vllm:.2f}x", kvd / vllm <= goal)
+            row(f"iteration {_size(run)} {_mode(run)}, {name}", cells, f"<= {goal}x")
     for mode_runs in _by_mode(runs).values():
         first, last = mode_runs[0], mode_runs[-1]
         if (first["num_requests"], last["num_requests"]) != (SIZES[0][0], SIZES[-1][0]):

@@ -36,12 +36,12 @@ STEP_WAIT_S = 5.0
 
 # A fragmenting workload: with threshold 0 its finishes make the engines compact (move KV).
 STEPS = (
-    StepEvents.build(new_blocks={"a": list(range(1, 11)), "b": [40, 41, 42]}),
-    StepEvents.build(new_blocks={"c": [50, 51], "a": [12]}),
-    StepEvents.build(finished=["a"]),
-    StepEvents.build(new_blocks={"d": [5, 6, 7]}, finished=["c"]),
-    StepEvents.build(new_blocks={"b": [43]}),
-    StepEvents.build(finished=["b"], new_blocks={"e": [20, 21]}),
+    StepEvents(new_blocks={"a": list(range(1, 11)), "b": [40, 41, 42]}),
+    StepEvents(new_blocks={"c": [50, 51], "a": [12]}),
+    StepEvents(finished=["a"]),
+    StepEvents(new_blocks={"d": [5, 6, 7]}, finished=["c"]),
+    StepEvents(new_blocks={"b": [43]}),
+    StepEvents(finished=["b"], new_blocks={"e": [20, 21]}),
 )
 
 
@@ -156,7 +156,7 @@ def test_a_stale_or_forged_step_on_an_output_is_refused_and_changes_nothing(
     ranks: list[_Rank],
 ) -> None:
     handle = ranks[0].handle
-    other = StepEvents.build(new_blocks={"x": [30, 31]})
+    other = StepEvents(new_blocks={"x": [30, 31]})
     with DefragClient(handle.address) as client:
         client.step(STEPS[0])
         client.step(STEPS[1])

@@ -92,7 +92,7 @@ def _run(
         )
         for rank, (handle, kv) in enumerate(ranks[:num_ranks])
     ]
-    resolve = scheduler.kvdefrag.ranks.primary.resolve if is_defrag else (lambda ids: list(ids))
+    resolve = ranks[0][0].resolve if is_defrag else (lambda ids: list(ids))
     steps = run_loop(
         scheduler,
         workers,
@@ -136,7 +136,7 @@ def test_preemption_happens_in_the_small_pool(model_dir: str, ranks: list[Any]) 
         scheduler,
         workers,
         Workload(seed=3, num_requests=80),
-        resolve=scheduler.kvdefrag.ranks.primary.resolve,
+        resolve=ranks[0][0].resolve,
     )
     scheduler.kvdefrag.settle()
     scheduler.kvdefrag.ranks.close()
@@ -320,7 +320,7 @@ def test_a_forced_reset_of_one_rank_fails_its_next_pass_and_stops_the_scheduler(
         SignedWorker(kv, translator_for(handle, NUM_BLOCKS), service=(handle, rank))
         for rank, (handle, kv) in enumerate(ranks)
     ]
-    resolve = scheduler.kvdefrag.ranks.primary.resolve
+    resolve = ranks[0][0].resolve
     try:
         workload = Workload(seed=3, num_requests=40)
         run_loop(scheduler, workers, workload, resolve=resolve, max_steps=30)
@@ -439,7 +439,7 @@ def test_the_scheduler_side_reads_what_changed_not_the_pool(
                 scheduler,
                 workers,
                 Workload(seed=4, num_requests=40),
-                resolve=bridge.ranks.primary.resolve,
+                resolve=pool_ranks[0][0].resolve,
             )
             bridge.settle()
             bridge.ranks.close()
