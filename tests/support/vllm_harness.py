@@ -41,12 +41,12 @@ from vllm.v1.structured_output import StructuredOutputManager
 
 from kvdefrag.server import EngineConfig, ServerHandle, ServiceConfig, serve_in_process
 from kvdefrag.vllm.common import (
-    RUN_DIR_ENV,
     PublishedRank,
     publish_ranks,
     published_ranks,
     rank_address,
 )
+from kvdefrag.vllm.config import RUN_DIR_ENV
 from kvdefrag.vllm.scheduler import DefragAsyncScheduler, DefragScheduler
 from kvdefrag.vllm.worker import (
     BlockIdTranslator,

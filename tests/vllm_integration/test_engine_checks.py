@@ -15,7 +15,7 @@ from kvdefrag.vllm._engine_checks import (
     check_engine_config,
     uses_legacy_ray_executor,
 )
-from kvdefrag.vllm.common import UnsupportedByKvdefrag
+from kvdefrag.vllm.errors import UnsupportedByKvdefrag
 
 
 def engine_config(**parallel: Any) -> SimpleNamespace:

@@ -31,7 +31,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import enum
 import functools
 import logging
 import secrets
@@ -60,7 +59,7 @@ from kvdefrag.common import (
 )
 from kvdefrag.common.errors import quote
 from kvdefrag.server import _convert
-from kvdefrag.server._engine import Engine
+from kvdefrag.server._engine import Engine, StepResult
 from kvdefrag.server._limits import Handshakes
 from kvdefrag.server._validate import check_client_name, check_request_id
 from kvdefrag.server.config import ServiceConfig
@@ -147,25 +146,6 @@ APPLIED_BY_RPC = "rpc"
 APPLIED_IN_PROCESS = "in_process"
 """How a step reached the engine first (``record_applied``): a Step or StepStream call, or
 ``apply_planned_step`` in the worker's process."""
-
-
-class _Writer(enum.Enum):
-    """The session argument of a step applied in process: whichever stream session is open."""
-
-    OPEN_SESSION = enum.auto()
-
-
-_OPEN_SESSION = _Writer.OPEN_SESSION
-
-
-@dataclasses.dataclass(frozen=True)
-class _PlannedStep:
-    """A step handed over in process (``apply_planned_step``): what ``_step`` reads of a
-    StepRequest, with the events already a ``StepEvents``."""
-
-    seq: int
-    epoch: int
-    events: StepEvents
 
 
 class _ShuttingDown(Exception):
@@ -467,18 +447,15 @@ class DefragServicer:
                 # failed; it may only reset, or adopt the state (an open without epoch).
                 raise EngineUnhealthy(engine.unhealthy_reason)
             if args.prefix_caching != engine.config.prefix_caching:
-                is_pristine = (
-                    self._next_seq == 1
-                    and engine.unhealthy_reason is None
-                    and engine.stats().num_requests == 0
-                )
-                if not is_pristine:
+                # NOTE: the engine owns the rule (``Engine.is_pristine``); a stream open
+                # holds the servicer lock, so no step comes in between.
+                if not engine.is_pristine:
                     raise SessionConflict(
                         f"open.prefix_caching={args.prefix_caching} but epoch {self._epoch} "
                         f"runs with prefix_caching={engine.config.prefix_caching} and has "
                         f"state (next_seq {self._next_seq}); Reset to change the mode"
                     )
-                engine.reset(prefix_caching=args.prefix_caching)
+                engine.change_mode(prefix_caching=args.prefix_caching)
             session = _Session(args.client_name or "unnamed", context.cancel)
             self._session = session
             opened = _convert.session_opened(
@@ -527,10 +504,10 @@ class DefragServicer:
 
         The vLLM integration's scheduler sends each step over its stream and hands the
         same events to the workers with the output; a worker whose step has not arrived
-        yet applies it here, through the same checks as the stream's (only the open
-        session's next seq of the current epoch). Whichever comes first applies it; the
-        other finds it applied, and the stream's copy is answered from the replay cache
-        (the same reply).
+        yet applies it here, through the same checks as the stream's (``_admit``: only the
+        open session's next seq of the current epoch). Whichever comes first applies it;
+        the other finds it applied, and the stream's copy is answered from the replay
+        cache (the same reply).
 
         Returns:
             True when this call applied the step, False when it was applied already.
@@ -544,115 +521,133 @@ class DefragServicer:
                 stream; nothing changed.
         """
         started = time.monotonic()
+        is_applied_here = False
         current_epoch, next_seq = self._applied
-        if current_epoch == epoch and next_seq > seq:
-            is_applied_here = False
-        else:
+        if not (current_epoch == epoch and next_seq > seq):
             if not epoch:
                 raise InvalidArgument("apply_planned_step: epoch 0 names no epoch")
-            planned = _PlannedStep(seq, epoch, events)
-            is_applied_here = (
-                self._step(planned, _OPEN_SESSION, path=APPLIED_IN_PROCESS) is not None
-            )
-        if self._metrics is not None:
-            self._metrics.record_step_wait(time.monotonic() - started)
-        return is_applied_here
-
-    def _step(
-        self,
-        request: Message,
-        session: _Session | _Writer | None,
-        *,
-        path: str = APPLIED_BY_RPC,
-    ) -> Message:
-        """Applies one step once; returns its reply as the stream sends it (a
-        StepStreamResponse; the unary Step returns its ``step``), or None for a step
-        applied in process that was applied already."""
-        seq, epoch = request.seq, request.epoch
-        engine = self._engine
-        with self._locked(f"step seq {seq}"):
-            if self._is_stopping.is_set():
-                raise _ShuttingDown("the server is shutting down")
-            if session is _OPEN_SESSION:
+            with self._locked(f"step seq {seq}"):
                 session = self._session
                 if session is None:
                     raise SessionConflict(
                         f"step seq {seq}: no stream session is open to apply it for"
                     )
-            if self._session is not session:
-                if session is None:
-                    assert self._session is not None
-                    raise SessionConflict(
-                        "Step: a stream session (client_name="
-                        f"{quote(self._session.client_name)}) is open; unary steps are refused "
-                        "while it is"
-                    )
-                if session.reset_to:
-                    raise EpochMismatch(
-                        f"step.epoch {epoch or 'current'}: a forced reset started epoch "
-                        f"{session.reset_to} under this session and ended it; the client's "
-                        "state is stale"
-                    )
-                raise SessionConflict("step: this stream's session is closed")
-            reason = engine.unhealthy_reason
-            if reason is not None:
-                raise EngineUnhealthy(reason)
-            if epoch and epoch != self._epoch:
-                raise EpochMismatch(
-                    f"step.epoch {epoch} is not the server epoch {self._epoch}: the server "
-                    "restarted or was reset"
-                )
-            if seq == 0:
-                raise OutOfOrder(
-                    f"seq 0 is not a step number (an epoch's steps count from 1); expected "
-                    f"seq {self._next_seq}"
-                )
-            if seq < self._next_seq:
-                if path == APPLIED_IN_PROCESS:
-                    return None
-                cached = self._replies.get(seq)
-                if cached is None:
-                    raise OutOfOrder(
-                        f"seq {seq} was applied and its reply is no longer cached (the last "
-                        f"{self._replay_cache_size} are kept); expected seq {self._next_seq}"
-                    )
-                if seq == self._seq_applied_in_process:
-                    # NOTE: the stream's copy of a step a worker applied first: no resend.
-                    self._seq_applied_in_process = 0
-                elif self._metrics is not None:
-                    self._metrics.record_replay()
-                return _convert.replayed_response(cached)
-            if seq > self._next_seq:
-                raise OutOfOrder(f"seq {seq} skips ahead: expected seq {self._next_seq}")
-            if isinstance(request, _PlannedStep):
-                events = request.events
-            else:
-                events = _convert.step_events(request)
+                is_applied = epoch == self._epoch and seq < self._next_seq
+                if not is_applied and self._admit(seq, epoch, session) is None:
+                    self._check_reply_bound(events)
+                    self._reply(seq, self._apply(seq, events), path=APPLIED_IN_PROCESS)
+                    is_applied_here = True
+        if self._metrics is not None:
+            self._metrics.record_step_wait(time.monotonic() - started)
+        return is_applied_here
+
+    def _step(self, request: Message, session: _Session | None) -> Message:
+        """Applies one step once; returns its reply as the stream sends it (a
+        StepStreamResponse; the unary Step returns its ``step``). A resend of an applied
+        seq gets the reply it got then."""
+        seq = request.seq
+        with self._locked(f"step seq {seq}"):
+            replayed = self._admit(seq, request.epoch, session)
+            if replayed is not None:
+                return replayed
+            events = _convert.step_events(request)
             self._check_reply_bound(events)
-            num_steps = engine.stats().totals.num_steps
-            self._in_progress = _StepInProgress(self._epoch, seq, time.monotonic())
-            try:
-                result = engine.apply_events(events)
-            except EngineUnhealthy:
-                if engine.stats().totals.num_steps > num_steps:
-                    # NOTE: applied without its compaction (docs/design.md §4): the seq
-                    # is used up. A resend gets EngineUnhealthy, as every step does until
-                    # a Reset starts a new epoch, so no reply is cached for it.
-                    self._next_seq += 1
-                self._publish_progress()  # wait_applied sees the failure at once
-                raise
-            finally:
-                self._in_progress = None
-            response = _convert.step_response(result, seq, self._epoch)
-            self._replies[seq] = response
-            while len(self._replies) > self._replay_cache_size:
-                self._replies.popitem(last=False)
-            self._next_seq += 1
-            if path == APPLIED_IN_PROCESS:
-                self._seq_applied_in_process = seq
-            if self._metrics is not None:
-                self._metrics.record_applied(path)
-            self._publish_progress()
+            return self._reply(seq, self._apply(seq, events))
+
+    def _admit(self, seq: int, epoch: int, session: _Session | None) -> Message | None:
+        """Whether ``session`` may apply step ``seq`` of ``epoch`` now (0: the current
+        epoch); call it holding the servicer lock.
+
+        Returns:
+            None for the next step; the cached reply for a seq applied already.
+
+        Raises:
+            _ShuttingDown, SessionConflict, EpochMismatch, EngineUnhealthy, OutOfOrder:
+                Not this session's to apply, or not now; nothing changed.
+        """
+        if self._is_stopping.is_set():
+            raise _ShuttingDown("the server is shutting down")
+        if self._session is not session:
+            if session is None:
+                assert self._session is not None
+                raise SessionConflict(
+                    "Step: a stream session (client_name="
+                    f"{quote(self._session.client_name)}) is open; unary steps are refused "
+                    "while it is"
+                )
+            if session.reset_to:
+                raise EpochMismatch(
+                    f"step.epoch {epoch or 'current'}: a forced reset started epoch "
+                    f"{session.reset_to} under this session and ended it; the client's "
+                    "state is stale"
+                )
+            raise SessionConflict("step: this stream's session is closed")
+        reason = self._engine.unhealthy_reason
+        if reason is not None:
+            raise EngineUnhealthy(reason)
+        if epoch and epoch != self._epoch:
+            raise EpochMismatch(
+                f"step.epoch {epoch} is not the server epoch {self._epoch}: the server "
+                "restarted or was reset"
+            )
+        if seq == 0:
+            raise OutOfOrder(
+                f"seq 0 is not a step number (an epoch's steps count from 1); expected "
+                f"seq {self._next_seq}"
+            )
+        if seq > self._next_seq:
+            raise OutOfOrder(f"seq {seq} skips ahead: expected seq {self._next_seq}")
+        if seq == self._next_seq:
+            return None
+        cached = self._replies.get(seq)
+        if cached is None:
+            raise OutOfOrder(
+                f"seq {seq} was applied and its reply is no longer cached (the last "
+                f"{self._replay_cache_size} are kept); expected seq {self._next_seq}"
+            )
+        if seq == self._seq_applied_in_process:
+            # NOTE: the stream's copy of a step a worker applied first: not a resend.
+            self._seq_applied_in_process = 0
+        elif self._metrics is not None:
+            self._metrics.record_replay()
+        return _convert.replayed_response(cached)
+
+    def _apply(self, seq: int, events: StepEvents) -> StepResult:
+        """Applies the admitted step ``seq`` to the engine; call it holding the servicer
+        lock.
+
+        Raises:
+            InvalidArgument: The events do not fit the pool; nothing changed.
+            EngineUnhealthy: Its KV move failed: the seq is used up (applied without its
+                compaction, docs/design/step.md), and no reply is cached for it, since every
+                step gets EngineUnhealthy until a Reset starts a new epoch.
+        """
+        engine = self._engine
+        num_steps = engine.stats().totals.num_steps
+        self._in_progress = _StepInProgress(self._epoch, seq, time.monotonic())
+        try:
+            return engine.apply_events(events)
+        except EngineUnhealthy:
+            if engine.stats().totals.num_steps > num_steps:
+                self._next_seq += 1
+            self._publish_progress()  # wait_applied sees the failure at once
+            raise
+        finally:
+            self._in_progress = None
+
+    def _reply(self, seq: int, result: StepResult, *, path: str = APPLIED_BY_RPC) -> Message:
+        """Makes step ``seq``'s reply, caches it for resends and counts the seq applied
+        (and by which ``path``); call it holding the servicer lock."""
+        response = _convert.step_response(result, seq, self._epoch)
+        self._replies[seq] = response
+        while len(self._replies) > self._replay_cache_size:
+            self._replies.popitem(last=False)
+        self._next_seq += 1
+        if path == APPLIED_IN_PROCESS:
+            self._seq_applied_in_process = seq
+        if self._metrics is not None:
+            self._metrics.record_applied(path)
+        self._publish_progress()
         return response
 
     # --- reads (no servicer lock) -----------------------------------------------------

@@ -14,7 +14,7 @@ from __future__ import annotations
 import importlib.util
 import os
 
-from kvdefrag.vllm.common import UnsupportedByKvdefrag
+from kvdefrag.vllm.errors import UnsupportedByKvdefrag
 
 RAY_V2_ENV = "VLLM_USE_RAY_V2_EXECUTOR_BACKEND"
 """vLLM 0.32's switch between its Ray executors (``v1/executor/abstract.py:78``): unset or

@@ -4,7 +4,7 @@ Turn it on with ``vllm serve ... --scheduler-cls
 kvdefrag.vllm.scheduler.DefragAsyncScheduler`` (async scheduling, vLLM's default) or
 ``--scheduler-cls kvdefrag.vllm.scheduler.DefragScheduler --no-async-scheduling`` (or
 ``LLM(..., scheduler_cls=...)``), with ``KVDEFRAG_VLLM_RUN_DIR`` set and the workers
-running ``kvdefrag.vllm.worker.DefragWorker`` (see the README).
+running ``kvdefrag.vllm.worker.DefragWorker`` (see docs/operator/vllm.md).
 
 The output leaves here in logical ids, as vLLM built it, stamped with the step planned
 with it (``common.attach_step_stamp``); every worker, under every scheduling mode and
@@ -39,20 +39,21 @@ from kvdefrag.vllm._bridge import ParkedBlocks, SchedulerBridge, changes_from_ou
 from kvdefrag.vllm._engine_checks import check_engine_config
 from kvdefrag.vllm._gaudi_scheduler import check_gaudi_scheduler
 from kvdefrag.vllm._ranks import RankGroup, connect_ranks
-from kvdefrag.vllm.common import (
-    PublishedRank,
-    UnsupportedByKvdefrag,
-    audit_every,
-    client_tls_from_env,
-    engine_run_dir,
-    published_ranks,
-)
+from kvdefrag.vllm.common import PublishedRank, client_tls, engine_run_dir, published_ranks
+from kvdefrag.vllm.config import IntegrationConfig, load_integration_config
+from kvdefrag.vllm.errors import StartupRefused, UnsupportedByKvdefrag
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 
-__all__ = ["DefragAsyncScheduler", "DefragScheduler", "UnsupportedByKvdefrag", "check_supported"]
+__all__ = [
+    "DefragAsyncScheduler",
+    "DefragScheduler",
+    "StartupRefused",
+    "UnsupportedByKvdefrag",
+    "check_supported",
+]
 
 # NOTE: exact types: RSWASpec, SinkFullAttentionSpec and HiddenStateCacheSpec subclass
 # these but free or pin blocks differently.
@@ -100,6 +101,10 @@ class DefragScheduler(Scheduler):  # type: ignore[misc]
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         check_supported(self.vllm_config, self.kv_cache_config)
+        parallel_config = self.vllm_config.parallel_config
+        self.kvdefrag_config: IntegrationConfig = load_integration_config(
+            executor_backend=parallel_config.distributed_executor_backend
+        )
         is_async = bool(self.vllm_config.scheduler_config.async_scheduling)
         if is_async != isinstance(self, AsyncScheduler):
             wanted = "DefragAsyncScheduler" if is_async else "DefragScheduler"
@@ -122,13 +127,15 @@ class DefragScheduler(Scheduler):  # type: ignore[misc]
         self._kvdefrag_reset_pool = manager.reset_prefix_cache
         manager.reset_prefix_cache = self._kvdefrag_reset_pool_with_parked_blocks
         self._kvdefrag_cache_reset = False
-        self._kvdefrag_audit_every = audit_every()
+        self._kvdefrag_audit_every = self.kvdefrag_config.audit_every
         self._kvdefrag_num_schedules = 0
         block_size = int(self.kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size)
         prefix_caching = bool(self.cache_config.enable_prefix_caching)
         # NOTE: each rank proves the secret it published before its address is trusted.
         clients = connect_ranks(
-            self.kvdefrag_ranks(), prefix_caching=prefix_caching, tls=client_tls_from_env()
+            self.kvdefrag_ranks(),
+            prefix_caching=prefix_caching,
+            tls=client_tls(self.kvdefrag_config),
         )
         for rank, client in enumerate(clients):
             if client.block_size != block_size:
@@ -151,10 +158,11 @@ class DefragScheduler(Scheduler):  # type: ignore[misc]
 
         Raises:
             UnsafeRunDir: The run directory or ``ranks.json`` is not private.
-            RuntimeError: ``ranks.json`` is missing or not for this engine's ranks.
+            StartupRefused: ``ranks.json`` is missing or not for this engine's ranks.
         """
         parallel_config = self.vllm_config.parallel_config
-        return published_ranks(engine_run_dir(parallel_config), parallel_config.world_size)
+        run_dir = engine_run_dir(parallel_config, self.kvdefrag_config.run_dir)
+        return published_ranks(run_dir, parallel_config.world_size)
 
     def _kvdefrag_is_cached(self, block_id: int) -> bool:
         block = self._kvdefrag_pool[block_id]
