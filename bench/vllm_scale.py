@@ -98,6 +98,7 @@ from vllm_engineless import build_scheduler
 from kvdefrag.common.identity import IDENTITY_SECRET_BYTES
 from kvdefrag.server import ServerHandle, ServiceConfig, serve_in_process
 from kvdefrag.vllm.common import PublishedRank
+from kvdefrag.vllm.config import RUN_DIR_ENV
 from kvdefrag.vllm.scheduler import DefragAsyncScheduler, DefragScheduler
 from kvdefrag.vllm.worker import (
     BlockIdTranslator,
@@ -1042,6 +1043,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.perf_counter()
     runs = []
     with tempfile.TemporaryDirectory(prefix="kvdefrag-bench-") as run_dir:
+        # NOTE: the schedulers read their settings at start, the run directory included,
+        # though the bench hands them its in-process rank itself.
+        os.environ.setdefault(RUN_DIR_ENV, run_dir)
         for config in configs:
             runs.append(run_config(config, iterations, run_dir, profile=args.profile))
     if args.profile:
