@@ -240,6 +240,25 @@ def one_service_class(base: type[DefragScheduler], rank: PublishedRank) -> type[
     return cls
 
 
+class GcClock:
+    """Seconds the garbage collector has run in this process (``gc.callbacks``), so an
+    iteration's share of it is the difference across the iteration's timed calls."""
+
+    def __init__(self) -> None:
+        self.total_s = 0.0
+        self._started = 0.0
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self.total_s += time.perf_counter() - self._started
+
+
+GC_CLOCK = GcClock()
+
+
 @dataclasses.dataclass
 class Samples:
     """Durations, in seconds, by the wall clock and by the thread's CPU clock."""
@@ -264,6 +283,21 @@ def _summary_ms(samples_s: Sequence[float]) -> dict[str, float]:
         "p50": ordered[round(0.50 * last)] * 1e3,
         "mean": statistics.fmean(ordered) * 1e3,
         "p99": ordered[round(0.99 * last)] * 1e3,
+    }
+
+
+def _tail(side: Side) -> dict[str, float]:
+    """What the slowest iterations (at or above the wall clock's p99) are made of: their
+    mean wall and CPU time, and the collector's share; the collector over every iteration."""
+    wall, cpu, gc_s = side.iteration.wall, side.iteration.cpu, side.gc_s
+    cutoff = sorted(wall)[round(0.99 * (len(wall) - 1))]
+    slow = [i for i, value in enumerate(wall) if value >= cutoff]
+    return {
+        "slow_wall_ms": statistics.fmean(wall[i] for i in slow) * 1e3,
+        "slow_cpu_ms": statistics.fmean(cpu[i] for i in slow) * 1e3,
+        "slow_gc_ms": statistics.fmean(gc_s[i] for i in slow) * 1e3,
+        "gc_ms_mean": statistics.fmean(gc_s) * 1e3,
+        "gc_iterations": sum(1 for value in gc_s if value > 0),
     }
 
 
@@ -461,6 +495,7 @@ class Side:
         self.iteration = Samples()
         self.parts = {name: Samples() for name in ("schedule", "vllm_schedule", "update")}
         self.own = Samples()  # kvdefrag's own code in schedule()
+        self.gc_s: list[float] = []  # the collector's time inside each timed iteration
         self.reply_s: list[float] = []
         self.profiler: cProfile.Profile | None = None
         self.rows_mismatching = -1
@@ -503,9 +538,11 @@ class Side:
         profiler = self.profiler if timed else None
         if profiler is not None:
             profiler.enable()
+        gc_before = GC_CLOCK.total_s
         started, started_cpu = clock(), cpu_clock()
         output = scheduler.schedule()
         scheduled, scheduled_cpu = clock(), cpu_clock()
+        gc_s = GC_CLOCK.total_s - gc_before
         if profiler is not None:
             profiler.disable()
         schedule_wall, schedule_cpu = scheduled - started, scheduled_cpu - started_cpu
@@ -537,14 +574,17 @@ class Side:
             done, done_output = self.queue.popleft()
             if profiler is not None:
                 profiler.enable()
+            gc_before = GC_CLOCK.total_s
             begun, begun_cpu = clock(), cpu_clock()
             scheduler.update_from_output(done, done_output)
             update_wall, update_cpu = clock() - begun, cpu_clock() - begun_cpu
+            gc_s += GC_CLOCK.total_s - gc_before
             if profiler is not None:
                 profiler.disable()
         self.num_steps += 1
         if timed:
             self.iteration.add(schedule_wall + update_wall, schedule_cpu + update_cpu)
+            self.gc_s.append(gc_s)
             self.parts["schedule"].add(schedule_wall, schedule_cpu)
             self.parts["update"].add(update_wall, update_cpu)
             inner = getattr(scheduler, "inner_s", None)
@@ -727,6 +767,7 @@ def _run_config(
             for side in sides
         },
         "with_blocks_per_step": statistics.fmean(defrag.num_with_blocks[-iterations - 1 :]),
+        "tail": {side.name: _tail(side) for side in sides},
         "worker_pass": worker.pass_s.summary(),
         "worker_wait": _summary_ms(worker.wait_s),
         "reply": _summary_ms(defrag.reply_s),
@@ -829,6 +870,37 @@ def report(runs: list[dict[str, Any]], iterations: int) -> str:
                 rows,
             )
         )
+    rows = []
+    for run in runs:
+        tails = run["tail"]
+        rows.append(
+            [
+                _size(run),
+                _mode(run),
+                *(
+                    f"{tail['slow_wall_ms']:.2f}/{tail['slow_cpu_ms']:.2f}/{tail['slow_gc_ms']:.2f}"
+                    for tail in (tails["vllm"], tails["kvdefrag"])
+                ),
+                *(
+                    f"{tail['gc_ms_mean']:.3f} ({tail['gc_iterations']})"
+                    for tail in (tails["vllm"], tails["kvdefrag"])
+                ),
+            ]
+        )
+    lines.append("   the slowest iterations (wall >= p99), mean ms: wall/CPU/garbage collector")
+    lines.append(
+        _table(
+            [
+                "size",
+                "mode",
+                "vLLM wall/CPU/GC",
+                "kvdefrag wall/CPU/GC",
+                "vLLM GC mean (iterations)",
+                "kvdefrag GC mean (iterations)",
+            ],
+            rows,
+        )
+    )
     lines += [
         "   live: blocks held by requests at the end, of the pool; added: kvdefrag's "
         "iteration minus vLLM's, paired",
