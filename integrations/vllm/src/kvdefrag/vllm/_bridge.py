@@ -13,7 +13,8 @@ its scheduler's ``deferred_frees`` deque, so that it imports no vLLM;
     pool.blocks[i].ref_cnt / .block_hash            only for blocks this step freed
 
 The output goes to the workers as vLLM built it (logical ids), stamped with the step
-planned with it: each worker waits for that step, then translates.
+planned with it (its events too): each worker gets that step applied (itself, if the
+call has not arrived yet), then translates.
 """
 
 from __future__ import annotations

@@ -18,8 +18,9 @@ alone:
   ``UnsafeRunDir`` otherwise). Under data parallelism every DP engine has a scheduler and
   ranks of its own, so each gets a run directory of its own (``engine_run_dir``: DP engine
   ``k > 0`` in ``<run dir>/dp<k>``) and ports of its own (``rank_port_offset``).
-* **The step stamp**: the step planned with an output, which a worker waits for before it
-  translates that output (``attach_step_stamp`` / ``read_step_stamp``).
+* **The step stamp**: the step planned with an output, with its events, which a worker
+  gets applied before it translates that output (``attach_step_stamp`` /
+  ``read_step_stamp``).
 * **Which ``SchedulerOutput`` fields carry block ids** (``map_block_ids``), and which
   blocks of a scheduled request are fresh (``first_fresh_block_index``).
 
