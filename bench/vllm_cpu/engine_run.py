@@ -105,6 +105,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--prefix-caching", action="store_true")
     parser.add_argument("--tp", type=int, default=1, metavar="N")
     parser.add_argument("--dp", type=int, default=1, metavar="N")
+    parser.add_argument("--executor", choices=("mp", "ray"), default="mp")
     parser.add_argument("--engine-processes", action="store_true")
     parser.add_argument("--async-scheduling", action="store_true")
     parser.add_argument("--force-async", action="store_true")
@@ -255,7 +256,7 @@ def run(mode: str, args: argparse.Namespace) -> dict[str, Any]:
         **engine_options(args, mode),
         async_scheduling=args.async_scheduling or args.force_async,
         tensor_parallel_size=args.tp,
-        distributed_executor_backend="mp" if args.tp > 1 else None,
+        distributed_executor_backend=args.executor if args.tp > 1 else None,
     )
     rng = random.Random(11)
     params = [

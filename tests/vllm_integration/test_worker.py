@@ -665,6 +665,8 @@ def _refused_config(setting: str, monkeypatch: pytest.MonkeyPatch) -> SimpleName
         parallel.distributed_executor_backend = "ray"
         monkeypatch.setenv(setting, "0")
         monkeypatch.setattr(_engine_checks, "has_legacy_ray_executor", lambda: True)
+    elif setting == "external_launcher":
+        parallel.distributed_executor_backend = "external_launcher"
     elif setting in ("KVDEFRAG_METRICS_PORT", "KVDEFRAG_VLLM_TCP_PORT"):
         monkeypatch.setenv(setting, "65534")  # DP rank 1 x 2 ranks + local rank 1: 65537
     else:
@@ -679,6 +681,7 @@ EARLY_REFUSALS = {
     "kv_transfer_config": (UnsupportedByKvdefrag, "drop --kv-transfer-config"),
     "speculative_config": (UnsupportedByKvdefrag, "method 'eagle'"),
     "VLLM_USE_RAY_V2_EXECUTOR_BACKEND": (UnsupportedByKvdefrag, "Unset VLLM_USE_RAY_V2"),
+    "external_launcher": (UnsupportedByKvdefrag, "--distributed-executor-backend mp or ray"),
     "KVDEFRAG_METRICS_PORT": (InvalidArgument, "choose KVDEFRAG_METRICS_PORT at most 65532"),
     "KVDEFRAG_VLLM_TCP_PORT": (RuntimeError, "choose KVDEFRAG_VLLM_TCP_PORT in 1..65532"),
 }

@@ -48,6 +48,7 @@ from kvdefrag.server.config import EngineConfig, ServiceConfig, load_config
 from kvdefrag.vllm._engine_checks import check_engine_config
 from kvdefrag.vllm._kv_binding import bind_vllm_kv_caches
 from kvdefrag.vllm._pass import PassTarget, RunnerPass, wait_for_planned_step
+from kvdefrag.vllm._rank_directory import rank_directory
 from kvdefrag.vllm._runner_rows import (
     BlockIdTranslator,
     Remap,
@@ -63,7 +64,6 @@ from kvdefrag.vllm.common import (
     engine_run_dir,
     ensure_run_dir,
     map_block_ids,
-    publish_ranks,
     rank_address,
     rank_port_offset,
     step_wait_s,
@@ -406,7 +406,7 @@ class DefragWorkerMixin:
             )
             ranks = _gather_ranks(mine, int(worker.parallel_config.world_size), failure)
             if rank == 0:
-                publish_ranks(self.kvdefrag_run_dir(), ranks)
+                rank_directory(getattr(self, "parallel_config", None)).publish(ranks)
         except BaseException:
             if handle is not None:
                 handle.stop(grace_s=0)
