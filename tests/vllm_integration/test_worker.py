@@ -196,6 +196,28 @@ def test_the_mixin_serves_the_rank_holds_kv_lock_and_stops_on_shutdown(
     assert not (run_dir / "rank1.sock").exists()
 
 
+def test_a_step_that_bypasses_the_worker_is_refused_by_the_runner(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An executor calling the model runner directly (as vLLM 0.32's legacy Ray executor
+    does) gets an error at its first step, not wrong tokens; through the worker it runs."""
+    monkeypatch.setenv("KVDEFRAG_VLLM_RUN_DIR", str(tmp_path / "run"))
+    worker = _Worker(rank=0)
+    ran: list[Any] = []
+    worker.model_runner.execute_model = lambda output: ran.append(output) or output  # type: ignore[attr-defined]
+    monkeypatch.setattr(
+        _FakeVllmWorker, "execute_model", lambda self, out: self.model_runner.execute_model(out)
+    )
+    worker.initialize_from_config(_kv_cache_config())
+    output = _output()
+    with pytest.raises(UnsupportedByKvdefrag, match="calls the runner directly"):
+        worker.model_runner.execute_model(output)
+    assert ran == []
+    assert worker.execute_model(output) is output
+    assert ran == [output]
+    worker.shutdown()
+
+
 def test_a_pass_holds_kv_lock_from_execute_model_through_sample_tokens(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
