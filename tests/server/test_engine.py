@@ -827,3 +827,20 @@ def test_kv_lock_is_taken_only_to_move_blocks() -> None:
         assert h.executor.calls == []
     worker.join()
     assert h.executor.calls == [[Move(30, 1, False)]]
+
+
+def test_the_mode_changes_only_while_the_engine_is_pristine() -> None:
+    h = Harness(prefix_caching=False)
+    assert h.engine.is_pristine
+    h.engine.change_mode(prefix_caching=True)
+    assert h.engine.config.prefix_caching and h.engine.is_pristine
+    h.engine.step(new_blocks={"req-a": [3, 4]})
+    assert not h.engine.is_pristine
+    digest = h.engine.digest
+    with pytest.raises(InvalidArgument, match="reset to change the mode"):
+        h.engine.change_mode(prefix_caching=False)
+    assert h.engine.config.prefix_caching and h.engine.digest == digest
+    assert h.engine.request_blocks("req-a") == [3, 4]
+    h.engine.reset()
+    h.engine.change_mode(prefix_caching=False)
+    assert not h.engine.config.prefix_caching

@@ -14,7 +14,6 @@ the engine refuses further steps until ``reset()``.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import itertools
 import logging
@@ -47,6 +46,7 @@ from kvdefrag.server._executor import (
     kv_geometry,
     warm_up,
 )
+from kvdefrag.server._move_log import MoveLog, moves_of_blocks_live_before
 from kvdefrag.server._moves import Move, MoveBatch, MoveReport
 from kvdefrag.server._snapshot import MappingSnapshots
 from kvdefrag.server._tracker import BlockTracker
@@ -54,10 +54,6 @@ from kvdefrag.server._validate import validate_step
 from kvdefrag.server.config import EngineConfig
 
 _LOGGER = logging.getLogger(__name__)
-
-MOVE_LOG_LENGTH = 4096
-"""Logged compactions ``Engine.moves_since`` can replay: a worker runs a pass per step,
-and a step logs at most one compaction, so a worker never falls this far behind."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,15 +197,8 @@ class Engine:
         self._generation = 0
         self._snapshots = MappingSnapshots(self.num_blocks)
         self._published = self._publish_locked()
-        # Compactions committed, by number, for workers whose rows follow moved data
-        # (``moves_since``): each one's moves of blocks that were live before its step,
-        # logged only when there are some. The number never restarts, a reset skips one
-        # and starts the log over from it.
-        self._num_logged = 0
-        self._reset_version = 0
-        self._move_log: collections.deque[tuple[int, MoveBatch]] = collections.deque(
-            maxlen=MOVE_LOG_LENGTH
-        )
+        # Compactions committed, for readers that follow moved data (``moves_since``).
+        self._move_log = MoveLog()
 
     def add_observer(self, observer: StepObserver) -> None:
         """Adds an observer told about every later step, move failure and reset."""
@@ -416,14 +405,12 @@ class Engine:
                 )
                 raise EngineUnhealthy(self._unhealthy_reason) from err
             swap_s = time.perf_counter() - started
-            followed = _moves_rows_follow(tracker, moves, newly_live, released)
+            followed = moves_of_blocks_live_before(tracker.fwd, moves, newly_live, released)
             touched += tracker.move_live_blocks(moves.src_ids, moves.dst_ids)
             # NOTE: published before kv_lock is released: a worker that takes kv_lock
             # next must resolve to where the data now is.
             self._published = self._publish_locked()
-            if followed:
-                self._num_logged += 1
-                self._move_log.append((self._num_logged, followed))
+            self._move_log.record(followed)
         return copies, report, swap_s
 
     def _publish_locked(self, *, stats: PoolStats | None = None) -> _Published:
@@ -437,44 +424,20 @@ class Engine:
 
     # --- reads ------------------------------------------------------------------------
     def moves_since(self, version: int | None) -> tuple[int, list[MoveBatch]] | None:
-        """The moves a worker's rows follow, one batch per compaction logged after
-        number ``version``, oldest first.
+        """The moves of live blocks committed after number ``version``, one batch per
+        compaction, oldest first (``MoveLog.since``; what is logged, and why that is
+        enough for a reader, is in ``kvdefrag.server._move_log``).
 
-        For a worker whose persistent rows name physical ids: it follows the data that
-        moved since its previous pass in O(blocks moved), not O(pool). Call it holding
-        ``kv_lock`` (compactions commit under it).
-
-        A compaction is logged with the moves of the blocks that were live before its
-        step, as one-way moves (``_moves_rows_follow``), and not at all when it has none.
-        A block that became live in the step that moved it is named by no output before
-        that step's, and a worker translates an output only once its step is applied, so
-        no row holds the slot it left (placement re-points such blocks without logging
-        anything, for the same reason). A free block is named only by rows of requests
-        that released it, which the runner drops or replaces before it reads them. So a
-        worker finds here only what its rows must follow.
-
-        A reset starts the log over: what moved before it is not reported. A worker's
-        rows from before a reset are not followed across it: every pass planned before
-        the reset fails first, on the epoch its step stamp names (``wait_applied``).
-
-        Args:
-            version: The number this returned last time; None to learn the current one.
+        For a reader whose own records name physical ids: it follows the data that moved
+        since it last looked in O(blocks moved). Call it holding ``kv_lock``
+        (compactions commit under it). A reset starts the log over: nothing from before
+        it is reported.
 
         Returns:
             ``(version now, the batches)``; None when the log no longer reaches back to
-            ``version`` (more than ``MOVE_LOG_LENGTH`` logged compactions came in
-            between): the rows can no longer be followed.
+            ``version``.
         """
-        now = self._num_logged
-        if version is None or version >= now:
-            return now, []
-        version = max(version, self._reset_version)
-        log = self._move_log
-        if version == now:
-            return now, []
-        if not log or log[0][0] > version + 1:
-            return None
-        return now, [batch for number, batch in log if number > version]
+        return self._move_log.since(version)
 
     def resolve(self, logical_ids: Sequence[int] | npt.ArrayLike) -> npt.NDArray[np.int64]:
         """Maps logical ids to physical ids (vectorised, lock-free).
@@ -539,6 +502,38 @@ class Engine:
     def unhealthy_reason(self) -> str | None:
         """Why the engine refuses steps, or None when it is healthy."""
         return self._unhealthy_reason
+
+    @property
+    def is_pristine(self) -> bool:
+        """Healthy, and no step applied since the start or the last reset: the mapping is
+        the identity and no block is live or cached, so a change of mode
+        (``change_mode``) loses nothing."""
+        with self._lock:
+            return self._is_pristine_locked()
+
+    def _is_pristine_locked(self) -> bool:
+        return self._unhealthy_reason is None and self._totals.num_steps == 0
+
+    def change_mode(self, *, prefix_caching: bool) -> None:
+        """Runs with ``prefix_caching`` from now on (a reset into the new mode).
+
+        Raises:
+            InvalidArgument: The engine is not pristine (``is_pristine``): its live and
+                cached blocks were tracked in the other mode; nothing changed. Reset it
+                first.
+        """
+        if prefix_caching == self.config.prefix_caching:
+            return
+        with self._lock, self.kv_lock:
+            if not self._is_pristine_locked():
+                raise InvalidArgument(
+                    f"prefix_caching={prefix_caching}: the engine runs with "
+                    f"prefix_caching={self.config.prefix_caching} and has applied "
+                    f"{self._totals.num_steps} steps since its last reset; reset to change "
+                    "the mode"
+                )
+            self._reset_locked(prefix_caching)
+        self._notify("on_reset")
 
     def request_blocks(self, request_id: str) -> list[int]:
         """Returns a running request's logical block ids.
@@ -636,7 +631,7 @@ class Engine:
             return warm_up(self._executor)
 
     def release_kv_caches(self) -> None:
-        """Lets go of the KV tensors (the worker freed its caches: vLLM's sleep).
+        """Lets go of the KV tensors (the worker freed its caches, e.g. to sleep).
 
         The mapping, the requests and the totals stay. Until ``rebind_kv_caches`` binds
         new tensors, a step that needs to move blocks fails (``EngineUnhealthy``, naming
@@ -658,18 +653,14 @@ class Engine:
         blocks half in the old memory, half in the new.
 
         The mapping, the requests, the totals and the health stay as they are, and no new
-        epoch starts: the scheduler's open session goes on. That is right only because
-        nothing reads the old content again: whatever the tensors hold, the mapping
-        names where each block's data goes from now on (any permutation is as good as
-        another for memory no request reads), and vLLM drops every block's content
-        before the caches are discarded: ``EngineCore.sleep`` (level 1 and up) pauses
-        the scheduler with ``clear_cache``, whose ``reset_prefix_cache(
-        reset_running_requests=True)`` preempts every running request (they recompute
-        from their first token: every block they get is fresh) and empties the prefix
-        cache, before the workers sleep. Requests and cached blocks the engine still
-        lists are released by the scheduler's next step (preempted, aborted, evicted).
-        A caller whose requests would read their old KV data after the rebind must not
-        rebind: that data is gone, and the engine has to be restarted.
+        epoch starts: the open session goes on. That is right only when nothing reads the
+        old content again: whatever the new tensors hold, the mapping names where each
+        block's data goes from now on (any permutation is as good as another for memory
+        no request reads). The caller vouches for it: every running request recomputes
+        from its first token and no cached block is reused (the vLLM integration rebinds
+        only after a sleep that discarded the caches, which vLLM precedes by preempting
+        every request and emptying its prefix cache). A caller whose requests would read
+        their old KV data after the rebind must restart the engine instead.
 
         Args:
             kv_caches: The worker's new per-layer ``(key, value)`` KV tensors.
@@ -705,47 +696,20 @@ class Engine:
         mapping from its start to its end, and the next pass reads the new one.
         """
         with self._lock, self.kv_lock:
-            if prefix_caching is not None:
-                self.config = dataclasses.replace(self.config, prefix_caching=prefix_caching)
-            self._tracker = BlockTracker(self.num_blocks, self.config.prefix_caching)
-            self._totals = Totals()
-            self._unhealthy_reason = None
-            self._force_defrag = False
-            self._generation += 1
-            self._snapshots = MappingSnapshots(self.num_blocks)
-            self._published = self._publish_locked()
-            self._num_logged += 1
-            self._reset_version = self._num_logged
-            self._move_log.clear()
+            self._reset_locked(prefix_caching)
         self._notify("on_reset")
 
-
-def _moves_rows_follow(
-    tracker: BlockTracker, moves: MoveBatch, newly_live: list[int], released: list[int]
-) -> MoveBatch:
-    """Where the blocks a worker's rows may name went in ``moves`` (``Engine.moves_since``):
-    the moves of blocks that were live before this step, each as a one-way move. Read
-    before the moves are committed (the sources still hold the moved blocks).
-
-    Left out: blocks that became live in this step (``newly_live``) but were not released
-    in it (``released``: a block freed and taken again in one step, one the scheduler
-    parks while a step in flight still reads it for instance, was live before), and the
-    free block a swap sends up. No row a runner reads again names a free block: only rows
-    of requests that released it, which the runner drops or replaces before it reads them
-    (a block that a step in flight still reads stays live until that step has run: the
-    scheduler holds it back, docs/design.md §13).
-    """
-    src_ids, dst_ids = moves.src_ids, moves.dst_ids
-    if newly_live:
-        fwd = tracker.fwd
-        new_slots = {fwd[logical_id] for logical_id in newly_live}
-        if released:
-            new_slots.difference_update(fwd[logical_id] for logical_id in released)
-        if not new_slots.isdisjoint(src_ids):
-            is_followed = [src not in new_slots for src in src_ids]
-            src_ids = list(itertools.compress(src_ids, is_followed))
-            dst_ids = list(itertools.compress(dst_ids, is_followed))
-    return MoveBatch(src_ids, dst_ids)
+    def _reset_locked(self, prefix_caching: bool | None) -> None:
+        if prefix_caching is not None:
+            self.config = dataclasses.replace(self.config, prefix_caching=prefix_caching)
+        self._tracker = BlockTracker(self.num_blocks, self.config.prefix_caching)
+        self._totals = Totals()
+        self._unhealthy_reason = None
+        self._force_defrag = False
+        self._generation += 1
+        self._snapshots = MappingSnapshots(self.num_blocks)
+        self._published = self._publish_locked()
+        self._move_log.restart()
 
 
 class _ReleasedKvCaches:

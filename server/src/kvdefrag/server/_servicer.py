@@ -59,7 +59,7 @@ from kvdefrag.common import (
 )
 from kvdefrag.common.errors import quote
 from kvdefrag.server import _convert
-from kvdefrag.server._engine import Engine
+from kvdefrag.server._engine import Engine, StepResult
 from kvdefrag.server._limits import Handshakes
 from kvdefrag.server._validate import check_client_name, check_request_id
 from kvdefrag.server.config import ServiceConfig
@@ -437,18 +437,15 @@ class DefragServicer:
                 # failed; it may only reset, or adopt the state (an open without epoch).
                 raise EngineUnhealthy(engine.unhealthy_reason)
             if args.prefix_caching != engine.config.prefix_caching:
-                is_pristine = (
-                    self._next_seq == 1
-                    and engine.unhealthy_reason is None
-                    and engine.stats().num_requests == 0
-                )
-                if not is_pristine:
+                # NOTE: the engine owns the rule (``Engine.is_pristine``); a stream open
+                # holds the servicer lock, so no step comes in between.
+                if not engine.is_pristine:
                     raise SessionConflict(
                         f"open.prefix_caching={args.prefix_caching} but epoch {self._epoch} "
                         f"runs with prefix_caching={engine.config.prefix_caching} and has "
                         f"state (next_seq {self._next_seq}); Reset to change the mode"
                     )
-                engine.reset(prefix_caching=args.prefix_caching)
+                engine.change_mode(prefix_caching=args.prefix_caching)
             session = _Session(args.client_name or "unnamed", context.cancel)
             self._session = session
             opened = _convert.session_opened(
@@ -493,74 +490,104 @@ class DefragServicer:
 
     def _step(self, request: Message, session: _Session | None) -> Message:
         """Applies one step once; returns its reply as the stream sends it (a
-        StepStreamResponse; the unary Step returns its ``step``)."""
-        seq, epoch = request.seq, request.epoch
-        engine = self._engine
+        StepStreamResponse; the unary Step returns its ``step``). A resend of an applied
+        seq gets the reply it got then."""
+        seq = request.seq
         with self._locked(f"step seq {seq}"):
-            if self._is_stopping.is_set():
-                raise _ShuttingDown("the server is shutting down")
-            if self._session is not session:
-                if session is None:
-                    assert self._session is not None
-                    raise SessionConflict(
-                        "Step: a stream session (client_name="
-                        f"{quote(self._session.client_name)}) is open; unary steps are refused "
-                        "while it is"
-                    )
-                if session.reset_to:
-                    raise EpochMismatch(
-                        f"step.epoch {epoch or 'current'}: a forced reset started epoch "
-                        f"{session.reset_to} under this session and ended it; the client's "
-                        "state is stale"
-                    )
-                raise SessionConflict("step: this stream's session is closed")
-            reason = engine.unhealthy_reason
-            if reason is not None:
-                raise EngineUnhealthy(reason)
-            if epoch and epoch != self._epoch:
-                raise EpochMismatch(
-                    f"step.epoch {epoch} is not the server epoch {self._epoch}: the server "
-                    "restarted or was reset"
-                )
-            if seq == 0:
-                raise OutOfOrder(
-                    f"seq 0 is not a step number (an epoch's steps count from 1); expected "
-                    f"seq {self._next_seq}"
-                )
-            if seq < self._next_seq:
-                cached = self._replies.get(seq)
-                if cached is None:
-                    raise OutOfOrder(
-                        f"seq {seq} was applied and its reply is no longer cached (the last "
-                        f"{self._replay_cache_size} are kept); expected seq {self._next_seq}"
-                    )
-                if self._metrics is not None:
-                    self._metrics.record_replay()
-                return _convert.replayed_response(cached)
-            if seq > self._next_seq:
-                raise OutOfOrder(f"seq {seq} skips ahead: expected seq {self._next_seq}")
+            replayed = self._admit(seq, request.epoch, session)
+            if replayed is not None:
+                return replayed
             events = _convert.step_events(request)
             self._check_reply_bound(events)
-            num_steps = engine.stats().totals.num_steps
-            self._in_progress = _StepInProgress(self._epoch, seq, time.monotonic())
-            try:
-                result = engine.apply_events(events)
-            except EngineUnhealthy:
-                if engine.stats().totals.num_steps > num_steps:
-                    # NOTE: applied without its compaction (docs/design.md §4): the seq
-                    # is used up. A resend gets EngineUnhealthy, as every step does until
-                    # a Reset starts a new epoch, so no reply is cached for it.
-                    self._next_seq += 1
-                self._publish_progress()  # wait_applied sees the failure at once
-                raise
-            finally:
-                self._in_progress = None
-            response = _convert.step_response(result, seq, self._epoch)
-            self._replies[seq] = response
-            while len(self._replies) > self._replay_cache_size:
-                self._replies.popitem(last=False)
-            self._next_seq += 1
-            self._publish_progress()
+            return self._reply(seq, self._apply(seq, events))
+
+    def _admit(self, seq: int, epoch: int, session: _Session | None) -> Message | None:
+        """Whether ``session`` may apply step ``seq`` of ``epoch`` now (0: the current
+        epoch); call it holding the servicer lock.
+
+        Returns:
+            None for the next step; the cached reply for a seq applied already.
+
+        Raises:
+            _ShuttingDown, SessionConflict, EpochMismatch, EngineUnhealthy, OutOfOrder:
+                Not this session's to apply, or not now; nothing changed.
+        """
+        if self._is_stopping.is_set():
+            raise _ShuttingDown("the server is shutting down")
+        if self._session is not session:
+            if session is None:
+                assert self._session is not None
+                raise SessionConflict(
+                    "Step: a stream session (client_name="
+                    f"{quote(self._session.client_name)}) is open; unary steps are refused "
+                    "while it is"
+                )
+            if session.reset_to:
+                raise EpochMismatch(
+                    f"step.epoch {epoch or 'current'}: a forced reset started epoch "
+                    f"{session.reset_to} under this session and ended it; the client's "
+                    "state is stale"
+                )
+            raise SessionConflict("step: this stream's session is closed")
+        reason = self._engine.unhealthy_reason
+        if reason is not None:
+            raise EngineUnhealthy(reason)
+        if epoch and epoch != self._epoch:
+            raise EpochMismatch(
+                f"step.epoch {epoch} is not the server epoch {self._epoch}: the server "
+                "restarted or was reset"
+            )
+        if seq == 0:
+            raise OutOfOrder(
+                f"seq 0 is not a step number (an epoch's steps count from 1); expected "
+                f"seq {self._next_seq}"
+            )
+        if seq > self._next_seq:
+            raise OutOfOrder(f"seq {seq} skips ahead: expected seq {self._next_seq}")
+        if seq == self._next_seq:
+            return None
+        cached = self._replies.get(seq)
+        if cached is None:
+            raise OutOfOrder(
+                f"seq {seq} was applied and its reply is no longer cached (the last "
+                f"{self._replay_cache_size} are kept); expected seq {self._next_seq}"
+            )
+        if self._metrics is not None:
+            self._metrics.record_replay()
+        return _convert.replayed_response(cached)
+
+    def _apply(self, seq: int, events: StepEvents) -> StepResult:
+        """Applies the admitted step ``seq`` to the engine; call it holding the servicer
+        lock.
+
+        Raises:
+            InvalidArgument: The events do not fit the pool; nothing changed.
+            EngineUnhealthy: Its KV move failed: the seq is used up (applied without its
+                compaction, docs/design.md §4), and no reply is cached for it, since every
+                step gets EngineUnhealthy until a Reset starts a new epoch.
+        """
+        engine = self._engine
+        num_steps = engine.stats().totals.num_steps
+        self._in_progress = _StepInProgress(self._epoch, seq, time.monotonic())
+        try:
+            return engine.apply_events(events)
+        except EngineUnhealthy:
+            if engine.stats().totals.num_steps > num_steps:
+                self._next_seq += 1
+            self._publish_progress()  # wait_applied sees the failure at once
+            raise
+        finally:
+            self._in_progress = None
+
+    def _reply(self, seq: int, result: StepResult) -> Message:
+        """Makes step ``seq``'s reply, caches it for resends and counts the seq applied;
+        call it holding the servicer lock."""
+        response = _convert.step_response(result, seq, self._epoch)
+        self._replies[seq] = response
+        while len(self._replies) > self._replay_cache_size:
+            self._replies.popitem(last=False)
+        self._next_seq += 1
+        self._publish_progress()
         return response
 
     # --- reads (no servicer lock) -----------------------------------------------------
