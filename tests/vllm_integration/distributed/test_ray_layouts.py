@@ -115,7 +115,14 @@ def start(cluster: RayCluster, root: Path, layout: Layout) -> dict[str, str]:
     return env
 
 
-def run_engines(cluster: RayCluster, root: Path, layout: Layout, modes: str, **extra: str) -> Run:
+def run_engines(
+    cluster: RayCluster,
+    root: Path,
+    layout: Layout,
+    modes: str,
+    timeout_s: float = 900,
+    **extra: str,
+) -> Run:
     """``engine_run.py`` with TP 2 under vLLM's Ray executor, one engine per mode."""
     settings = start(cluster, root, layout)
     base = int(settings["KVDEFRAG_METRICS_PORT"])
@@ -137,7 +144,7 @@ def run_engines(cluster: RayCluster, root: Path, layout: Layout, modes: str, **e
         [sys.executable, os.fspath(ENGINE_RUN), modes, os.fspath(root / "model"),
          os.fspath(run_dir), "--tp", "2", "--executor", "ray", "--engine-processes",
          "--prefix-caching", "--num-requests", str(NUM_REQUESTS), "--metrics-at", metrics_at],
-        capture_output=True, text=True, timeout=900, env=env, check=False,
+        capture_output=True, text=True, timeout=timeout_s, env=env, check=False,
     )  # fmt: skip
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     results = [json.loads(line.removeprefix("RESULT ")) for line in lines]
