@@ -9,15 +9,17 @@ alone:
   on several hosts), on ``HOST:PORT+offset`` (``rank_port_offset``) with TLS from the
   ``KVDEFRAG_TLS_*`` variables, and proves a secret of its own (``IdentityService``). Once
   every rank serves, the workers gather their addresses and secrets over vLLM's own world
-  process group and rank 0 writes them to ``<run dir>/ranks.json`` (0600); the scheduler,
-  built on rank 0's host after the KV caches exist, reads that file and checks each rank's
-  proof before it trusts the address. The run directory comes from
-  ``KVDEFRAG_VLLM_RUN_DIR`` (set it once for ``vllm serve``; every process of the engine
-  inherits it): it must be this user's and unreachable by group and others (created 0700 if
-  missing), and no file in it is written or read through a link (``_run_dir``;
-  ``UnsafeRunDir`` otherwise). Under data parallelism every DP engine has a scheduler and
-  ranks of its own, so each gets a run directory of its own (``engine_run_dir``: DP engine
-  ``k > 0`` in ``<run dir>/dp<k>``) and ports of its own (``rank_port_offset``).
+  process group and rank 0 writes them to ``<run dir>/ranks.json`` (0600), and under vLLM's
+  Ray executor also to Ray's key-value store (``_rank_directory``); the scheduler, built
+  after the KV caches exist, reads that file on rank 0's host (or, under Ray, the store,
+  wherever Ray placed rank 0) and checks each rank's proof before it trusts the address.
+  The run directory comes from ``KVDEFRAG_VLLM_RUN_DIR`` (set it once for ``vllm serve``;
+  every process of the engine inherits it): it must be this user's and unreachable by group
+  and others (created 0700 if missing), and no file in it is written or read through a
+  link (``_run_dir``; ``UnsafeRunDir`` otherwise). Under data parallelism every DP engine
+  has a scheduler and ranks of its own, so each gets a run directory of its own
+  (``engine_run_dir``: DP engine ``k > 0`` in ``<run dir>/dp<k>``) and ports of its own
+  (``rank_port_offset``).
 * **How often the scheduler side audits** its ledger against vLLM (``audit_every``).
 * **The step stamp**: the step planned with an output, which a worker waits for before it
   translates that output (``attach_step_stamp`` / ``read_step_stamp``).
