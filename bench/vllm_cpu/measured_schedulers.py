@@ -29,6 +29,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutputs
 
 from kvdefrag.vllm.common import engine_run_dir
+from kvdefrag.vllm.config import load_integration_config
 from kvdefrag.vllm.scheduler import DefragAsyncScheduler, DefragScheduler
 
 REPORT_NAME = "scheduler.json"
@@ -36,7 +37,7 @@ REPORT_NAME = "scheduler.json"
 
 def write_report(report: dict[str, Any], parallel_config: Any) -> None:
     """Writes ``report`` as ``scheduler.json`` in the engine's run directory."""
-    run_dir = engine_run_dir(parallel_config)
+    run_dir = engine_run_dir(parallel_config, load_integration_config().run_dir)
     os.makedirs(run_dir, mode=0o700, exist_ok=True)
     path = os.path.join(run_dir, REPORT_NAME)
     partial = f"{path}.{os.getpid()}"

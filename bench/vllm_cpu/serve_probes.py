@@ -31,7 +31,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutputs
 from vllm.v1.worker.cpu_worker import CPUWorker
 
-from kvdefrag.vllm.common import run_dir_from_env
+from kvdefrag.vllm.config import load_integration_config
 from kvdefrag.vllm.scheduler import DefragAsyncScheduler, DefragScheduler
 from kvdefrag.vllm.worker import DefragWorkerMixin, wait_for_planned_step
 
@@ -42,7 +42,7 @@ WAITS_EVERY = 64
 
 
 def _write(name: str, report: Any) -> None:
-    run_dir = run_dir_from_env()
+    run_dir = load_integration_config().run_dir
     partial = os.path.join(run_dir, f".{name}.{os.getpid()}")
     with open(partial, "w") as file:
         json.dump(report, file)
@@ -50,7 +50,7 @@ def _write(name: str, report: Any) -> None:
 
 
 def _write_mode(scheduler: Any) -> None:
-    os.makedirs(run_dir_from_env(), mode=0o700, exist_ok=True)
+    os.makedirs(load_integration_config().run_dir, mode=0o700, exist_ok=True)
     _write(
         MODE_NAME,
         {
@@ -152,7 +152,9 @@ class ProbedDefragWorker(DefragWorkerMixin, _RunnerClock):
         if len(probes[0]) == WAITS_EVERY:
             # NOTE: appended, one line per WAITS_EVERY passes: rewriting every pass so
             # far each time showed in a profile of this process.
-            path = os.path.join(run_dir_from_env(), WAITS_NAME.format(rank=self.rank))
+            path = os.path.join(
+                load_integration_config().run_dir, WAITS_NAME.format(rank=self.rank)
+            )
             with open(path, "a") as file:
                 file.write(json.dumps({"waits_s": probes[0], "begins_s": probes[1]}) + "\n")
             probes[0].clear()

@@ -1,4 +1,4 @@
-"""One test per rule of docs/design.md §4, on real CPU KV tensors with signed blocks."""
+"""One test per rule of docs/design/step.md, on real CPU KV tensors with signed blocks."""
 
 from __future__ import annotations
 

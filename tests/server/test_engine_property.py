@@ -5,7 +5,7 @@ vLLM scheduler sends: admissions (with prefix sharing and prefix-cache hits), gr
 finishes (some of them preemptions, resumed later with a new list), implicit
 preemption (resumed while running), request id reuse within a step, evictions, forced
 passes and, now and then, an invalid step that must change nothing. After every step
-the engine must agree with the model, its moves and placements must obey docs/design.md §4,
+the engine must agree with the model, its moves and placements must obey docs/design/step.md,
 and every block whose content matters must read back its own signature.
 """
 

@@ -47,7 +47,7 @@ def test_a_move_failure_turns_health_off_until_the_handle_resets(serve: Serve) -
 
 
 def test_the_cpu_worker_pattern_runs_beside_steps_without_deadlock() -> None:
-    """README's CPU worker: hold ``kv_lock`` for the forward pass and resolve inside it.
+    """The CPU worker pattern (docs/library.md): hold ``kv_lock`` for the pass, resolve inside it.
 
     The scheduler thread steps with a low threshold (so blocks keep moving) while the
     worker thread, holding ``kv_lock``, resolves the block tables, reads ``stats()`` and

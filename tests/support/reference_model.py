@@ -1,4 +1,4 @@
-"""A deliberately naive reference model of docs/design.md §4's block bookkeeping.
+"""A deliberately naive reference model of docs/design/step.md's block bookkeeping.
 
 Dicts, lists and sets; every query recomputes from scratch. It does not predict where
 the engine places or moves blocks (that is the engine's choice); it predicts everything
@@ -110,7 +110,7 @@ class ReferenceModel:
         return newly_live
 
     def apply(self, events: StepEvents) -> StepOutcome:
-        """Applies a valid step in design §4 order: finished, resumed, evicted, new blocks."""
+        """Applies a valid step in docs/design/step.md order: finished, resumed, evicted, new."""
         num_unknown = sum(not self.release_request(rid) for rid in events.finished)
         for request_id in events.resumed:
             self.release_request(request_id)

@@ -41,12 +41,12 @@ from vllm.v1.structured_output import StructuredOutputManager
 
 from kvdefrag.server import EngineConfig, ServerHandle, ServiceConfig, serve_in_process
 from kvdefrag.vllm.common import (
-    RUN_DIR_ENV,
     PublishedRank,
     publish_ranks,
     published_ranks,
     rank_address,
 )
+from kvdefrag.vllm.config import RUN_DIR_ENV
 from kvdefrag.vllm.scheduler import DefragAsyncScheduler, DefragScheduler
 from kvdefrag.vllm.worker import (
     BlockIdTranslator,
@@ -254,6 +254,8 @@ class SignedWorker:
 
     Attributes:
         kv: The rank's KV tensor (slot = physical block * BLOCK_SIZE + offset).
+        salt: Mixed into every signature this worker writes and expects (a pipeline
+            stage's layers hold other data than the stage before it).
         num_corrupted: Reads that did not find their own signature.
         num_checked: Reads checked.
     """
@@ -268,6 +270,7 @@ class SignedWorker:
         self.kv = kv
         self.translator = translator
         self.service = service  # (its rank's service, the rank): as DefragWorkerMixin
+        self.salt = 0
         self.rows: dict[str, _Row] = {}
         self.cached_signatures: dict[int, list[int]] = {}
         self.num_corrupted = 0
@@ -356,9 +359,7 @@ class SignedWorker:
             block_ids = self._block_ids(request_id)
             start = row.num_computed_tokens
             for position in range(start, start + num_tokens):
-                self.kv[_slot(block_ids, position), 0] = _signature(
-                    tuple(row.token_ids[: position + 1])
-                )
+                self.kv[_slot(block_ids, position), 0] = self._sign(row.token_ids, position)
             self._check_row(row, block_ids, start + num_tokens)
             row.num_computed_tokens = start + num_tokens
             if start + num_tokens >= len(row.token_ids):
@@ -367,9 +368,13 @@ class SignedWorker:
                 sampled[request_id] = [token]
         return runner_output(output, sampled)
 
+    def _sign(self, token_ids: list[int], position: int) -> int:
+        """What this worker writes for the token at ``position``."""
+        return _signature(tuple(token_ids[: position + 1])) ^ self.salt
+
     def _check_row(self, row: _Row, block_ids: list[int], num_tokens: int) -> None:
         for position in range(num_tokens):
-            expected = _signature(tuple(row.token_ids[: position + 1]))
+            expected = self._sign(row.token_ids, position)
             self.num_checked += 1
             if int(self.kv[_slot(block_ids, position), 0]) != expected:
                 self.num_corrupted += 1
@@ -419,7 +424,7 @@ class SignedWorker:
                 if end > row.num_computed_tokens or block.block_hash is None:
                     continue
                 self.cached_signatures[block.block_id] = [
-                    _signature(tuple(row.token_ids[: position + 1]))
+                    self._sign(row.token_ids, position)
                     for position in range(index * BLOCK_SIZE, end)
                 ]
 

@@ -33,6 +33,7 @@ from kvdefrag.server.__main__ import parse_args
 from kvdefrag.server.config import ENV_PREFIX, load_config, option_names
 from kvdefrag.server.metrics import Metrics
 from kvdefrag.vllm import common
+from kvdefrag.vllm import config as vllm_config
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -222,14 +223,14 @@ def test_dockerfiles_pass_hadolint(name: str) -> None:
     run_tool(hadolint, "--no-color", str(DEPLOY / name))
 
 
-# The vLLM integration's own variables (kvdefrag.vllm.common), next to the configs' options.
+# The vLLM integration's own variables (kvdefrag.vllm.config), next to the configs' options.
 VLLM_VARIABLES = {
-    common.RUN_DIR_ENV,
-    common.STEP_WAIT_ENV,
-    common.AUDIT_EVERY_ENV,
-    common.TCP_PORT_ENV,
-    common.TCP_HOST_ENV,
-    *common.CLIENT_TLS_ENV.values(),
+    vllm_config.RUN_DIR_ENV,
+    vllm_config.STEP_WAIT_ENV,
+    vllm_config.AUDIT_EVERY_ENV,
+    vllm_config.TCP_PORT_ENV,
+    vllm_config.TCP_HOST_ENV,
+    *vllm_config.CLIENT_TLS_ENV.values(),
 }
 
 
@@ -320,7 +321,7 @@ def test_worker_pod_wires_run_dir_metrics_and_probe_together_for_every_rank(name
         k: v for k, v in settings.items() if k.startswith(ENV_PREFIX) and k not in VLLM_VARIABLES
     }
     _, config = load_config(environ=kvdefrag_settings)
-    run_dir = settings[common.RUN_DIR_ENV]
+    run_dir = vllm_config.load_integration_config(settings).run_dir
     mounts = {mount["name"]: mount["mountPath"] for mount in vllm["volumeMounts"]}
     shared = [v["name"] for v in pod["spec"]["volumes"] if "emptyDir" in v]
     # kvdefrag creates the run directory itself (0700) inside the shared volume

@@ -18,19 +18,11 @@ from typing import Any, NamedTuple
 import pytest
 
 from kvdefrag.vllm.common import (
-    AUDIT_EVERY_ENV,
-    CLIENT_TLS_ENV,
     RANKS_FILE,
-    RAY_ENV_PREFIXES_ENV,
-    RUN_DIR_ENV,
-    TCP_HOST_ENV,
-    TCP_PORT_ENV,
     PublishedRank,
     StepStamp,
     UnsafeRunDir,
     attach_step_stamp,
-    audit_every,
-    client_tls_from_env,
     copy_destinations,
     data_parallel_rank,
     engine_run_dir,
@@ -41,49 +33,11 @@ from kvdefrag.vllm.common import (
     published_ranks,
     rank_port_offset,
     read_step_stamp,
-    run_dir_from_env,
-    step_wait_s,
-    tcp_address,
 )
+from kvdefrag.vllm.errors import StartupRefused
 
 from support.public_api import assert_public_names
 from support.vllm_output import NewRequestData, cached, output
-
-
-def test_no_tcp_port_means_a_unix_socket(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(TCP_PORT_ENV, raising=False)
-    assert tcp_address(3, lambda: "10.0.0.7") is None
-
-
-def test_each_local_rank_takes_the_next_port(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(TCP_PORT_ENV, "50100")
-    monkeypatch.delenv(TCP_HOST_ENV, raising=False)
-    assert tcp_address(0, lambda: "10.0.0.7") == "10.0.0.7:50100"
-    assert tcp_address(3, lambda: "10.0.0.7") == "10.0.0.7:50103"
-    monkeypatch.setenv(TCP_HOST_ENV, "fd00::5")
-    assert tcp_address(1, lambda: "10.0.0.7") == "[fd00::5]:50101"
-
-
-def test_a_port_that_is_not_a_number_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(TCP_PORT_ENV, "http")
-    with pytest.raises(
-        RuntimeError, match=re.escape(f"{TCP_PORT_ENV} must be a TCP port, got 'http'")
-    ):
-        tcp_address(0, lambda: "10.0.0.7")
-
-
-@pytest.mark.parametrize(("port", "offset"), [("0", 0), ("65535", 1), ("65000", 1000)])
-def test_a_ranks_port_past_the_range_names_the_setting_and_the_largest_base(
-    monkeypatch: pytest.MonkeyPatch, port: str, offset: int
-) -> None:
-    monkeypatch.setenv(TCP_PORT_ENV, port)
-    with pytest.raises(
-        RuntimeError,
-        match=re.escape(f"= {int(port) + offset}, not a TCP port; choose {TCP_PORT_ENV} in 1..")
-        + str(65535 - offset),
-    ):
-        tcp_address(offset, lambda: "10.0.0.7")
-
 
 SECRETS = [bytes([rank]) * 32 for rank in range(2)]
 NOBODY = 65534  # another user: the tests run as root, so they can hand files to it
@@ -105,7 +59,7 @@ def test_published_ranks_round_trip_in_rank_order(tmp_path: Path) -> None:
 
 
 def test_missing_addresses_say_which_worker_class_publishes_them(tmp_path: Path) -> None:
-    with pytest.raises(RuntimeError, match=re.escape("kvdefrag.vllm.worker.DefragWorker")):
+    with pytest.raises(StartupRefused, match=re.escape("kvdefrag.vllm.worker.DefragWorker")):
         published_ranks(os.fspath(tmp_path), 1)
 
 
@@ -117,7 +71,7 @@ def _write_ranks(run_dir: Path, document: object) -> None:
 
 def test_addresses_for_another_world_size_are_refused(tmp_path: Path) -> None:
     _write_ranks(tmp_path, {"addresses": ["unix:/a.sock"], "secrets": [SECRETS[0].hex()]})
-    with pytest.raises(RuntimeError, match="lists 1 rank addresses, the engine has 2 ranks"):
+    with pytest.raises(StartupRefused, match="lists 1 rank addresses, the engine has 2 ranks"):
         published_ranks(os.fspath(tmp_path), 2)
 
 
@@ -126,7 +80,7 @@ def test_ranks_without_a_secret_for_every_rank_are_refused(
     tmp_path: Path, secrets: list[str] | None
 ) -> None:
     _write_ranks(tmp_path, {"addresses": ["unix:/a.sock", "unix:/b.sock"], "secrets": secrets})
-    with pytest.raises(RuntimeError, match="no identity secret for every rank"):
+    with pytest.raises(StartupRefused, match="no identity secret for every rank"):
         published_ranks(os.fspath(tmp_path), 2)
 
 
@@ -219,7 +173,7 @@ def test_a_ranks_file_nested_past_the_parsers_depth_is_refused_by_name(tmp_path:
     path = tmp_path / RANKS_FILE
     path.write_text("[" * 100_000 + "]" * 100_000)  # json would raise RecursionError
     path.chmod(0o600)
-    with pytest.raises(RuntimeError, match=re.escape(f"{path} is not a rank list")) as caught:
+    with pytest.raises(StartupRefused, match=re.escape(f"{path} is not a rank list")) as caught:
         published_ranks(os.fspath(tmp_path), 1)
     assert "remove it and restart vLLM" in str(caught.value)
 
@@ -234,57 +188,6 @@ def test_a_ranks_file_that_is_a_directory_is_refused_by_name_on_both_sides(
     with pytest.raises(UnsafeRunDir, match=re.escape(f"{tmp_path / RANKS_FILE} is a directory")):
         publish_ranks(os.fspath(tmp_path), [PublishedRank("unix:/a.sock", SECRETS[0])])
     assert sorted(path.name for path in tmp_path.iterdir()) == [RANKS_FILE]  # nothing left
-
-
-def test_client_tls_reads_the_named_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    for variable in CLIENT_TLS_ENV.values():
-        monkeypatch.delenv(variable, raising=False)
-    assert client_tls_from_env() == {}
-    (tmp_path / "ca.pem").write_bytes(b"CA")
-    (tmp_path / "client.pem").write_bytes(b"CERT")
-    monkeypatch.setenv(CLIENT_TLS_ENV["root_certificates"], os.fspath(tmp_path / "ca.pem"))
-    monkeypatch.setenv(CLIENT_TLS_ENV["certificate_chain"], os.fspath(tmp_path / "client.pem"))
-    assert client_tls_from_env() == {"root_certificates": b"CA", "certificate_chain": b"CERT"}
-    missing = os.fspath(tmp_path / "client.key")
-    monkeypatch.setenv(CLIENT_TLS_ENV["private_key"], missing)
-    with pytest.raises(RuntimeError, match=f"cannot read KVDEFRAG_VLLM_TLS_KEY_FILE='{missing}'"):
-        client_tls_from_env()
-
-
-def test_the_audit_is_off_unless_asked_and_a_bad_period_is_named(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.delenv(AUDIT_EVERY_ENV, raising=False)
-    assert audit_every() == 0
-    monkeypatch.setenv(AUDIT_EVERY_ENV, "25")
-    assert audit_every() == 25
-    for bad in ("-1", "often", "2.5"):
-        monkeypatch.setenv(AUDIT_EVERY_ENV, bad)
-        with pytest.raises(ValueError, match=f"must be a whole number >= 0, got '{bad}'"):
-            audit_every()
-
-
-def test_the_step_wait_defaults_to_a_minute_and_refuses_a_bad_value(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.delenv("KVDEFRAG_VLLM_STEP_WAIT_S", raising=False)
-    assert step_wait_s() == 60.0
-    monkeypatch.setenv("KVDEFRAG_VLLM_STEP_WAIT_S", "2.5")
-    assert step_wait_s() == 2.5
-    monkeypatch.setenv("KVDEFRAG_VLLM_STEP_WAIT_S", "86400")
-    assert step_wait_s() == 86400.0  # a day, the longest
-    # NOTE: an infinite or huge wait used to pass here and overflow in the first pass
-    # that had to wait.
-    for bad in ("0", "-1", "soon", "nan", "inf", "1e12", "86400.5"):
-        monkeypatch.setenv("KVDEFRAG_VLLM_STEP_WAIT_S", bad)
-        with pytest.raises(
-            ValueError,
-            match=(
-                "KVDEFRAG_VLLM_STEP_WAIT_S must be a positive number of seconds, at most "
-                rf"86400 \(a day\), got '{bad}'"
-            ),
-        ):
-            step_wait_s()
 
 
 # --- the step stamp ----------------------------------------------------------------------
@@ -383,21 +286,13 @@ def test_common_exports_are_pinned() -> None:
     assert_public_names(
         "kvdefrag.vllm.common",
         {
-            "AUDIT_EVERY_ENV",
-            "CLIENT_TLS_ENV",
             "RANKS_FILE",
-            "RAY_ENV_PREFIXES_ENV",
-            "RUN_DIR_ENV",
-            "STEP_WAIT_ENV",
-            "TCP_HOST_ENV",
-            "TCP_PORT_ENV",
             "ClientTls",
             "PublishedRank",
             "StepStamp",
             "UnsafeRunDir",
             "attach_step_stamp",
-            "audit_every",
-            "client_tls_from_env",
+            "client_tls",
             "copy_destinations",
             "data_parallel_rank",
             "engine_run_dir",
@@ -409,11 +304,7 @@ def test_common_exports_are_pinned() -> None:
             "rank_address",
             "rank_port_offset",
             "read_step_stamp",
-            "run_dir_from_env",
-            "step_wait_s",
-            "tcp_address",
             "uses_v2_model_runner",
-            "UnsupportedByKvdefrag",
         },
     )
 
@@ -432,19 +323,16 @@ def _parallel(
     return config
 
 
-def test_each_data_parallel_engine_gets_a_run_directory_of_its_own(
-    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setenv(RUN_DIR_ENV, str(tmp_path))
+def test_each_data_parallel_engine_gets_a_run_directory_of_its_own(tmp_path: Any) -> None:
+    base = str(tmp_path)
     # a dense model's DP engine 1: vLLM reset data_parallel_rank to 0, the index stays 1
-    assert engine_run_dir(_parallel(dp_index=1, dp_rank=0)) == str(tmp_path / "dp1")
-    assert engine_run_dir(_parallel(dp_index=3, dp_rank=3)) == str(tmp_path / "dp3")
+    assert engine_run_dir(_parallel(dp_index=1, dp_rank=0), base) == str(tmp_path / "dp1")
+    assert engine_run_dir(_parallel(dp_index=3, dp_rank=3), base) == str(tmp_path / "dp3")
     # DP engine 0, and an engine without data parallelism, keep the directory itself
-    assert engine_run_dir(_parallel(dp_index=0)) == str(tmp_path)
-    assert engine_run_dir(None) == str(tmp_path)
+    assert engine_run_dir(_parallel(dp_index=0), base) == base
+    assert engine_run_dir(None, base) == base
     # no data_parallel_index: the DP rank
-    assert engine_run_dir(_parallel(dp_rank=2)) == str(tmp_path / "dp2")
-    assert engine_run_dir(_parallel(dp_index=2), run_dir="/base") == "/base/dp2"
+    assert engine_run_dir(_parallel(dp_rank=2), base) == str(tmp_path / "dp2")
     assert not os.listdir(tmp_path)  # nothing is created
 
 
@@ -465,16 +353,3 @@ def test_no_two_ranks_of_any_data_parallel_engine_share_a_port_offset() -> None:
     # without data parallelism: the local rank, as before
     assert rank_port_offset(_parallel(world_size=2), 1) == 1
     assert rank_port_offset(None, 3) == 3
-
-
-def test_an_unset_run_dir_under_ray_says_how_ray_copies_variables(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.delenv(RUN_DIR_ENV, raising=False)
-    with pytest.raises(RuntimeError, match=f"export {RAY_ENV_PREFIXES_ENV}=KVDEFRAG_ where"):
-        run_dir_from_env("ray")
-    with pytest.raises(RuntimeError, match=f"export {RAY_ENV_PREFIXES_ENV}=KVDEFRAG_ where"):
-        engine_run_dir(_parallel(backend=type("RayExecutorV2", (), {"uses_ray": True})))
-    with pytest.raises(RuntimeError, match=f"set {RUN_DIR_ENV} to an absolute") as refused:
-        run_dir_from_env("mp")
-    assert RAY_ENV_PREFIXES_ENV not in str(refused.value)

@@ -15,7 +15,7 @@ from kvdefrag.vllm._engine_checks import (
     check_engine_config,
     uses_legacy_ray_executor,
 )
-from kvdefrag.vllm.common import UnsupportedByKvdefrag
+from kvdefrag.vllm.errors import UnsupportedByKvdefrag
 
 
 def engine_config(**parallel: Any) -> SimpleNamespace:
@@ -36,7 +36,10 @@ def engine_config(**parallel: Any) -> SimpleNamespace:
 
 
 REFUSED = [
-    ({"pipeline_parallel_size": 2}, "drop --pipeline-parallel-size or kvdefrag"),
+    (
+        {"distributed_executor_backend": "external_launcher", "pipeline_parallel_size": 2},
+        "pipeline parallelism under an external launcher",
+    ),
     ({"decode_context_parallel_size": 2}, "drop --decode-context-parallel-size"),
     ({"prefill_context_parallel_size": 2}, "--prefill-context-parallel-size or kvdefrag"),
     ({"kv_transfer_config": object()}, "drop --kv-transfer-config or kvdefrag"),
@@ -60,8 +63,9 @@ def test_what_the_configuration_alone_decides_is_refused_naming_the_fix(
         check_engine_config(engine_config(**parallel))
 
 
-def test_tensor_and_data_parallelism_are_served() -> None:
+def test_tensor_data_and_pipeline_parallelism_are_served() -> None:
     check_engine_config(engine_config(data_parallel_size=2))
+    check_engine_config(engine_config(pipeline_parallel_size=4))
     check_engine_config(engine_config(distributed_executor_backend="ray"))
     for backend in ("uni", "mp", "ray", "external_launcher"):  # one rank: one scheduler
         check_engine_config(engine_config(distributed_executor_backend=backend))

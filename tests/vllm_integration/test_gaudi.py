@@ -21,7 +21,9 @@ from kvdefrag.client import DefragClient
 from kvdefrag.common import InvalidArgument
 from kvdefrag.server import EngineConfig, ServerHandle
 from kvdefrag.vllm import gaudi
-from kvdefrag.vllm.common import StepStamp, UnsupportedByKvdefrag, attach_step_stamp
+from kvdefrag.vllm.common import StepStamp, attach_step_stamp
+from kvdefrag.vllm.config import RUN_DIR_ENV
+from kvdefrag.vllm.errors import UnsupportedByKvdefrag
 from kvdefrag.vllm.gaudi import (
     DefragHPUSwitch,
     DefragHPUWorkerMixin,
@@ -36,6 +38,12 @@ from support.server import Serve
 
 NUM_BLOCKS = 8
 BLOCK_SIZE = 2
+
+
+@pytest.fixture(autouse=True)
+def _run_dir(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every worker here reads its settings from the environment, as in vLLM."""
+    monkeypatch.setenv(RUN_DIR_ENV, str(tmp_path / "run"))
 
 
 class FakeService:

@@ -16,6 +16,7 @@ import torch
 
 from kvdefrag.client import DefragClient
 from kvdefrag.server import load_config, serve_in_process
+from kvdefrag.vllm.errors import UnsupportedByKvdefrag
 from kvdefrag.vllm.worker import bind_vllm_kv_caches
 
 from support.gaudi_kv import gaudi_tensors, make_gaudi_kv_caches
@@ -182,5 +183,5 @@ def _bad_layers() -> list[tuple[list[Any], str]]:
 def test_a_layout_that_cannot_move_with_its_blocks_is_refused_by_name(
     layers: list[Any], named: str
 ) -> None:
-    with pytest.raises(ValueError, match=named):
+    with pytest.raises(UnsupportedByKvdefrag, match=named):
         bind_vllm_kv_caches(layers, NUM_BLOCKS, BLOCK_SIZE)

@@ -20,7 +20,8 @@ from kvdefrag.vllm._rank_directory import (
     RayRankDirectory,
     rank_directory,
 )
-from kvdefrag.vllm.common import RANKS_FILE, RUN_DIR_ENV, PublishedRank
+from kvdefrag.vllm.common import RANKS_FILE, PublishedRank, engine_run_dir
+from kvdefrag.vllm.errors import StartupRefused
 
 RANKS = [
     PublishedRank("10.0.0.2:50100", bytes([1]) * IDENTITY_SECRET_BYTES),
@@ -63,15 +64,12 @@ def parallel(backend: object, dp_index: int = 0) -> SimpleNamespace:
 
 
 @pytest.mark.parametrize("backend", [None, "uni", "mp", "external_launcher"])
-def test_vllms_own_processes_meet_in_ranks_json(
-    backend: object, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setenv(RUN_DIR_ENV, os.fspath(tmp_path))
-    directory = rank_directory(parallel(backend))
+def test_vllms_own_processes_meet_in_ranks_json(backend: object, tmp_path: Path) -> None:
+    directory = rank_directory(parallel(backend), os.fspath(tmp_path))
     assert isinstance(directory, FileRankDirectory)
     directory.publish(RANKS)
     assert (tmp_path / RANKS_FILE).is_file()
-    assert rank_directory(parallel(backend)).ranks(2) == RANKS
+    assert rank_directory(parallel(backend), os.fspath(tmp_path)).ranks(2) == RANKS
 
 
 class RayLikeExecutor:
@@ -80,39 +78,39 @@ class RayLikeExecutor:
 
 @pytest.mark.parametrize("backend", ["ray", RayLikeExecutor], ids=["ray", "a-ray-class"])
 def test_under_ray_the_scheduler_finds_rank_0_on_another_node(
-    backend: object, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    backend: object, tmp_path: Path
 ) -> None:
     """Rank 0's node and the engine core's node share Ray's store, not a filesystem: the
     scheduler's node has no ranks.json at all."""
     store = DictStore()
-    (tmp_path / "rank0-node").mkdir(mode=0o700)  # rank 0's worker made it
-    monkeypatch.setenv(RUN_DIR_ENV, os.fspath(tmp_path / "rank0-node"))
-    rank0 = rank_directory(parallel(backend), store)
+    run_dir = tmp_path / "engine"
+    run_dir.mkdir(mode=0o700)  # rank 0's worker made it, on its node
+    rank0 = rank_directory(parallel(backend), os.fspath(run_dir), store)
     assert isinstance(rank0, RayRankDirectory)
     rank0.publish(RANKS)
-    assert (tmp_path / "rank0-node" / RANKS_FILE).is_file()  # for the operator, on that node
+    assert (run_dir / RANKS_FILE).is_file()  # for the operator, on that node
     # the engine core's node: the same setting, nothing there
-    engine_core = rank_directory(parallel(backend), store)
-    os.remove(tmp_path / "rank0-node" / RANKS_FILE)
+    os.remove(run_dir / RANKS_FILE)
+    engine_core = rank_directory(parallel(backend), os.fspath(run_dir), store)
     assert engine_core.ranks(2) == RANKS
 
 
-def test_each_engine_and_dp_engine_has_its_own_key(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_each_engine_and_dp_engine_has_its_own_key(tmp_path: Path) -> None:
     store = DictStore()
     others = [PublishedRank(rank.address + "0", rank.secret[::-1]) for rank in RANKS]
     for folder in ("a", "a/dp1", "b"):
         (tmp_path / folder).mkdir(mode=0o700)  # each engine's rank 0 made its own
-    monkeypatch.setenv(RUN_DIR_ENV, os.fspath(tmp_path / "a"))
-    rank_directory(parallel("ray", dp_index=0), store).publish(RANKS)
-    rank_directory(parallel("ray", dp_index=1), store).publish(others)
-    monkeypatch.setenv(RUN_DIR_ENV, os.fspath(tmp_path / "b"))
-    rank_directory(parallel("ray", dp_index=0), store).publish(others)
+
+    def directory(base: str, dp_index: int) -> RayRankDirectory | FileRankDirectory:
+        config = parallel("ray", dp_index)
+        return rank_directory(config, engine_run_dir(config, os.fspath(tmp_path / base)), store)
+
+    directory("a", 0).publish(RANKS)
+    directory("a", 1).publish(others)
+    directory("b", 0).publish(others)
     assert len(store.values) == 3
-    monkeypatch.setenv(RUN_DIR_ENV, os.fspath(tmp_path / "a"))
-    assert rank_directory(parallel("ray", dp_index=0), store).ranks(2) == RANKS
-    assert rank_directory(parallel("ray", dp_index=1), store).ranks(2) == others
+    assert directory("a", 0).ranks(2) == RANKS
+    assert directory("a", 1).ranks(2) == others
 
 
 def test_the_scheduler_waits_for_rank_0s_record(tmp_path: Path) -> None:
@@ -135,7 +133,7 @@ def test_no_record_in_time_names_what_was_awaited_and_the_fix(tmp_path: Path) ->
     directory = RayRankDirectory(
         os.fspath(tmp_path / "engine"), store, wait_s=5.0, clock=clock, sleep=clock.sleep
     )
-    with pytest.raises(RuntimeError) as raised:
+    with pytest.raises(StartupRefused) as raised:
         directory.ranks(2)
     message = str(raised.value)
     assert f"namespace {RAY_KV_NAMESPACE!r}" in message
@@ -160,7 +158,7 @@ def test_a_record_that_is_not_this_engines_ranks_is_refused(
     store = DictStore()
     directory = RayRankDirectory(os.fspath(tmp_path), store)
     store.put(directory.key, value)
-    with pytest.raises(RuntimeError, match=message):
+    with pytest.raises(StartupRefused, match=message):
         directory.ranks(2)
 
 
@@ -177,7 +175,7 @@ def test_ray_missing_is_named_when_its_store_is_needed(tmp_path: Path) -> None:
     if _has_ray():
         pytest.skip("Ray is installed here")
     directory = RayRankDirectory(os.fspath(tmp_path))
-    with pytest.raises(RuntimeError, match="Ray is not installed"):
+    with pytest.raises(StartupRefused, match="Ray is not installed"):
         directory.ranks(2)
 
 

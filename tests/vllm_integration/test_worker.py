@@ -29,10 +29,10 @@ from kvdefrag.vllm.common import (
     RANKS_FILE,
     StepStamp,
     UnsafeRunDir,
-    UnsupportedByKvdefrag,
     attach_step_stamp,
     published_ranks,
 )
+from kvdefrag.vllm.errors import BadSetting, StartupRefused, UnsupportedByKvdefrag
 from kvdefrag.vllm.worker import (
     BlockIdTranslator,
     DefragWorkerMixin,
@@ -93,9 +93,9 @@ def test_a_tensor_two_layers_share_is_bound_once() -> None:
 
 def test_a_layout_that_is_not_a_view_is_refused_by_name() -> None:
     permuted = torch.zeros(NUM_BLOCKS, 2, BLOCK_SIZE, HEADS, HEAD_SIZE).transpose(0, 1)
-    with pytest.raises(ValueError, match="not contiguous"):
+    with pytest.raises(UnsupportedByKvdefrag, match="not contiguous"):
         bind_vllm_kv_caches([permuted], NUM_BLOCKS, BLOCK_SIZE)
-    with pytest.raises(ValueError, match="has shape"):
+    with pytest.raises(UnsupportedByKvdefrag, match="has shape"):
         bind_vllm_kv_caches([torch.zeros(5, NUM_BLOCKS + 1, 4)], NUM_BLOCKS, BLOCK_SIZE)
 
 
@@ -354,7 +354,7 @@ def test_the_mixin_refuses_a_hybrid_model_and_an_unset_run_dir(
     with pytest.raises(UnsupportedByKvdefrag, match="2 KV cache groups"):
         _Worker(rank=0).initialize_from_config(_kv_cache_config(num_groups=2))
     monkeypatch.delenv("KVDEFRAG_VLLM_RUN_DIR")
-    with pytest.raises(RuntimeError, match="KVDEFRAG_VLLM_RUN_DIR"):
+    with pytest.raises(BadSetting, match="KVDEFRAG_VLLM_RUN_DIR"):
         _Worker(rank=0).initialize_from_config(_kv_cache_config())
 
 
@@ -675,7 +675,10 @@ def _refused_config(setting: str, monkeypatch: pytest.MonkeyPatch) -> SimpleName
     config = SimpleNamespace(
         parallel_config=parallel, kv_transfer_config=None, speculative_config=None
     )
-    if setting in ("pipeline_parallel_size", "decode_context_parallel_size"):
+    if setting == "pipeline_parallel_size":  # served, except under an external launcher
+        parallel.pipeline_parallel_size = 2
+        parallel.distributed_executor_backend = "external_launcher"
+    elif setting == "decode_context_parallel_size":
         setattr(parallel, setting, 2)
     elif setting == "prefill_context_parallel_size":
         parallel.prefill_context_parallel_size = 2
@@ -705,7 +708,7 @@ EARLY_REFUSALS = {
     "VLLM_USE_RAY_V2_EXECUTOR_BACKEND": (UnsupportedByKvdefrag, "Unset VLLM_USE_RAY_V2"),
     "external_launcher": (UnsupportedByKvdefrag, "--distributed-executor-backend mp or ray"),
     "KVDEFRAG_METRICS_PORT": (InvalidArgument, "choose KVDEFRAG_METRICS_PORT at most 65532"),
-    "KVDEFRAG_VLLM_TCP_PORT": (RuntimeError, "choose KVDEFRAG_VLLM_TCP_PORT in 1..65532"),
+    "KVDEFRAG_VLLM_TCP_PORT": (BadSetting, "choose KVDEFRAG_VLLM_TCP_PORT in 1..65532"),
 }
 """What the configuration or the settings alone decide: refused before the model loads."""
 
@@ -743,7 +746,7 @@ def test_a_ray_worker_without_the_run_dir_is_told_how_ray_copies_variables(
     monkeypatch.delenv("KVDEFRAG_VLLM_RUN_DIR", raising=False)
     worker = _Worker(rank=0)
     worker.parallel_config.distributed_executor_backend = "ray"
-    with pytest.raises(RuntimeError, match="VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY=KVDEFRAG_"):
+    with pytest.raises(BadSetting, match="VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY=KVDEFRAG_"):
         worker.init_device()
     assert worker.calls == []
 
@@ -770,7 +773,7 @@ def test_a_rank_that_cannot_start_fails_every_rank_at_once_naming_it(
         # rank 0 starts and must not wait for rank 1 forever
         results = _start_ranks(world, configs)
     for result in results:
-        assert isinstance(result, RuntimeError), result
+        assert isinstance(result, StartupRefused), result
         assert "1 of 2 ranks could not start their service" in str(result)
         assert reason in str(result)
     assert results[1].__cause__ is not None  # the rank's own error, chained
@@ -1074,9 +1077,11 @@ def test_the_v2_runners_table_follows_the_blocks_that_moved_on_its_device() -> N
 
 def test_a_v2_runner_without_the_expected_block_table_is_refused_by_name() -> None:
     check_v2_runner(_v2_runner([[1]]))
-    with pytest.raises(ValueError, match=r"no list model_runner\.block_tables\.block_tables"):
+    with pytest.raises(
+        UnsupportedByKvdefrag, match=r"no list model_runner\.block_tables\.block_tables"
+    ):
         check_v2_runner(_FakeRunner())
-    with pytest.raises(ValueError, match="has 2 block tables"):
+    with pytest.raises(UnsupportedByKvdefrag, match="has 2 block tables"):
         check_v2_runner(_v2_runner([[1]], num_groups=2))
     wrong = [
         (SimpleNamespace(cpu=torch.zeros(4, 6)), "is NoneType"),
@@ -1086,7 +1091,9 @@ def test_a_v2_runner_without_the_expected_block_table_is_refused_by_name() -> No
     ]
     for staged, found in wrong:
         runner = SimpleNamespace(block_tables=SimpleNamespace(block_tables=[staged]))
-        with pytest.raises(ValueError, match=f"gpu of the V2 model runner .* {found}; expected"):
+        with pytest.raises(
+            UnsupportedByKvdefrag, match=f"gpu of the V2 model runner .* {found}; expected"
+        ):
             check_v2_runner(runner)
 
 
@@ -1106,7 +1113,9 @@ def test_the_mixin_refuses_a_v2_runner_it_cannot_follow_before_serving(
 ) -> None:
     monkeypatch.setenv("KVDEFRAG_VLLM_RUN_DIR", str(tmp_path))
     worker = _V2Worker(rank=0, runner=_FakeRunner())
-    with pytest.raises(ValueError, match="V2 model runner \\(_FakeRunner\\) has no list"):
+    with pytest.raises(
+        UnsupportedByKvdefrag, match="V2 model runner \\(_FakeRunner\\) has no list"
+    ):
         worker.initialize_from_config(_kv_cache_config())
     assert worker.kvdefrag_handle is None
     assert not (tmp_path / "rank0.sock").exists()

@@ -31,7 +31,8 @@ from typing import Any
 
 import pytest
 
-from kvdefrag.vllm.common import CLIENT_TLS_ENV, RANKS_FILE, TCP_HOST_ENV, TCP_PORT_ENV
+from kvdefrag.vllm.common import RANKS_FILE
+from kvdefrag.vllm.config import CLIENT_TLS_ENV, TCP_HOST_ENV, TCP_PORT_ENV
 from kvdefrag.vllm.worker import DefragWorkerMixin
 
 from support.tls import make_certificates

@@ -59,7 +59,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 @pytest.fixture
 def run_dir(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> str:
     """A private run directory, named by ``KVDEFRAG_VLLM_RUN_DIR`` for the test."""
-    from kvdefrag.vllm.common import RUN_DIR_ENV
+    from kvdefrag.vllm.config import RUN_DIR_ENV
 
     folder = tmp_path / "run"
     folder.mkdir(mode=0o700)

@@ -103,7 +103,8 @@ def test_a_reset_with_running_requests_and_a_step_in_flight_succeeds_as_in_vllm(
         assert worker.num_checked > 1_000
         # NOTE: every read of a row is clean. The harness's check of vLLM's cached free
         # blocks also fails for plain vLLM once a request is preempted with a step in
-        # flight and prefix caching on (docs/design.md §13), so it is not asserted here.
+        # flight and prefix caching on (docs/design/vllm-integration.md), so it is not
+        # asserted here.
         assert worker.num_corrupted - worker.num_cached_corrupted == 0
 
 

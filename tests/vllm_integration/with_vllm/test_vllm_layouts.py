@@ -13,7 +13,6 @@ from kvdefrag.vllm import _engine_checks
 from kvdefrag.vllm._engine_checks import RAY_V2_ENV, check_engine_config
 from kvdefrag.vllm.common import (
     PublishedRank,
-    UnsupportedByKvdefrag,
     data_parallel_rank,
     engine_run_dir,
     ensure_run_dir,
@@ -21,6 +20,7 @@ from kvdefrag.vllm.common import (
     rank_address,
     rank_port_offset,
 )
+from kvdefrag.vllm.errors import UnsupportedByKvdefrag
 from kvdefrag.vllm.scheduler import DefragScheduler, check_supported
 from kvdefrag.vllm.worker import DefragWorkerMixin
 
@@ -85,7 +85,6 @@ class _Worker(DefragWorkerMixin, _VllmWorker):
 
 
 REFUSED = {
-    "pipeline parallel 2": ({"pipeline_parallel_size": 2}, "--pipeline-parallel-size"),
     "decode context parallel 2": (
         {"tensor_parallel_size": 4, "decode_context_parallel_size": 2},
         "--decode-context-parallel-size",
@@ -134,8 +133,13 @@ def make_scheduler_kv_cache_config() -> Any:
     )
 
 
-def test_tensor_and_data_parallel_configs_are_served(model_dir: str, run_dir: str) -> None:
-    for settings in ({"data_parallel_size": 2}, {"tensor_parallel_size": 2}):
+def test_tensor_data_and_pipeline_parallel_configs_are_served(model_dir: str, run_dir: str) -> None:
+    for settings in (
+        {"data_parallel_size": 2},
+        {"tensor_parallel_size": 2},
+        {"pipeline_parallel_size": 2},
+        {"pipeline_parallel_size": 4, "tensor_parallel_size": 2},
+    ):
         worker = _Worker(_config(model_dir, **settings), rank=0)
         worker.init_device()
         assert worker.calls == ["init_device"]
@@ -162,7 +166,7 @@ def test_each_dp_engine_of_a_real_config_has_its_own_run_dir_and_ports(
         for k in range(2)
     ]
     assert [data_parallel_rank(config.parallel_config) for config in configs] == [0, 1]
-    assert [engine_run_dir(config.parallel_config) for config in configs] == [
+    assert [engine_run_dir(config.parallel_config, run_dir) for config in configs] == [
         run_dir,
         os.path.join(run_dir, "dp1"),
     ]
@@ -184,7 +188,7 @@ def test_each_dp_engines_scheduler_steps_only_its_own_ranks(model_dir: str, run_
             parallel = _as_dp_engine(
                 _config(model_dir, data_parallel_size=2), dp_rank, is_moe=False
             ).parallel_config
-            engine_dir = engine_run_dir(parallel)
+            engine_dir = engine_run_dir(parallel, run_dir)
             ensure_run_dir(engine_dir)
             secret = os.urandom(32)
             handle, _ = serve_rank(f"{engine_dir}/rank0.sock", NUM_BLOCKS, secret)

@@ -467,13 +467,16 @@ def test_models_kvdefrag_cannot_serve_are_refused_at_startup_by_feature(
     with pytest.raises(UnsupportedByKvdefrag, match=r"has 2 \(FullAttentionSpec, SlidingWindow"):
         check_supported(config, _groups(full, window))
     for attribute, value, message in [
-        ("pipeline_parallel_size", 2, "pipeline parallelism"),
         ("decode_context_parallel_size", 2, "context parallelism"),
     ]:
         monkeypatch.setattr(config.parallel_config, attribute, value)
         with pytest.raises(UnsupportedByKvdefrag, match=message):
             check_supported(config, _groups(full))
         monkeypatch.setattr(config.parallel_config, attribute, 1)
+    # pipeline parallelism is served (test_vllm_pipeline.py)
+    monkeypatch.setattr(config.parallel_config, "pipeline_parallel_size", 2)
+    check_supported(config, _groups(full))
+    monkeypatch.setattr(config.parallel_config, "pipeline_parallel_size", 1)
     # the V2 model runner is served (its workers translate: test_vllm_v2_runner.py)
     monkeypatch.setattr(type(config), "use_v2_model_runner", property(lambda self: True))
     check_supported(config, _groups(full))

@@ -494,7 +494,7 @@ class StepSession:
         """Makes the session unusable after the server's engine failed a KV move.
 
         NOTE: the step that failed was applied without its compaction, its placements
-        included (docs/design.md §4), and the client cannot tell whether this refusal was
+        included (docs/design/step.md), and the client cannot tell whether this refusal was
         that step or a later one, so the mirror may already differ from the server's
         mapping. Answering reads from it would send the forward pass to the old places,
         and whatever it wrote there would be lost once the mirror is rebuilt.

@@ -1,6 +1,6 @@
 """The defragmentation engine: the one owner of kvdefrag's mutable state.
 
-A step applies the scheduler's events in docs/design.md §4 order, all-or-nothing up to the KV
+A step applies the scheduler's events in docs/design/step.md order, all-or-nothing up to the KV
 moves::
 
     validate -> finished -> resumed -> evicted -> new blocks -> placement -> compaction
@@ -136,7 +136,7 @@ class Engine:
     none (``[]``, ``[0]``) is not kept: it is not counted in ``num_requests``, and
     finishing it later counts as an unknown finished id.
 
-    Locks, always taken in this order (see docs/design.md §9)::
+    Locks, always taken in this order (see docs/design/kv-access-and-locks.md)::
 
         servicer lock  ->  engine lock (_lock)  ->  kv_lock
 

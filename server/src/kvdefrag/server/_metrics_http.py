@@ -2,7 +2,7 @@
 
 prometheus_client's ``start_http_server`` starts a thread per connection and reads from it
 without a timeout, so connections that send nothing hold a thread and a descriptor each,
-without end (docs/design.md §7). This endpoint is a selector loop on one thread::
+without end (docs/design/metrics.md). This endpoint is a selector loop on one thread::
 
     listener ──accept──▶ connections, at most max_connections (past it the oldest is closed)
                              │ the request head: at most MAX_REQUEST_BYTES, complete

@@ -325,7 +325,8 @@ class ServerHandle:
         New steps are refused (UNAVAILABLE) from the moment health flips; RPCs still
         running after ``grace_s`` seconds (None: 0) are cancelled, and ``stop`` returns
         then, a step that hangs in the executor included: it finishes or fails later in
-        its handler thread, applied whole by the engine (docs/design.md §5). Idempotent.
+        its handler thread, applied whole by the engine
+        (docs/design/sessions-and-faults.md). Idempotent.
 
         Returns:
             True when every step had finished by then; False when one was still running.

@@ -563,7 +563,7 @@ class DefragServicer:
         Raises:
             InvalidArgument: The events do not fit the pool; nothing changed.
             EngineUnhealthy: Its KV move failed: the seq is used up (applied without its
-                compaction, docs/design.md §4), and no reply is cached for it, since every
+                compaction, docs/design/step.md), and no reply is cached for it, since every
                 step gets EngineUnhealthy until a Reset starts a new epoch.
         """
         engine = self._engine

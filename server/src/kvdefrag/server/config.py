@@ -63,7 +63,7 @@ class EngineConfig:
             ``decode_bucket(max_live + 1)`` blocks (Gaudi's contiguous paged attention).
             Empty (the default): no buckets, compaction follows ``threshold``. Set: a
             step compacts only when its moves lower that bucket, and ``threshold`` is
-            not used (docs/design.md §4). ``exponential_decode_buckets`` derives
+            not used (docs/design/step.md). ``exponential_decode_buckets`` derives
             vllm-gaudi's default list for a pool and a model.
     """
 

@@ -1,4 +1,4 @@
-"""Prometheus metrics of kvdefrag (docs/design.md §7), declared against an injected registry.
+"""Prometheus metrics of kvdefrag (docs/design/metrics.md), declared against an injected registry.
 
 Two kinds of metric, fed two ways::
 

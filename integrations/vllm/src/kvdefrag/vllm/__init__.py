@@ -15,7 +15,11 @@
     kvdefrag.vllm.common      what both sides agree on: the run directory and rank
                               discovery, who translates, the step stamp, which
                               SchedulerOutput fields carry block ids, the fresh-block rule.
+    kvdefrag.vllm.config      the KVDEFRAG_VLLM_* settings, read once per process
+                              (load_integration_config) and passed in.
+    kvdefrag.vllm.errors      StartupRefused, the one base of every start-up refusal
+                              (UnsupportedByKvdefrag, BadSetting, UnsafeRunDir, ...).
 
 Only ``scheduler`` imports vLLM when imported; ``worker`` imports it when a worker class is
-looked up. The two switches go together: see the README.
+looked up. The two switches go together: see docs/operator/vllm.md.
 """

@@ -14,7 +14,7 @@ from __future__ import annotations
 import importlib.util
 import os
 
-from kvdefrag.vllm.common import UnsupportedByKvdefrag
+from kvdefrag.vllm.errors import UnsupportedByKvdefrag
 
 RAY_V2_ENV = "VLLM_USE_RAY_V2_EXECUTOR_BACKEND"
 """vLLM 0.32's switch between its Ray executors (``v1/executor/abstract.py:78``): unset or
@@ -61,17 +61,23 @@ def check_engine_config(vllm_config: object) -> None:
     """Refuses what kvdefrag cannot serve, decided by the configuration alone.
 
     Raises:
-        UnsupportedByKvdefrag: Pipeline parallelism, decode/prefill context parallelism,
-            a KV connector, vLLM's legacy Ray executor, or an external launcher with
-            more than one rank (tensor or data parallel); the message names the setting
-            and what to do instead.
+        UnsupportedByKvdefrag: Decode/prefill context parallelism, a KV connector,
+            vLLM's legacy Ray executor, or an external launcher with more than one rank
+            (tensor, pipeline or data parallel); the message names the setting and what
+            to do instead.
     """
     parallel = getattr(vllm_config, "parallel_config", None)
-    if int(getattr(parallel, "pipeline_parallel_size", 1)) > 1:
+    if (
+        int(getattr(parallel, "pipeline_parallel_size", 1)) > 1
+        and getattr(parallel, "distributed_executor_backend", None) == "external_launcher"
+    ):
+        # NOTE: there every rank runs an engine core of its own and vLLM's V1 runner
+        # broadcasts the last stage's output to every rank (``broadcast_pp_output``); no
+        # test covers kvdefrag's steps there.
         raise UnsupportedByKvdefrag(
-            "kvdefrag does not support pipeline parallelism yet (its batch queue keeps "
-            "several steps in flight, and no test covers it): drop "
-            "--pipeline-parallel-size or kvdefrag."
+            "kvdefrag does not support pipeline parallelism under an external launcher "
+            "(every rank runs its own scheduler): drop --pipeline-parallel-size, or "
+            "launch with vllm serve --pipeline-parallel-size."
         )
     if (
         int(getattr(parallel, "decode_context_parallel_size", 1)) > 1

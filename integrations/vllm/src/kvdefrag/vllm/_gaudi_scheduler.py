@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import importlib
 
+from kvdefrag.vllm.errors import UnsupportedByKvdefrag
+
 __all__ = [
     "HPU_ASYNC_SCHEDULER",
     "GaudiSchedulerMismatch",
@@ -25,7 +27,7 @@ HPU_ASYNC_SCHEDULER = "vllm_gaudi.v1.core.sched.hpu_async_scheduler.HPUAsyncSche
 """vllm-gaudi's async scheduler (``vllm_gaudi/utils.py`` rebinds vLLM's to it)."""
 
 
-class GaudiSchedulerMismatch(RuntimeError):
+class GaudiSchedulerMismatch(UnsupportedByKvdefrag):
     """On Gaudi, kvdefrag's async scheduler does not inherit vllm-gaudi's; the message
     says how to build the right class."""
 

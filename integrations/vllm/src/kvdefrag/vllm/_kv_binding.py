@@ -39,6 +39,8 @@ from typing import Any
 
 import torch
 
+from kvdefrag.vllm.errors import UnsupportedByKvdefrag
+
 KvPair = tuple[torch.Tensor, torch.Tensor | None]
 
 
@@ -80,7 +82,7 @@ def bind_vllm_kv_caches(kv_caches: Sequence[Any], num_blocks: int, block_size: i
         holds both (MLA's single latent) and for a bound scale tensor.
 
     Raises:
-        ValueError: A tensor with another layout (its layer, its name and shape in the
+        UnsupportedByKvdefrag: A tensor with another layout (its layer, its name and shape in the
             message), or one that is not contiguous (a block is then not one run of
             memory, so it cannot be bound as a view). Nothing is bound.
     """
@@ -106,7 +108,7 @@ def bind_vllm_kv_caches(kv_caches: Sequence[Any], num_blocks: int, block_size: i
         elif kv.dim() >= 2 and shape[0] == num_blocks and per_block % block_size == 0:
             pairs.append((_flat(kv, num_blocks, block_size), None))
         else:
-            raise ValueError(
+            raise UnsupportedByKvdefrag(
                 f"kvdefrag: KV cache of layer {index} has shape {shape}; expected "
                 f"[2, {num_blocks}, ...] or [{num_blocks}, ...] with {block_size}-token blocks"
             )
@@ -118,7 +120,7 @@ def _bind_hpu_layer(
 ) -> list[KvPair]:
     """vllm-gaudi's layer tuple as pairs: ``(key, value)`` first, then one per scale."""
     if len(layer) not in (2, 4) or not isinstance(layer[0], torch.Tensor):
-        raise ValueError(
+        raise UnsupportedByKvdefrag(
             f"kvdefrag: KV cache of layer {index} is a sequence of {len(layer)} items "
             f"starting with {type(layer[0]).__name__ if layer else 'nothing'}; expected "
             "vllm-gaudi's (key_cache, value_cache, key_scales, value_scales) or (key_cache, "
@@ -129,7 +131,7 @@ def _bind_hpu_layer(
     num_slots = key.shape[0] if key.dim() else 0
     pool_slots = num_blocks * block_size
     if num_slots % block_size or num_slots < pool_slots:
-        raise ValueError(
+        raise UnsupportedByKvdefrag(
             f"kvdefrag: key_cache of layer {index} has shape {tuple(key.shape)}; expected "
             f"[k * {block_size}, ...] token slots with k >= {num_blocks} blocks (vllm-gaudi "
             "allocates num_blocks + 1, its pad block last)"
@@ -141,7 +143,7 @@ def _bind_hpu_layer(
                 if isinstance(value, torch.Tensor)
                 else f"a {type(value).__name__}"
             )
-            raise ValueError(
+            raise UnsupportedByKvdefrag(
                 f"kvdefrag: value_cache of layer {index} is {found}; expected a tensor of "
                 f"{num_slots} token slots as its key_cache, or None (MLA)"
             )
@@ -169,13 +171,13 @@ def _scale_tensors(index: int, name: str, scales: Any) -> list[tuple[str, torch.
             if item is None:
                 continue
             if not isinstance(item, torch.Tensor):
-                raise ValueError(
+                raise UnsupportedByKvdefrag(
                     f"kvdefrag: {name}[{position}] of layer {index} is a "
                     f"{type(item).__name__}; expected a tensor or None"
                 )
             found.append((f"{name}[{position}]", item))
         return found
-    raise ValueError(
+    raise UnsupportedByKvdefrag(
         f"kvdefrag: {name} of layer {index} is a {type(scales).__name__}; expected a tensor, "
         "a tuple of tensors, or None"
     )
@@ -201,13 +203,13 @@ def _bind_scales(
     if shape[0] == num_slots // block_size:  # one row per block
         per_block = tensor[0].numel()
         if per_block % block_size:
-            raise ValueError(
+            raise UnsupportedByKvdefrag(
                 f"kvdefrag: {name} of layer {index} has shape {shape}: a row of {per_block} "
                 f"elements per block, which does not split into {block_size} token slots, "
                 "so it cannot be bound next to its blocks"
             )
         return tensor[:num_blocks].view(pool_slots, per_block // block_size)
-    raise ValueError(
+    raise UnsupportedByKvdefrag(
         f"kvdefrag: {name} of layer {index} has shape {shape}; expected one row per token "
         f"slot [{num_slots}, ...] or per block [{num_slots // block_size}, ...], as its "
         "key_cache, or a single (per-tensor) scale"
@@ -216,7 +218,7 @@ def _bind_scales(
 
 def _check_contiguous(index: int, name: str, tensor: torch.Tensor) -> None:
     if not tensor.is_contiguous():
-        raise ValueError(
+        raise UnsupportedByKvdefrag(
             f"kvdefrag: {name} of layer {index} (shape {tuple(tensor.shape)}, stride "
             f"{tensor.stride()}) is not contiguous, so a block is not one run of memory; "
             "this attention backend's layout cannot be bound"
@@ -231,7 +233,7 @@ def _pool_view(tensor: torch.Tensor, pool_slots: int) -> torch.Tensor:
 def _flat(tensor: torch.Tensor, num_blocks: int, block_size: int) -> torch.Tensor:
     per_block = tensor.numel() // num_blocks
     if per_block % block_size != 0:
-        raise ValueError(
+        raise UnsupportedByKvdefrag(
             f"kvdefrag: a block of shape {tuple(tensor.shape[1:])} does not split into "
             f"{block_size} token slots"
         )

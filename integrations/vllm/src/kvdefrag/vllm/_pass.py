@@ -161,8 +161,10 @@ class RunnerPass:
         """Runs the runner's second half inside the open pass, then closes it.
 
         With no pass open (``execute_model`` returned its output, as a step without
-        tokens or a pipeline stage does) it runs ``run`` as it is: the runner has
-        nothing pending and reads no block.
+        tokens does) it runs ``run`` as it is: the runner has nothing pending and reads
+        no block. A pipeline stage but the last returns None from ``execute_model``
+        once it sent its intermediate tensors (vLLM 0.33 ``v1/worker/gpu_worker.py``),
+        so its pass stays open until this call, as the last stage's does.
         """
         if not self._is_open or self._is_idle:
             return run()

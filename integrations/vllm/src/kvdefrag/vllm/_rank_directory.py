@@ -39,16 +39,14 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from kvdefrag.vllm.common import (
-    RAY_ENV_PREFIXES_ENV,
-    RUN_DIR_ENV,
     PublishedRank,
     _decoded_ranks,
     _encoded_ranks,
-    _uses_ray,
-    engine_run_dir,
     publish_ranks,
     published_ranks,
 )
+from kvdefrag.vllm.config import RAY_ENV_PREFIXES_ENV, RUN_DIR_ENV, uses_ray
+from kvdefrag.vllm.errors import StartupRefused
 
 __all__ = [
     "RANKS_WAIT_S",
@@ -101,7 +99,7 @@ class FileRankDirectory:
         """Reads ``<run dir>/ranks.json``.
 
         Raises:
-            UnsafeRunDir, RuntimeError: As ``common.published_ranks``.
+            UnsafeRunDir, StartupRefused: As ``common.published_ranks``.
         """
         return published_ranks(self.run_dir, world_size)
 
@@ -122,12 +120,12 @@ class _RayInternalKV:
             import ray
             from ray.experimental import internal_kv
         except ModuleNotFoundError:
-            raise RuntimeError(
+            raise StartupRefused(
                 "kvdefrag: vLLM runs this engine's workers with Ray, but Ray is not "
                 "installed in this environment: install the Ray your vLLM asks for"
             ) from None
         if not ray.is_initialized():
-            raise RuntimeError(
+            raise StartupRefused(
                 "kvdefrag: vLLM runs this engine's workers with Ray, but this process is "
                 "not connected to the Ray cluster, whose key-value store holds the ranks: "
                 "start vLLM with --distributed-executor-backend ray on a Ray cluster"
@@ -181,7 +179,7 @@ class RayRankDirectory:
 
         Raises:
             UnsafeRunDir: The run directory is not private.
-            RuntimeError: This process is not connected to Ray.
+            StartupRefused: This process is not connected to Ray.
         """
         self.file.publish(ranks)
         self.store.put(self.key, _encoded_ranks(ranks))
@@ -190,7 +188,7 @@ class RayRankDirectory:
         """Rank 0's record in Ray's store, waiting up to ``wait_s`` for it.
 
         Raises:
-            RuntimeError: No record within ``wait_s`` (naming the key and the likely
+            StartupRefused: No record within ``wait_s`` (naming the key and the likely
                 cause), or one that is not for this engine's ranks.
         """
         where = f"Ray's key-value store (namespace {RAY_KV_NAMESPACE!r}, key {self.key.decode()!r})"
@@ -200,7 +198,7 @@ class RayRankDirectory:
             if value is not None:
                 return _decoded_ranks(value, world_size, where)
             if self._clock() >= deadline:
-                raise RuntimeError(
+                raise StartupRefused(
                     f"kvdefrag: waited {self._wait_s:.0f} s for rank 0's rank list in {where}: "
                     "rank 0's worker publishes it there when the KV caches are bound. Run the "
                     "workers with --worker-cls kvdefrag.vllm.worker.DefragWorker and the same "
@@ -211,16 +209,16 @@ class RayRankDirectory:
 
 
 def rank_directory(
-    parallel_config: object, store: KeyValueStore | None = None
+    parallel_config: object, run_dir: str, store: KeyValueStore | None = None
 ) -> FileRankDirectory | RayRankDirectory:
     """This engine's rank directory, the same on rank 0's worker and the scheduler: Ray's
     key-value store when vLLM runs the workers with Ray
     (``ParallelConfig.distributed_executor_backend == "ray"``), else ``ranks.json``.
 
-    Raises:
-        RuntimeError: As ``engine_run_dir``.
+    Args:
+        parallel_config: vLLM's ``ParallelConfig``.
+        run_dir: The engine's run directory (``common.engine_run_dir``).
     """
-    run_dir = engine_run_dir(parallel_config)
-    if _uses_ray(getattr(parallel_config, "distributed_executor_backend", None)):
+    if uses_ray(getattr(parallel_config, "distributed_executor_backend", None)):
         return RayRankDirectory(run_dir, store)
     return FileRankDirectory(run_dir)

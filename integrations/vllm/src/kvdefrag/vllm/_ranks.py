@@ -29,7 +29,9 @@ from kvdefrag.common import (
 from kvdefrag.common.events import checked_step_events
 from kvdefrag.common.identity import identity_proof
 from kvdefrag.v1 import identity_pb2, identity_pb2_grpc
-from kvdefrag.vllm.common import RANKS_FILE, RUN_DIR_ENV, ClientTls, PublishedRank, StepStamp
+from kvdefrag.vllm.common import RANKS_FILE, ClientTls, PublishedRank, StepStamp
+from kvdefrag.vllm.config import RUN_DIR_ENV
+from kvdefrag.vllm.errors import StartupRefused
 
 # How many times a rank's pending step is resent (each within the client's timeout_s)
 # before the scheduler gives up on that rank.
@@ -44,7 +46,7 @@ class RanksDiverged(DefragError):
     """
 
 
-class RankNotVerified(DefragError):
+class RankNotVerified(StartupRefused):
     """The service at a published address cannot prove it is this engine's rank.
 
     It does not hold the secret that rank published with its address in ``ranks.json``:

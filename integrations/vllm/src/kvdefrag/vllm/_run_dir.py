@@ -27,13 +27,13 @@ import secrets
 import stat
 from collections.abc import Iterator
 
-from kvdefrag.common import DefragError
+from kvdefrag.vllm.errors import StartupRefused
 
 _DIRECTORY_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _MAX_NAME_ATTEMPTS = 16
 
 
-class UnsafeRunDir(DefragError):
+class UnsafeRunDir(StartupRefused):
     """The run directory, or a file kvdefrag reads or writes there, is not private.
 
     It belongs to another user, group or others may reach it, or it is a symlink (or not

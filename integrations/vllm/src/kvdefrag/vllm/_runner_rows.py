@@ -18,6 +18,7 @@ import torch
 
 from kvdefrag.common import NULL_BLOCK_ID
 from kvdefrag.server import MoveBatch
+from kvdefrag.vllm.errors import UnsupportedByKvdefrag
 
 
 class Remap:
@@ -154,18 +155,18 @@ def check_v2_runner(model_runner: Any) -> None:
     exactly one table (one KV-cache group) whose ``.gpu`` is a 2-D integer tensor.
 
     Raises:
-        ValueError: Naming the part of that structure the runner lacks.
+        UnsupportedByKvdefrag: Naming the part of that structure the runner lacks.
     """
     runner_name = type(model_runner).__name__
     tables = getattr(getattr(model_runner, "block_tables", None), "block_tables", None)
     if not isinstance(tables, (list, tuple)):
-        raise ValueError(
+        raise UnsupportedByKvdefrag(
             f"kvdefrag: the V2 model runner ({runner_name}) has no list "
             "model_runner.block_tables.block_tables, where kvdefrag follows the blocks it "
             "moves; this vLLM's V2 runner is not the one kvdefrag supports (vLLM 0.33)"
         )
     if len(tables) != 1:
-        raise ValueError(
+        raise UnsupportedByKvdefrag(
             f"kvdefrag: the V2 model runner ({runner_name}) has {len(tables)} block tables "
             "in model_runner.block_tables.block_tables; kvdefrag serves exactly one "
             "(one KV-cache group)"
@@ -181,7 +182,7 @@ def check_v2_runner(model_runner: Any) -> None:
             if isinstance(table, torch.Tensor)
             else type(table).__name__
         )
-        raise ValueError(
+        raise UnsupportedByKvdefrag(
             f"kvdefrag: model_runner.block_tables.block_tables[0].gpu of the V2 model runner "
             f"({runner_name}) is {found}; expected a 2-D int32 or int64 tensor "
             "[max_num_reqs, max_num_blocks]"

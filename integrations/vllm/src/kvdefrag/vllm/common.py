@@ -20,7 +20,6 @@ alone:
   has a scheduler and ranks of its own, so each gets a run directory of its own
   (``engine_run_dir``: DP engine ``k > 0`` in ``<run dir>/dp<k>``) and ports of its own
   (``rank_port_offset``).
-* **How often the scheduler side audits** its ledger against vLLM (``audit_every``).
 * **The step stamp**: the step planned with an output, which a worker waits for before it
   translates that output (``attach_step_stamp`` / ``read_step_stamp``).
 * **Which ``SchedulerOutput`` fields carry block ids** (``map_block_ids``), and which
@@ -38,8 +37,6 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any, TypedDict
 
-from kvdefrag.common import InvalidArgument
-from kvdefrag.common.durations import MAX_DURATION_S, check_duration
 from kvdefrag.common.identity import IDENTITY_SECRET_BYTES
 from kvdefrag.vllm._run_dir import (
     UnsafeRunDir,
@@ -47,24 +44,17 @@ from kvdefrag.vllm._run_dir import (
     read_private_file,
     write_private_file,
 )
+from kvdefrag.vllm.config import CLIENT_TLS_ENV, RUN_DIR_ENV, IntegrationConfig
+from kvdefrag.vllm.errors import BadSetting, StartupRefused
 
 __all__ = [
-    "AUDIT_EVERY_ENV",
-    "CLIENT_TLS_ENV",
     "RANKS_FILE",
-    "RAY_ENV_PREFIXES_ENV",
-    "RUN_DIR_ENV",
-    "STEP_WAIT_ENV",
-    "TCP_HOST_ENV",
-    "TCP_PORT_ENV",
     "ClientTls",
     "PublishedRank",
     "StepStamp",
     "UnsafeRunDir",
-    "UnsupportedByKvdefrag",
     "attach_step_stamp",
-    "audit_every",
-    "client_tls_from_env",
+    "client_tls",
     "copy_destinations",
     "data_parallel_rank",
     "engine_run_dir",
@@ -76,62 +66,8 @@ __all__ = [
     "rank_address",
     "rank_port_offset",
     "read_step_stamp",
-    "run_dir_from_env",
-    "step_wait_s",
-    "tcp_address",
     "uses_v2_model_runner",
 ]
-
-
-class UnsupportedByKvdefrag(RuntimeError):
-    """The engine's configuration is one kvdefrag cannot serve (raised at start-up, on
-    the scheduler side or a worker); the message names it and says what to do instead."""
-
-
-RUN_DIR_ENV = "KVDEFRAG_VLLM_RUN_DIR"
-"""The environment variable naming the run directory of one vLLM engine."""
-
-
-RAY_ENV_PREFIXES_ENV = "VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY"
-"""vLLM's Ray executors copy to their workers only the variables whose names start with
-one of their prefixes (``VLLM_``, ``NCCL_``, ``HF_``, ...; vLLM 0.32 and 0.33
-``vllm/ray/ray_env.py`` ``DEFAULT_ENV_VAR_PREFIXES``) plus the ones this adds."""
-
-
-def run_dir_from_env(executor_backend: object = None) -> str:
-    """Returns the run directory named by ``KVDEFRAG_VLLM_RUN_DIR`` (the base one: a data
-    parallel engine's own is ``engine_run_dir``).
-
-    Args:
-        executor_backend: ``ParallelConfig.distributed_executor_backend``, for the message:
-            under Ray a variable set where vLLM starts reaches the workers only through
-            ``VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY``.
-
-    Raises:
-        RuntimeError: The variable is unset or not an absolute path.
-    """
-    run_dir = os.environ.get(RUN_DIR_ENV, "")
-    if not os.path.isabs(run_dir):
-        fix = f"set {RUN_DIR_ENV} to an absolute directory private to this vLLM engine"
-        if _uses_ray(executor_backend) and not run_dir:
-            fix = (
-                f"{RUN_DIR_ENV} is unset in this Ray worker: vLLM's Ray executor copies only "
-                f"variables with the prefixes VLLM_, NCCL_, HF_, ... to its workers; export "
-                f"{RAY_ENV_PREFIXES_ENV}=KVDEFRAG_ where you start vLLM (with {RUN_DIR_ENV} "
-                "set to an absolute directory private to this vLLM engine)"
-            )
-        raise RuntimeError(
-            f"kvdefrag: {fix} (e.g. $XDG_RUNTIME_DIR/kvdefrag/<engine>), got {run_dir!r}"
-        )
-    return run_dir
-
-
-def _uses_ray(executor_backend: object) -> bool:
-    """Whether vLLM's executor runs its workers as Ray actors (``"ray"``, or a class that
-    says so: ``Executor.uses_ray``)."""
-    if executor_backend == "ray":
-        return True
-    return bool(getattr(executor_backend, "uses_ray", False))
 
 
 def data_parallel_rank(parallel_config: object) -> int:
@@ -154,7 +90,7 @@ def data_parallel_rank(parallel_config: object) -> int:
     return int(index or 0)
 
 
-def engine_run_dir(parallel_config: object, run_dir: str | None = None) -> str:
+def engine_run_dir(parallel_config: object, run_dir: str) -> str:
     """This engine's run directory, the same on the scheduler side and every worker.
 
     ``KVDEFRAG_VLLM_RUN_DIR`` itself for DP engine 0 (and any engine without data
@@ -171,13 +107,8 @@ def engine_run_dir(parallel_config: object, run_dir: str | None = None) -> str:
 
     Args:
         parallel_config: vLLM's ``ParallelConfig`` (the scheduler's or the worker's).
-        run_dir: The base run directory; ``KVDEFRAG_VLLM_RUN_DIR`` when None.
-
-    Raises:
-        RuntimeError: As ``run_dir_from_env``.
+        run_dir: The base run directory (``IntegrationConfig.run_dir``).
     """
-    if run_dir is None:
-        run_dir = run_dir_from_env(getattr(parallel_config, "distributed_executor_backend", None))
     dp_rank = data_parallel_rank(parallel_config)
     return run_dir if dp_rank == 0 else os.path.join(run_dir, f"dp{dp_rank}")
 
@@ -209,74 +140,8 @@ def rank_address(run_dir: str, rank: int) -> str:
     return f"unix:{os.path.join(run_dir, f'rank{rank}.sock')}"
 
 
-STEP_WAIT_ENV = "KVDEFRAG_VLLM_STEP_WAIT_S"
-"""How long a worker waits for its step to be applied (seconds; default 60)."""
-
-AUDIT_EVERY_ENV = "KVDEFRAG_VLLM_AUDIT_EVERY"
-"""Compare the scheduler side's ledger with vLLM's KV cache manager every N steps (O(pool)
-each time; unset or 0: never). The tests run it every step."""
-
-
-def audit_every() -> int:
-    """``KVDEFRAG_VLLM_AUDIT_EVERY``: audit every N steps; 0 (the default) never.
-
-    Raises:
-        ValueError: The variable is not a whole number >= 0.
-    """
-    text = os.environ.get(AUDIT_EVERY_ENV, "").strip()
-    try:
-        every = int(text) if text else 0
-    except ValueError:
-        every = -1
-    if every < 0:
-        raise ValueError(f"kvdefrag: {AUDIT_EVERY_ENV} must be a whole number >= 0, got {text!r}")
-    return every
-
-
 RANKS_FILE = "ranks.json"
 """Written by rank 0's worker into the run directory: every rank's address, rank 0 first."""
-
-TCP_PORT_ENV = "KVDEFRAG_VLLM_TCP_PORT"
-"""Set: a rank serves on TCP port ``value + rank_port_offset`` (``value + local rank``
-without data parallelism) instead of a unix socket."""
-
-TCP_HOST_ENV = "KVDEFRAG_VLLM_TCP_HOST"
-"""The interface TCP ranks listen on and announce (default: the IP vLLM uses for the host)."""
-
-CLIENT_TLS_ENV = {
-    "root_certificates": "KVDEFRAG_VLLM_TLS_CA_FILE",
-    "certificate_chain": "KVDEFRAG_VLLM_TLS_CERT_FILE",
-    "private_key": "KVDEFRAG_VLLM_TLS_KEY_FILE",
-}
-"""``DefragClient`` TLS argument -> the variable naming its PEM file (scheduler side)."""
-
-
-def tcp_address(port_offset: int, default_host: Callable[[], str]) -> str | None:
-    """``HOST:PORT`` for this rank when ``KVDEFRAG_VLLM_TCP_PORT`` is set, else None.
-
-    Args:
-        port_offset: What this rank adds to the port (``rank_port_offset``: the local rank
-            without data parallelism).
-        default_host: Asked only when the port is set and the host is not.
-
-    Raises:
-        RuntimeError: The port is not a number, or this rank's port is not in 1..65535.
-    """
-    text = os.environ.get(TCP_PORT_ENV, "").strip()
-    if not text:
-        return None
-    try:
-        port = int(text) + port_offset
-    except ValueError:
-        raise RuntimeError(f"kvdefrag: {TCP_PORT_ENV} must be a TCP port, got {text!r}") from None
-    if not 0 < port < 65536:
-        raise RuntimeError(
-            f"kvdefrag: {TCP_PORT_ENV}={text}: this rank serves on {TCP_PORT_ENV} + "
-            f"{port_offset} (DP rank x world size + local rank) = {port}, not a TCP port; "
-            f"choose {TCP_PORT_ENV} in 1..{65535 - port_offset}"
-        )
-    host = os.environ.get(TCP_HOST_ENV, "").strip() or default_host()
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -309,14 +174,14 @@ def published_ranks(run_dir: str, world_size: int) -> list[PublishedRank]:
     Raises:
         UnsafeRunDir: The run directory or ``ranks.json`` is not private, or ``ranks.json``
             is a symlink.
-        RuntimeError: No ``ranks.json`` (the workers are not kvdefrag's), one for another
+        StartupRefused: No ``ranks.json`` (the workers are not kvdefrag's), one for another
             number of ranks, or one without a valid secret for every rank.
     """
     path = os.path.join(run_dir, RANKS_FILE)
     try:
         data = read_private_file(run_dir, RANKS_FILE)
     except FileNotFoundError:
-        raise RuntimeError(
+        raise StartupRefused(
             f"kvdefrag: {path} does not exist: rank 0's worker writes it when the KV caches "
             "are bound; run the workers with --worker-cls "
             f"kvdefrag.vllm.worker.DefragWorker and the same {RUN_DIR_ENV}"
@@ -337,7 +202,7 @@ def _decoded_ranks(data: bytes, world_size: int, where: str) -> list[PublishedRa
     """``_encoded_ranks``'s rank list, checked; ``where`` names it in the messages.
 
     Raises:
-        RuntimeError: Not such a list, one for another number of ranks, or one without a
+        StartupRefused: Not such a list, one for another number of ranks, or one without a
             valid secret for every rank.
     """
     try:
@@ -347,18 +212,18 @@ def _decoded_ranks(data: bytes, world_size: int, where: str) -> list[PublishedRa
     addresses = document.get("addresses") if isinstance(document, dict) else None
     secrets = document.get("secrets") if isinstance(document, dict) else None
     if not isinstance(addresses, list) or not all(isinstance(a, str) for a in addresses):
-        raise RuntimeError(
+        raise StartupRefused(
             f"kvdefrag: {where} is not a rank list written by kvdefrag's rank 0: remove it "
             "and restart vLLM"
         )
     if len(addresses) != world_size:
-        raise RuntimeError(
+        raise StartupRefused(
             f"kvdefrag: {where} lists {len(addresses)} rank addresses, the engine has "
             f"{world_size} ranks: is {RUN_DIR_ENV} shared with another engine?"
         )
     decoded = _decoded_secrets(secrets, world_size)
     if decoded is None:
-        raise RuntimeError(
+        raise StartupRefused(
             f"kvdefrag: {where} has no identity secret for every rank (written by an older "
             "kvdefrag worker, or not by rank 0): run every worker with this kvdefrag "
             "version and restart vLLM"
@@ -389,51 +254,27 @@ class ClientTls(TypedDict, total=False):
     private_key: bytes
 
 
-def client_tls_from_env() -> ClientTls:
-    """The scheduler's TLS arguments for ``DefragClient``, read from the files named by
-    ``KVDEFRAG_VLLM_TLS_{CA,CERT,KEY}_FILE`` (none set: no TLS).
+def client_tls(config: IntegrationConfig) -> ClientTls:
+    """The scheduler's TLS arguments for ``DefragClient``, read from the files the
+    ``KVDEFRAG_VLLM_TLS_{CA,CERT,KEY}_FILE`` variables name (none set: no TLS).
 
     Raises:
-        RuntimeError: A named file cannot be read.
+        BadSetting: A named file cannot be read.
     """
     tls = ClientTls()
-    for argument, variable in CLIENT_TLS_ENV.items():
-        path = os.environ.get(variable, "").strip()
-        if not path:
-            continue
+    for argument, path in config.client_tls_files.items():
         try:
             with open(path, "rb") as file:
                 tls[argument] = file.read()  # type: ignore[literal-required]
         except OSError as err:
-            raise RuntimeError(f"kvdefrag: cannot read {variable}={path!r}: {err}") from err
+            variable = CLIENT_TLS_ENV[argument]
+            raise BadSetting(f"kvdefrag: cannot read {variable}={path!r}: {err}") from err
     return tls
 
 
 def uses_v2_model_runner(vllm_config: object) -> bool:
     """Whether vLLM runs its V2 model runner (``VllmConfig.use_v2_model_runner``)."""
     return bool(getattr(vllm_config, "use_v2_model_runner", False))
-
-
-_DEFAULT_STEP_WAIT_S = 60.0
-
-
-def step_wait_s() -> float:
-    """How long a worker waits for its step: ``KVDEFRAG_VLLM_STEP_WAIT_S``, 60 s if unset.
-
-    Raises:
-        ValueError: The variable is not a positive number of seconds up to
-            ``MAX_DURATION_S`` (a day).
-    """
-    text = os.environ.get(STEP_WAIT_ENV, "").strip()
-    if not text:
-        return _DEFAULT_STEP_WAIT_S
-    try:
-        return check_duration(STEP_WAIT_ENV, float(text))
-    except (ValueError, InvalidArgument):
-        raise ValueError(
-            f"kvdefrag: {STEP_WAIT_ENV} must be a positive number of seconds, at most "
-            f"{MAX_DURATION_S:g} (a day), got {text!r}"
-        ) from None
 
 
 # ---------------------------------------------------------------------------------------

@@ -97,7 +97,8 @@ from kvdefrag.vllm._gaudi_scheduler import (
     hpu_async_scheduler_base,
 )
 from kvdefrag.vllm._pass import PassTarget
-from kvdefrag.vllm.common import UnsupportedByKvdefrag, read_step_stamp
+from kvdefrag.vllm.common import read_step_stamp
+from kvdefrag.vllm.errors import UnsupportedByKvdefrag
 from kvdefrag.vllm.worker import DefragWorkerMixin
 
 __all__ = [

@@ -4,7 +4,7 @@ Turn it on with ``vllm serve ... --scheduler-cls
 kvdefrag.vllm.scheduler.DefragAsyncScheduler`` (async scheduling, vLLM's default) or
 ``--scheduler-cls kvdefrag.vllm.scheduler.DefragScheduler --no-async-scheduling`` (or
 ``LLM(..., scheduler_cls=...)``), with ``KVDEFRAG_VLLM_RUN_DIR`` set and the workers
-running ``kvdefrag.vllm.worker.DefragWorker`` (see the README).
+running ``kvdefrag.vllm.worker.DefragWorker`` (see docs/operator/vllm.md).
 
 The output leaves here in logical ids, as vLLM built it, stamped with the step planned
 with it (``common.attach_step_stamp``); every worker, under every scheduling mode and
@@ -40,18 +40,21 @@ from kvdefrag.vllm._engine_checks import check_engine_config
 from kvdefrag.vllm._gaudi_scheduler import check_gaudi_scheduler
 from kvdefrag.vllm._rank_directory import rank_directory
 from kvdefrag.vllm._ranks import RankGroup, connect_ranks
-from kvdefrag.vllm.common import (
-    PublishedRank,
-    UnsupportedByKvdefrag,
-    audit_every,
-    client_tls_from_env,
-)
+from kvdefrag.vllm.common import PublishedRank, client_tls, engine_run_dir
+from kvdefrag.vllm.config import IntegrationConfig, load_integration_config
+from kvdefrag.vllm.errors import StartupRefused, UnsupportedByKvdefrag
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 
-__all__ = ["DefragAsyncScheduler", "DefragScheduler", "UnsupportedByKvdefrag", "check_supported"]
+__all__ = [
+    "DefragAsyncScheduler",
+    "DefragScheduler",
+    "StartupRefused",
+    "UnsupportedByKvdefrag",
+    "check_supported",
+]
 
 # NOTE: exact types: RSWASpec, SinkFullAttentionSpec and HiddenStateCacheSpec subclass
 # these but free or pin blocks differently.
@@ -99,6 +102,10 @@ class DefragScheduler(Scheduler):  # type: ignore[misc]
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         check_supported(self.vllm_config, self.kv_cache_config)
+        parallel_config = self.vllm_config.parallel_config
+        self.kvdefrag_config: IntegrationConfig = load_integration_config(
+            executor_backend=parallel_config.distributed_executor_backend
+        )
         is_async = bool(self.vllm_config.scheduler_config.async_scheduling)
         if is_async != isinstance(self, AsyncScheduler):
             wanted = "DefragAsyncScheduler" if is_async else "DefragScheduler"
@@ -109,6 +116,11 @@ class DefragScheduler(Scheduler):  # type: ignore[misc]
             )
         if is_async:
             check_gaudi_scheduler(self)  # on Gaudi: must inherit HPUAsyncScheduler
+        if int(self.vllm_config.max_concurrent_batches) > 1:
+            # NOTE: pipeline parallelism keeps one batch in flight per stage (the engine
+            # core's batch queue), under sync scheduling too: see ``DefragAsyncScheduler``
+            # for why freed blocks must wait for every batch in flight.
+            self.defer_block_free = True
         manager = self.kv_cache_manager
         self._kvdefrag_blocks = manager.coordinator.single_type_managers[0].req_to_blocks
         self._kvdefrag_pool = manager.block_pool.blocks
@@ -121,13 +133,15 @@ class DefragScheduler(Scheduler):  # type: ignore[misc]
         self._kvdefrag_reset_pool = manager.reset_prefix_cache
         manager.reset_prefix_cache = self._kvdefrag_reset_pool_with_parked_blocks
         self._kvdefrag_cache_reset = False
-        self._kvdefrag_audit_every = audit_every()
+        self._kvdefrag_audit_every = self.kvdefrag_config.audit_every
         self._kvdefrag_num_schedules = 0
         block_size = int(self.kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size)
         prefix_caching = bool(self.cache_config.enable_prefix_caching)
         # NOTE: each rank proves the secret it published before its address is trusted.
         clients = connect_ranks(
-            self.kvdefrag_ranks(), prefix_caching=prefix_caching, tls=client_tls_from_env()
+            self.kvdefrag_ranks(),
+            prefix_caching=prefix_caching,
+            tls=client_tls(self.kvdefrag_config),
         )
         for rank, client in enumerate(clients):
             if client.block_size != block_size:
@@ -151,11 +165,12 @@ class DefragScheduler(Scheduler):  # type: ignore[misc]
 
         Raises:
             UnsafeRunDir: The run directory or ``ranks.json`` is not private.
-            RuntimeError: No record of this engine's ranks (within a bounded wait under
+            StartupRefused: No record of this engine's ranks (within a bounded wait under
                 Ray), or one not for this engine's ranks.
         """
         parallel_config = self.vllm_config.parallel_config
-        return rank_directory(parallel_config).ranks(parallel_config.world_size)
+        run_dir = engine_run_dir(parallel_config, self.kvdefrag_config.run_dir)
+        return rank_directory(parallel_config, run_dir).ranks(parallel_config.world_size)
 
     def _kvdefrag_is_cached(self, block_id: int) -> bool:
         block = self._kvdefrag_pool[block_id]
@@ -249,6 +264,15 @@ class DefragAsyncScheduler(DefragScheduler, AsyncScheduler):  # type: ignore[mis
     would change what that step computes, so this class turns on vLLM's own fence for
     KV connectors (``defer_block_free``): freed blocks return to the pool only once the
     steps that were in flight have run, and until then kvdefrag keeps them live.
+
+    Under pipeline parallelism (``DefragScheduler`` too) several batches are in flight
+    and each stage's rank runs them later than the one before it, while every rank
+    applies each step as soon as it arrives. vLLM's fence covers them all: a freed list
+    is parked with the sequence number of the last batch scheduled
+    (``Scheduler._free_request_blocks``) and returned only once the engine core has
+    processed that batch's output, which the last stage returns after every stage ran it.
+    Each rank translates a batch's ids with its mapping at pass time, which holds every
+    block that batch names: live ones where their data moved, freed ones still parked.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:

@@ -58,19 +58,22 @@ from kvdefrag.vllm._runner_rows import (
     remap_v2_runner_rows,
 )
 from kvdefrag.vllm.common import (
-    TCP_PORT_ENV,
     PublishedRank,
-    UnsupportedByKvdefrag,
     data_parallel_rank,
     engine_run_dir,
     ensure_run_dir,
     map_block_ids,
     rank_address,
     rank_port_offset,
-    step_wait_s,
-    tcp_address,
     uses_v2_model_runner,
 )
+from kvdefrag.vllm.config import (
+    TCP_PORT_ENV,
+    IntegrationConfig,
+    load_integration_config,
+    tcp_address,
+)
+from kvdefrag.vllm.errors import BadSetting, StartupRefused, UnsupportedByKvdefrag
 
 __all__ = [
     "BlockIdTranslator",
@@ -203,6 +206,7 @@ class DefragWorkerMixin:
     kvdefrag_translator: BlockIdTranslator | None = None
     kvdefrag_is_v2_runner: bool = False
     kvdefrag_step_wait_s: float = 0.0
+    _kvdefrag_config: IntegrationConfig | None = None
 
     def init_device(self, *args: Any, **kwargs: Any) -> Any:
         """Refuses what kvdefrag cannot serve (``kvdefrag_check_start``), then vLLM's
@@ -224,14 +228,29 @@ class DefragWorkerMixin:
 
         Raises:
             UnsupportedByKvdefrag: As ``check_engine_config`` and ``kvdefrag_check_config``.
-            RuntimeError: ``KVDEFRAG_VLLM_RUN_DIR`` is unset or relative, or this rank's
-                ``KVDEFRAG_VLLM_TCP_PORT`` port is past 65535.
-            InvalidArgument: A ``KVDEFRAG_*`` setting is invalid, or this rank's metrics
-                port is past 65535.
+            BadSetting: A ``KVDEFRAG_VLLM_*`` variable is missing or malformed, or this
+                rank's ``KVDEFRAG_VLLM_TCP_PORT`` port is past 65535.
+            InvalidArgument: A ``KVDEFRAG_*`` setting of the service is invalid, or this
+                rank's metrics port is past 65535.
         """
         check_engine_config(getattr(self, "vllm_config", None))
         self.kvdefrag_check_config()
         self._kvdefrag_service_configs(self._kvdefrag_address_in(self.kvdefrag_run_dir()))
+
+    @property
+    def kvdefrag_config(self) -> IntegrationConfig:
+        """The integration's settings, read from the environment once per worker
+        (``load_integration_config``).
+
+        Raises:
+            BadSetting: A ``KVDEFRAG_VLLM_*`` variable is missing or malformed.
+        """
+        if self._kvdefrag_config is None:
+            parallel_config = getattr(self, "parallel_config", None)
+            self._kvdefrag_config = load_integration_config(
+                executor_backend=getattr(parallel_config, "distributed_executor_backend", None)
+            )
+        return self._kvdefrag_config
 
     def initialize_from_config(self, kv_cache_config: Any) -> None:
         """Lets vLLM allocate the KV caches, then binds them and starts the service."""
@@ -246,7 +265,7 @@ class DefragWorkerMixin:
         runner whose rows follow moves and builds the pass.
         """
         vllm_config = getattr(self, "vllm_config", None)
-        self.kvdefrag_step_wait_s = step_wait_s()
+        self.kvdefrag_step_wait_s = self.kvdefrag_config.step_wait_s
         self.kvdefrag_is_v2_runner = uses_v2_model_runner(vllm_config)
         target = self.kvdefrag_pass_target(handle, num_blocks)
         self.kvdefrag_pass = RunnerPass(
@@ -341,9 +360,9 @@ class DefragWorkerMixin:
         or its ``dp<k>`` for data-parallel engine ``k > 0``); nothing is created.
 
         Raises:
-            RuntimeError: ``KVDEFRAG_VLLM_RUN_DIR`` is unset or relative.
+            BadSetting: As ``kvdefrag_config``.
         """
-        return engine_run_dir(getattr(self, "parallel_config", None))
+        return engine_run_dir(getattr(self, "parallel_config", None), self.kvdefrag_config.run_dir)
 
     def kvdefrag_port_offset(self) -> int:
         """What this rank adds to its ports (``common.rank_port_offset``: DP rank x world
@@ -357,7 +376,7 @@ class DefragWorkerMixin:
         hosts; TLS from the ``KVDEFRAG_TLS_*`` variables).
 
         Raises:
-            RuntimeError: ``KVDEFRAG_VLLM_RUN_DIR`` is unset or relative.
+            BadSetting: As ``kvdefrag_config``.
             UnsafeRunDir: The run directory is not private (another user's, reachable by
                 group or others, a symlink); missing, it is created 0700.
         """
@@ -367,7 +386,7 @@ class DefragWorkerMixin:
 
     def _kvdefrag_address_in(self, run_dir: str) -> str:
         worker: Any = self
-        tcp = tcp_address(self.kvdefrag_port_offset(), _host_ip)
+        tcp = tcp_address(self.kvdefrag_config, self.kvdefrag_port_offset(), _host_ip)
         return tcp if tcp is not None else rank_address(run_dir, int(worker.rank))
 
     def _kvdefrag_service_configs(self, address: str) -> tuple[EngineConfig, ServiceConfig]:
@@ -408,7 +427,8 @@ class DefragWorkerMixin:
             )
             ranks = _gather_ranks(mine, int(worker.parallel_config.world_size), failure)
             if rank == 0:
-                rank_directory(getattr(self, "parallel_config", None)).publish(ranks)
+                parallel_config = getattr(self, "parallel_config", None)
+                rank_directory(parallel_config, self.kvdefrag_run_dir()).publish(ranks)
         except BaseException:
             if handle is not None:
                 handle.stop(grace_s=0)
@@ -552,9 +572,9 @@ def _gather_ranks(
 
     Raises:
         Exception: This rank's own ``failure`` (a single rank).
-        RuntimeError: Some rank of the group failed to start (naming each and its reason;
-            chained from this rank's own failure), or this engine's ranks span hosts but
-            some serve on a unix socket.
+        StartupRefused: Some rank of the group failed to start (naming each and its
+            reason; chained from this rank's own failure).
+        BadSetting: This engine's ranks span hosts but some serve on a unix socket.
     """
     if world_size == 1:
         if failure is not None:
@@ -569,7 +589,7 @@ def _gather_ranks(
     failed = [start for start in every if start.error]
     if failed:
         reasons = "; ".join(f"{_rank_name(start)}: {start.error}" for start in failed)
-        raise RuntimeError(
+        raise StartupRefused(
             f"kvdefrag: {len(failed)} of {len(every)} ranks could not start their service "
             f"({reasons}); vLLM stops on every rank: fix the cause and restart it"
         ) from failure
@@ -582,7 +602,7 @@ def _gather_ranks(
     )
     hosts = sorted({start.host for start in starts})
     if len(hosts) > 1 and any(start.address.startswith("unix:") for start in starts):
-        raise RuntimeError(
+        raise BadSetting(
             f"kvdefrag: the ranks span hosts {hosts} but serve on unix sockets: set "
             f"{TCP_PORT_ENV} (and the KVDEFRAG_TLS_* files) on every host"
         )
