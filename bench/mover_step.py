@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from kvdefrag.common import StepEvents
 from kvdefrag.server import Engine, EngineConfig
 
 TOKEN_SLOTS = 2048 * 128
@@ -89,10 +90,10 @@ def _one_step(
     hole_set = set(holes)
     new_blocks = {f"h{block_id}": [block_id] for block_id in holes}
     new_blocks["rest"] = [block_id for block_id in range(1, num_blocks) if block_id not in hole_set]
-    engine.step(new_blocks=new_blocks, fresh=range(1, num_blocks))
+    engine.step(StepEvents(new_blocks=new_blocks, fresh=range(1, num_blocks)))
     finished = [f"h{block_id}" for block_id in holes]
     started = time.perf_counter()
-    result = engine.step(finished=finished)
+    result = engine.step(StepEvents(finished=finished))
     wall = time.perf_counter() - started
     return wall, result.swap_duration_s, len(result.moves)
 

@@ -176,6 +176,15 @@ def format_table(title: str, servers: Sequence[ServerRun]) -> str:
     moved = metric_sum(defrag_servers, "kvdefrag_moved_blocks_total")
     placed = metric_sum(defrag_servers, "kvdefrag_placements_total")
     preempted = sum(server.scheduler.get("num_preempted", 0) for server in defrag_servers)
+    by_path = {
+        path: sum(
+            value
+            for server in defrag_servers
+            for name, value in server.metrics.items()
+            if name.startswith("kvdefrag_applied_steps_total{") and f'path="{path}"' in name
+        )
+        for path in ("in_process", "rpc")
+    }
     rows += [
         ("blocks moved / placed (kvdefrag servers)", "-", f"{moved:.0f} / {placed:.0f}", "", ""),
         ("preemptions (kvdefrag servers)", "-", f"{preempted}", "", ""),
@@ -196,7 +205,14 @@ def format_table(title: str, servers: Sequence[ServerRun]) -> str:
             "",
             "",
         ),
-        ("  worker, wait for its step, p50/p99/mean ms", "-", _ms(waits), "", ""),
+        (
+            "  steps applied by the worker / by the call",
+            "-",
+            f"{by_path['in_process']:.0f} / {by_path['rpc']:.0f}",
+            "",
+            "",
+        ),
+        ("  worker, getting its step, p50/p99/mean ms", "-", _ms(waits), "", ""),
         ("  worker, lock + rows + translation, p50/p99/mean ms", "-", _ms(begins), "", ""),
     ]
     widths = [max(len(row[column]) for row in rows) for column in range(5)]

@@ -38,6 +38,7 @@ from kvdefrag.client import (
     StepPending,
     _convert,
 )
+from kvdefrag.client import _session as session_module
 from kvdefrag.server import ServerHandle
 from kvdefrag.v1 import defrag_pb2 as pb
 from kvdefrag.v1 import defrag_pb2_grpc as pb_grpc
@@ -103,7 +104,7 @@ def serve_pool(serve: Serve, path: Path, **config: Any) -> Pool:
 
 def step_and_write(client: DefragClient, signed: SignedKv, **fields: Any) -> Any:
     """One step; then the worker writes every fresh block (all new blocks are fresh here)."""
-    events = StepEvents.build(**fields)
+    events = StepEvents(**fields)
     reply = client.step(events)
     new_ids = sorted({i for ids in events.new_blocks.values() for i in ids})
     signed.write(new_ids, client.resolve(new_ids))
@@ -138,7 +139,7 @@ def client_state(client: DefragClient) -> tuple[Any, ...]:
 def fragment(client: DefragClient, signed: SignedKv) -> None:
     """Two requests, the first finished: holes below the second one's blocks."""
     step_and_write(client, signed, new_blocks={"a": list(range(1, 11)), "b": [40, 41, 42]})
-    client.step(finished=["a"])
+    client.step(StepEvents(finished=["a"]))
 
 
 def wait_until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
@@ -218,7 +219,7 @@ def test_a_reply_past_the_deadline_leaves_the_step_pending_and_it_is_applied_onc
         client.timeout_s = 0.5
 
         with pytest.raises(StepOutcomeUnknown, match=r"step seq 2: no reply .* within 0.5 s"):
-            client.step(finished=["a"])  # compaction stalls in the executor
+            client.step(StepEvents(finished=["a"]))  # compaction stalls in the executor
 
         client.timeout_s = 5
         assert client.has_pending_step and client.pending_seq == 2
@@ -311,7 +312,7 @@ def test_client_refuses_a_server_another_writer_stepped_until_it_rebuilds(
             before = client_state(client)
 
             with pytest.raises(MirrorDiverged, match="server expects seq 3 but this client is at"):
-                client.step(new_blocks={"b": [8]})
+                client.step(StepEvents(new_blocks={"b": [8]}))
             with pytest.raises(MirrorDiverged):
                 client.resolve([5])  # a stale mirror is not used
 
@@ -351,7 +352,9 @@ def test_a_second_writer_is_refused_and_changes_nothing(socket_dir: Path, serve:
             assert isinstance(_convert.defrag_error(caught.value), SessionConflict)
 
         assert server_state(pool) == state
-        assert client.step(new_blocks={"b": [9]}).seq == 2  # the first writer carries on
+        assert (
+            client.step(StepEvents(new_blocks={"b": [9]})).seq == 2
+        )  # the first writer carries on
         assert client.audit().is_consistent
 
 
@@ -359,7 +362,7 @@ def test_a_new_client_adopts_the_state_a_previous_one_left(socket_dir: Path, ser
     pool = serve_pool(serve, socket_dir / "server.sock")
     with DefragClient(pool.handle.address, timeout_s=5) as first:
         step_and_write(first, pool.signed, new_blocks={"a": [30, 31], "b": [40]})
-        first.step(finished=["a"])
+        first.step(StepEvents(finished=["a"]))
         mapping = first.resolve(range(NUM_BLOCKS))
 
     with DefragClient(pool.handle.address, timeout_s=5) as second:
@@ -385,7 +388,7 @@ def test_a_prefix_caching_mode_change_is_refused_while_the_server_has_state(
     with DefragClient(pool.handle.address, timeout_s=5) as client:
         client.reset()  # a reset in the client's own mode; a new client may then switch
     with DefragClient(pool.handle.address, prefix_caching=True, timeout_s=5) as client:
-        assert client.step(new_blocks={"b": [4]}, fresh=[4]).seq == 1
+        assert client.step(StepEvents(new_blocks={"b": [4]}, fresh=[4])).seq == 1
     assert pool.handle._engine.config.prefix_caching
 
 
@@ -402,9 +405,9 @@ def test_a_server_restarted_under_the_client_raises_epoch_mismatch_until_reset(
         state = server_state(second)
 
         with pytest.raises(EpochMismatch, match=f"open.epoch {old_epoch} is not the server"):
-            client.step(new_blocks={"b": [5]})
+            client.step(StepEvents(new_blocks={"b": [5]}))
         with pytest.raises(EpochMismatch, match="call reset\\(\\)"):
-            client.step(new_blocks={"b": [5]})
+            client.step(StepEvents(new_blocks={"b": [5]}))
         with pytest.raises(EpochMismatch):
             client.resolve([3])
 
@@ -433,7 +436,7 @@ def test_an_executor_failure_refuses_steps_until_reset(socket_dir: Path, serve: 
         fragment(client, pool.signed)  # 10 holes below b, above the threshold of 4 ...
         assert pool.handle.stats().holes == 0  # ... so b was compacted down
         step_and_write(client, pool.signed, new_blocks={"c": [20, 21, 22], "d": [23]})
-        client.step(finished=["c"])
+        client.step(StepEvents(finished=["c"]))
         assert pool.handle.stats().holes == 3  # at most the threshold: left alone
         client.defragment()  # so the next step runs a pass, which fails
         pool.executor.fail_next()
@@ -441,11 +444,11 @@ def test_an_executor_failure_refuses_steps_until_reset(socket_dir: Path, serve: 
         live_before = pool.handle.resolve([40, 41, 42, 23]).tolist()
 
         with pytest.raises(EngineUnhealthy, match="injected KV copy failure"):
-            client.step()
+            client.step(StepEvents())
 
         assert health_status(pool.handle.address) == health_pb2.HealthCheckResponse.NOT_SERVING
         with pytest.raises(EngineUnhealthy, match="reset\\(\\) is required"):
-            client.step(new_blocks={"d": [33]})
+            client.step(StepEvents(new_blocks={"d": [33]}))
         stats = client.stats()
         assert not stats.stats.is_healthy
         assert "injected" in stats.unhealthy_reason
@@ -475,7 +478,7 @@ def test_reads_refuse_after_an_engine_failure_until_the_mirror_is_rebuilt(
         step_and_write(client, pool.signed, new_blocks={"a": list(range(1, 11)), "b": [40]})
         pool.executor.fail_next()  # the compaction of this step fails ...
         with pytest.raises(EngineUnhealthy, match="injected KV copy failure"):
-            client.step(finished=["a"], new_blocks={"c": [50]})
+            client.step(StepEvents(finished=["a"], new_blocks={"c": [50]}))
         # ... after the step was applied with c's block placed low: the server moved it,
         # the mirror never heard of it.
         assert pool.handle.resolve([50]).tolist() != [50]
@@ -489,7 +492,7 @@ def test_reads_refuse_after_an_engine_failure_until_the_mirror_is_rebuilt(
             with pytest.raises(EngineUnhealthy, match=r"refused: .*rebuild_mirror\(\)"):
                 read()
         with pytest.raises(EngineUnhealthy):
-            client.step(new_blocks={"d": [33]})
+            client.step(StepEvents(new_blocks={"d": [33]}))
 
         client.rebuild_mirror()  # adopts the server's state, the failed step included
 
@@ -510,10 +513,10 @@ def test_an_oversized_step_is_refused_by_the_client_before_sending(
         state, before = server_state(pool), client_state(client)
 
         with pytest.raises(MessageTooLarge, match="exceeds max_message_bytes \\(4096\\)"):
-            client.step(new_blocks={"big": list(range(100, 3100))})
+            client.step(StepEvents(new_blocks={"big": list(range(100, 3100))}))
 
         assert (server_state(pool), client_state(client)) == (state, before)
-        assert client.step(new_blocks={"b": [3]}).seq == 2
+        assert client.step(StepEvents(new_blocks={"b": [3]})).seq == 2
 
 
 @pytest.mark.parametrize(
@@ -538,10 +541,10 @@ def test_an_oversized_step_is_refused_by_the_server_and_changes_nothing(
         state, before = server_state(pool), client_state(client)
 
         with pytest.raises(MessageTooLarge, match=message):
-            client.step(new_blocks={"big": list(range(100, 100 + num_ids))})
+            client.step(StepEvents(new_blocks={"big": list(range(100, 100 + num_ids))}))
 
         assert (server_state(pool), client_state(client)) == (state, before)
-        assert client.step(new_blocks={"b": [3]}).seq == 2
+        assert client.step(StepEvents(new_blocks={"b": [3]})).seq == 2
         assert client.audit().is_consistent
 
 
@@ -569,7 +572,7 @@ def test_malformed_steps_are_refused_and_change_nothing(
         state, before = server_state(pool), client_state(client)
 
         with pytest.raises(InvalidArgument, match=message):
-            client.step(**events)
+            client.step(StepEvents(**events))
 
         assert (server_state(pool), client_state(client)) == (state, before)
         assert step_and_write(client, pool.signed, new_blocks={"b": [9]}).seq == 2
@@ -578,72 +581,54 @@ def test_malformed_steps_are_refused_and_change_nothing(
 
 
 # --- the two forms of step() -------------------------------------------------------------
-STEPS_AS_KEYWORDS: list[dict[str, Any]] = [
-    {"new_blocks": {"a": list(range(1, 11)), "b": [40, 41, 42]}},
-    {"finished": ["a"], "new_blocks": {"c": [50, 51]}, "fresh": [50]},
-    {"finished": ["zz"], "resumed": {"b": [40, 41, 42, 60]}, "fresh": []},
-    {"new_blocks": {"d": [20]}, "evicted": [30]},
-]
-
-
-def test_a_step_events_value_steps_as_its_keywords_do(socket_dir: Path, serve: Serve) -> None:
-    by_keywords = serve_pool(serve, socket_dir / "keywords.sock", threshold=2)
-    by_events = serve_pool(serve, socket_dir / "events.sock", threshold=2)
-    with (
-        DefragClient(by_keywords.handle.address, timeout_s=5) as keywords_client,
-        DefragClient(by_events.handle.address, timeout_s=5) as events_client,
-    ):
-        num_moves = 0
-        for keywords in STEPS_AS_KEYWORDS:
-            expected = keywords_client.step(**keywords)
-            got = events_client.step(StepEvents.build(**keywords))
-            assert got.epoch == events_client.epoch
-            assert dataclasses.replace(got, epoch=0) == dataclasses.replace(expected, epoch=0)
-            num_moves += got.num_moves
-        assert num_moves > 0, "the steps should have compacted"
-        assert server_state(by_events)[1:] == server_state(by_keywords)[1:]
-        assert client_state(events_client)[1:] == client_state(keywords_client)[1:]
-        assert events_client.audit().is_consistent
-
-
-def test_built_events_are_sent_as_they_are(
+def test_a_client_without_a_mirror_steps_adopts_no_tables_and_refuses_reads(
     socket_dir: Path, serve: Serve, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     pool = serve_pool(serve, socket_dir / "server.sock")
-    with DefragClient(pool.handle.address, timeout_s=5) as client:
-        events = StepEvents.build(new_blocks={"a": [5, 9]})
+    with DefragClient(pool.handle.address, timeout_s=5) as seed:
+        fragment(seed, pool.signed)  # state the next client adopts
+    monkeypatch.setattr(session_module, "fetch_mirror", _no_fetch)
+    with DefragClient(pool.handle.address, timeout_s=5, keep_mirror=False) as client:
+        engine = pool.handle._engine
+        assert (client.next_seq, client.digest) == (3, engine.digest)  # adopted: no tables
+        reply = client.step(StepEvents(new_blocks={"c": [50, 51]}))
+        assert client.digest == reply.digest == engine.digest
+        reads = {
+            "resolve": lambda: client.resolve([50]),
+            "resolve_tables": lambda: client.resolve_tables([[50]]),
+            "live_requests": client.live_requests,
+            "audit": client.audit,
+        }
+        for what, read in reads.items():
+            with pytest.raises(InvalidArgument, match=f"{what}: this client keeps no mirror"):
+                read()
+        client.rebuild_mirror()  # adopts the server's state again: still no tables
+        assert (client.next_seq, client.digest) == (4, engine.digest)
 
-        def no_second_check(**_: Any) -> StepEvents:
-            raise AssertionError("built events were checked again")
 
-        monkeypatch.setattr(StepEvents, "build", no_second_check)
-        assert client.step(events).seq == 1
-        assert client.live_requests() == {"a": [5, 9]}
+def _no_fetch(*args: Any, **kwargs: Any) -> Any:
+    raise AssertionError("a client without a mirror fetched the server's tables")
 
 
 @pytest.mark.parametrize(
     ("call", "message"),
     [
         (
-            lambda client: client.step(StepEvents.build(finished=["a"]), finished=["b"]),
-            "step: got events and the keyword 'finished'",
-        ),
-        (
-            lambda client: client.step(StepEvents.build(), evicted=[3]),
-            "step: got events and the keyword 'evicted'",
-        ),
-        (
             lambda client: client.step([("new_blocks", {"b": [3]})]),
             r"step: expected a StepEvents, got a list",
+        ),
+        (
+            lambda client: client.step({"new_blocks": {"b": [3]}}),
+            r"step: expected a StepEvents, got a dict",
         ),
         (
             lambda client: client.step(StepEvents(new_blocks={"b": [3.0]})),
             r"new_blocks\['b'\]: block id 3.0 is not an integer",
         ),
     ],
-    ids=["events-and-keywords", "events-and-evicted", "a-list", "direct-of-wrong-type"],
+    ids=["a-list", "a-dict", "of-wrong-type"],
 )
-def test_events_with_keywords_or_of_another_type_are_refused_unsent(
+def test_events_of_another_type_are_refused_unsent(
     socket_dir: Path, serve: Serve, call: Any, message: str
 ) -> None:
     pool = serve_pool(serve, socket_dir / "server.sock")
@@ -675,7 +660,7 @@ def test_a_closed_client_refuses_steps(socket_dir: Path, serve: Serve) -> None:
     client.close()  # idempotent
 
     with pytest.raises(DefragError, match="is closed"):
-        client.step()
+        client.step(StepEvents())
     assert not pool.handle._engine.list_requests()
 
 
@@ -695,12 +680,12 @@ def test_a_step_behind_a_pending_one_is_refused_unsent_and_lands_after_completio
         pool.executor.stall_next(1.5)
         client.timeout_s = 0.5
         with pytest.raises(StepOutcomeUnknown) as unknown:
-            client.step(finished=["a"])  # compaction stalls: seq 2's outcome is unknown
+            client.step(StepEvents(finished=["a"]))  # compaction stalls: seq 2's outcome is unknown
         assert unknown.value.pending_seq == 2
 
         # The server is still busy with seq 2: the next step is refused, not sent.
         with pytest.raises(StepPending, match="not sent: step seq 2 is pending") as refused:
-            client.step(new_blocks={"c": [13]})
+            client.step(StepEvents(new_blocks={"c": [13]}))
         assert refused.value.pending_seq == 2
 
         client.timeout_s = 5
@@ -727,7 +712,7 @@ def test_reads_refuse_while_a_step_is_pending_and_retrying_it_never_applies_it_t
         step_and_write(client, pool.signed, new_blocks={"a": list(range(1, 11)), "b": [40]})
         pool.executor.stall_next(1.5)
         client.timeout_s = 0.5
-        events = StepEvents.build(finished=["a"], new_blocks={"c": [50, 51]})
+        events = StepEvents(finished=["a"], new_blocks={"c": [50, 51]})
         with pytest.raises(StepOutcomeUnknown):
             client.step(events)  # the server applies it and moves b's block 40 down
         wait_until(lambda: pool.handle.stats().totals.num_steps == 2)
@@ -769,7 +754,7 @@ def test_a_pending_step_survives_a_reopen_refused_by_a_session_the_server_still_
         squatter = hold_the_session(pool.handle.address)  # as the server sees it: held
         client.timeout_s = 0.5
         with pytest.raises(StepOutcomeUnknown, match="still held a writer session"):
-            client.step(new_blocks={"b": [3]})
+            client.step(StepEvents(new_blocks={"b": [3]}))
         assert client.pending_seq == 2
         squatter.close()
         client.timeout_s = 5
@@ -795,7 +780,7 @@ def test_retries_behind_a_held_step_leave_probes_and_stats_answered(
         client.timeout_s = 0.3
         try:
             with pytest.raises(StepOutcomeUnknown):
-                client.step(finished=["a"])
+                client.step(StepEvents(finished=["a"]))
             assert pool.executor.entered.wait(10)
             for _ in range(20):
                 with pytest.raises(StepOutcomeUnknown) as unknown:
@@ -845,7 +830,7 @@ def test_reset_is_refused_while_another_writer_holds_the_session_unless_forced(
             with pytest.raises(grpc.RpcError):  # the other writer's session was ended
                 squatter.exchange(pb.StepStreamRequest(step=pb.StepRequest(seq=1)))
             client.timeout_s = 5
-            assert client.step(new_blocks={"b": [3]}).seq == 1
+            assert client.step(StepEvents(new_blocks={"b": [3]})).seq == 1
         finally:
             squatter.close()
 
@@ -886,4 +871,4 @@ def test_a_client_with_the_longest_timeout_adopts_state_and_refuses_a_bad_new_on
         with pytest.raises(InvalidArgument, match=r"timeout_s must .* got inf"):
             second.timeout_s = math.inf
         assert second.timeout_s == 86_400
-        assert second.step(new_blocks={"b": [50]}).seq == 2
+        assert second.step(StepEvents(new_blocks={"b": [50]})).seq == 2

@@ -23,7 +23,7 @@ from support.random_workload import RandomWorkload
 
 
 def events(**kwargs: Any) -> StepEvents:
-    return StepEvents.build(**kwargs)
+    return StepEvents(**kwargs)
 
 
 def live_digest(mirror: Mirror) -> int:
@@ -50,7 +50,7 @@ def test_new_blocks_and_deltas_update_mapping_and_digest() -> None:
 
 def test_an_id_listed_twice_in_the_deltas_ends_with_its_last_mapping() -> None:
     mirror = Mirror(64)
-    events = StepEvents.build(new_blocks={"a": list(range(1, 41))})
+    events = StepEvents(new_blocks={"a": list(range(1, 41))})
     logical_ids = [*range(1, 41), 5]  # 5 twice: first to 25, then to 63
     physical_ids = [*range(21, 61), 63]
 
@@ -215,7 +215,7 @@ def test_step_events_refuse_values_the_wire_cannot_carry(
     kwargs: dict[str, Any], message: str
 ) -> None:
     with pytest.raises(InvalidArgument, match=message):
-        StepEvents.build(**kwargs)
+        StepEvents(**kwargs)
 
 
 @settings(max_examples=40, deadline=None)

@@ -7,6 +7,7 @@ import torch
 
 from kvdefrag.client import DefragClient, InvalidArgument
 from kvdefrag.client.record import load_trace
+from kvdefrag.common import StepEvents
 from kvdefrag.server import Engine
 from kvdefrag.tools.workload import SyntheticWorkload, WorkloadConfig
 
@@ -26,7 +27,7 @@ def test_recorded_trace_replays_to_the_same_mapping(serve: Serve, tmp_path: Path
         for step in workload:
             client.step(step.events)
         with pytest.raises(InvalidArgument):  # refused: changes nothing, not recorded
-            client.step(new_blocks={"bad": [num_blocks]})
+            client.step(StepEvents(new_blocks={"bad": [num_blocks]}))
         served_mapping = client.resolve(range(num_blocks))
 
     trace = load_trace(trace_path)

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from kvdefrag.client import DefragClient
-from kvdefrag.common import InvalidArgument
+from kvdefrag.common import InvalidArgument, StepEvents
 from kvdefrag.server import ServiceConfig, load_config, serve_in_process
 from kvdefrag.server.__main__ import parse_args
 from kvdefrag.server._socket_file import PathLock
@@ -38,7 +38,7 @@ def test_stop_with_a_bad_grace_is_refused_and_the_server_keeps_serving(
     with pytest.raises(InvalidArgument, match=r"stop: grace_s must be a number of seconds >= 0"):
         handle.stop(grace_s)
     with DefragClient(handle.address, timeout_s=10) as client:  # still listening, healthy
-        assert client.step(new_blocks={"a": [1, 2]}).seq == 1
+        assert client.step(StepEvents(new_blocks={"a": [1, 2]})).seq == 1
     assert handle.stop(1.0)
     assert handle.wait(0)
 

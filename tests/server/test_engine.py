@@ -50,9 +50,9 @@ class Harness:
         )
         self.model = ReferenceModel(num_blocks, prefix_caching)
 
-    def step(self, **events: Any) -> StepResult:
+    def step(self, step_events: StepEvents | None = None) -> StepResult:
         """Steps engine and model, writes fresh blocks, checks everything that must agree."""
-        step_events = StepEvents.build(**events)
+        step_events = StepEvents() if step_events is None else step_events
         before = physical_layout(self.engine)
         result = self.engine.step(step_events)
         outcome = self.model.apply(step_events)
@@ -94,11 +94,13 @@ def one_block_requests(first: int, last: int) -> dict[str, list[int]]:
 # --- order of events -------------------------------------------------------------------
 def test_finished_then_resumed_then_new_blocks() -> None:
     h = Harness()
-    h.step(new_blocks={"a": [1, 2], "b": [3, 4], "c": [5]})
+    h.step(StepEvents(new_blocks={"a": [1, 2], "b": [3, 4], "c": [5]}))
     h.step(
-        finished=["a", "b"],
-        resumed={"b": [6, 3]},
-        new_blocks={"a": [1, 7], "b": [8]},
+        StepEvents(
+            finished=["a", "b"],
+            resumed={"b": [6, 3]},
+            new_blocks={"a": [1, 7], "b": [8]},
+        )
     )
     # "a" was finished, then re-admitted; "b" finished, resumed with a new list, then grew.
     assert h.engine.list_requests() == {"a": [1, 7], "b": [6, 3, 8], "c": [5]}
@@ -107,55 +109,55 @@ def test_finished_then_resumed_then_new_blocks() -> None:
 
 def test_request_finished_and_readmitted_in_one_step_keeps_its_new_blocks() -> None:
     h = Harness(threshold=0)
-    h.step(new_blocks={"r": [3, 4], "s": [10]})
-    result = h.step(finished=["r"], new_blocks={"r": [12, 13]})
+    h.step(StepEvents(new_blocks={"r": [3, 4], "s": [10]}))
+    result = h.step(StepEvents(finished=["r"], new_blocks={"r": [12, 13]}))
     assert h.engine.request_blocks("r") == [12, 13]
     assert {12, 13} <= set(result.block_mapping)
     # The new blocks stay live through later churn and compaction.
-    h.step(finished=["s"], new_blocks={"t": [20, 21, 22]})
-    h.step(finished=["t"])
+    h.step(StepEvents(finished=["s"], new_blocks={"t": [20, 21, 22]}))
+    h.step(StepEvents(finished=["t"]))
     assert h.engine.request_blocks("r") == [12, 13]
     assert h.engine.stats().num_live == 2
 
 
 def test_block_freed_and_reallocated_in_one_step_stays_live() -> None:
     h = Harness(threshold=0)
-    h.step(new_blocks={"a": [1, 2, 3]})
-    h.step(finished=["a"], new_blocks={"b": [2, 3]})
+    h.step(StepEvents(new_blocks={"a": [1, 2, 3]}))
+    h.step(StepEvents(finished=["a"], new_blocks={"b": [2, 3]}))
     assert h.engine.stats().num_live == 2
     assert h.engine.request_blocks("b") == [2, 3]
 
 
 def test_resumed_list_replaces_the_old_one() -> None:
     h = Harness()
-    h.step(new_blocks={"r": [1, 2, 3], "s": [4]})
-    h.step(resumed={"r": [5, 2]})
+    h.step(StepEvents(new_blocks={"r": [1, 2, 3], "s": [4]}))
+    h.step(StepEvents(resumed={"r": [5, 2]}))
     assert h.engine.list_requests() == {"r": [5, 2], "s": [4]}
     assert h.engine.stats().num_live == 3
     # The released blocks are really free: another request may take them as fresh.
-    h.step(new_blocks={"t": [1, 3]}, fresh=[1, 3])
+    h.step(StepEvents(new_blocks={"t": [1, 3]}, fresh=[1, 3]))
     assert h.engine.stats().num_live == 5
 
 
 def test_a_fresh_block_may_be_one_its_only_holder_releases_in_the_same_step() -> None:
     h = Harness()
-    h.step(new_blocks={"a": [1, 2], "b": [2, 3]})
+    h.step(StepEvents(new_blocks={"a": [1, 2], "b": [2, 3]}))
     before = h.engine.digest
     # Block 2 is held by "a" and "b": finishing "a" alone leaves it holding b's data.
     with pytest.raises(InvalidArgument, match="fresh: block id 2 still holds data"):
-        h.engine.step(finished=["a"], new_blocks={"c": [2, 4]}, fresh=[4, 2])
+        h.engine.step(StepEvents(finished=["a"], new_blocks={"c": [2, 4]}, fresh=[4, 2]))
     assert h.engine.digest == before
     assert h.engine.list_requests() == {"a": [1, 2], "b": [2, 3]}  # nothing changed
     # Finishing both releases every reference, so it may be reused as fresh.
-    h.step(finished=["a", "b"], new_blocks={"c": [2, 4]}, fresh=[4, 2])
+    h.step(StepEvents(finished=["a", "b"], new_blocks={"c": [2, 4]}, fresh=[4, 2]))
     assert h.engine.list_requests() == {"c": [2, 4]}
     assert h.lost_blocks() == []
 
 
 def test_resumed_request_keeps_cached_content_of_its_old_blocks() -> None:
     h = Harness(prefix_caching=True)
-    h.step(new_blocks={"r": [1, 2, 3]}, fresh=[1, 2, 3])
-    h.step(resumed={"r": [2, 3, 9]}, fresh=[9])  # a prefix-cache hit on its own blocks
+    h.step(StepEvents(new_blocks={"r": [1, 2, 3]}, fresh=[1, 2, 3]))
+    h.step(StepEvents(resumed={"r": [2, 3, 9]}, fresh=[9]))  # a prefix-cache hit on its own blocks
     assert h.engine.request_blocks("r") == [2, 3, 9]
     assert h.model.cached == {1}
     assert h.lost_blocks() == []
@@ -163,18 +165,18 @@ def test_resumed_request_keeps_cached_content_of_its_old_blocks() -> None:
 
 def test_resumed_and_new_blocks_of_one_request_are_appended_in_order() -> None:
     h = Harness()
-    h.step(new_blocks={"r": [1]})
-    h.step(resumed={"r": [2, 3]}, new_blocks={"r": [4]})
+    h.step(StepEvents(new_blocks={"r": [1]}))
+    h.step(StepEvents(resumed={"r": [2, 3]}, new_blocks={"r": [4]}))
     assert h.engine.request_blocks("r") == [2, 3, 4]
 
 
 def test_unknown_finished_ids_are_tolerated_and_counted() -> None:
     h = Harness()
-    h.step(new_blocks={"a": [1]})
-    result = h.step(finished=["ghost", "a", "a"])
+    h.step(StepEvents(new_blocks={"a": [1]}))
+    result = h.step(StepEvents(finished=["ghost", "a", "a"]))
     assert result.num_unknown_finished == 2  # "ghost", and "a" a second time
     assert h.engine.list_requests() == {}
-    h.step(finished=["ghost"])
+    h.step(StepEvents(finished=["ghost"]))
     assert h.engine.stats().totals.num_unknown_finished == 3
 
 
@@ -220,12 +222,14 @@ def test_invalid_step_is_refused_and_changes_nothing(
     events: dict[str, Any], field: str, value: str, prefix_caching: bool
 ) -> None:
     h = Harness(threshold=2, prefix_caching=prefix_caching)
-    h.step(new_blocks={"a": [1, 2], "b": [3], "y": [4], "z": [5]}, fresh=[1, 2, 3, 4, 5])
-    h.step(finished=["y"])
+    h.step(
+        StepEvents(new_blocks={"a": [1, 2], "b": [3], "y": [4], "z": [5]}, fresh=[1, 2, 3, 4, 5])
+    )
+    h.step(StepEvents(finished=["y"]))
     h.engine.schedule_defragment()  # pending: must neither run nor be lost
     before = h.snapshot()
     with pytest.raises(InvalidArgument) as info:
-        h.engine.step(**events)
+        h.engine.step(StepEvents(**events))
     message = str(info.value)
     assert field in message
     assert value in message
@@ -236,16 +240,16 @@ def test_invalid_step_is_refused_and_changes_nothing(
 
 def test_request_id_of_the_maximum_length_is_accepted() -> None:
     h = Harness()
-    h.step(new_blocks={"y" * 256: [1]})
+    h.step(StepEvents(new_blocks={"y" * 256: [1]}))
     assert h.engine.request_blocks("y" * 256) == [1]
 
 
 def test_block_lists_must_be_a_mapping_and_nothing_changes() -> None:
     engine = Engine([(torch.zeros(64 * 4, 2), None)], 4, config=EngineConfig(threshold=0))
-    engine.step(new_blocks={"a": [9, 10]})
+    engine.step(StepEvents(new_blocks={"a": [9, 10]}))
     before = (engine.stats(), engine.digest, engine.resolve(list(range(64))).tolist())
     with pytest.raises(InvalidArgument, match="new_blocks: expected a mapping"):
-        engine.step(new_blocks=[1, 2])  # type: ignore[arg-type]
+        engine.step(StepEvents(new_blocks=[1, 2]))  # type: ignore[arg-type]
     assert (engine.stats(), engine.digest, engine.resolve(list(range(64))).tolist()) == before
 
 
@@ -275,8 +279,8 @@ def test_a_step_events_value_steps_as_its_keywords_do(prefix_caching: bool) -> N
     )
     num_moves = 0
     for keywords in STEPS_AS_KEYWORDS:
-        expected = by_keywords.step(**keywords)
-        got = by_events.step(StepEvents.build(**keywords))
+        expected = by_keywords.step(StepEvents(**keywords))
+        got = by_events.step(StepEvents(**keywords))
         assert dataclasses.replace(got, swap_duration_s=0.0) == dataclasses.replace(
             expected, swap_duration_s=0.0
         )
@@ -285,58 +289,27 @@ def test_a_step_events_value_steps_as_its_keywords_do(prefix_caching: bool) -> N
     assert num_moves > 0, "the steps should have compacted"
 
 
-def test_built_events_are_applied_as_they_are(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_events_are_applied_as_they_are(monkeypatch: pytest.MonkeyPatch) -> None:
     engine = Engine(make_kv_caches(64, block_size=BLOCK_SIZE), BLOCK_SIZE)
-    events = StepEvents.build(new_blocks={"a": [5, 9]})
+    events = StepEvents(new_blocks={"a": [5, 9]})
     applied: list[StepEvents] = []
     apply_events = engine.apply_events
     monkeypatch.setattr(engine, "apply_events", lambda e: applied.append(e) or apply_events(e))
-
-    def no_second_check(**_: Any) -> StepEvents:
-        raise AssertionError("built events were checked again")
-
-    monkeypatch.setattr(StepEvents, "build", no_second_check)
     engine.step(events)
     assert applied == [events] and applied[0] is events
     assert engine.request_blocks("a") == [5, 9]
 
 
-def test_directly_constructed_events_are_checked_once_before_they_are_applied() -> None:
+def test_events_of_another_type_are_refused_and_nothing_changes() -> None:
     engine = Engine(make_kv_caches(64, block_size=BLOCK_SIZE), BLOCK_SIZE)
-    engine.step(StepEvents(new_blocks={"a": (5, 9)}))  # type: ignore[dict-item]
-    assert engine.request_blocks("a") == [5, 9]
+    engine.step(StepEvents(new_blocks={"a": [9, 10]}))
     before = engine_state(engine)
+    for wrong in ({"new_blocks": {"b": [3]}}, None):
+        with pytest.raises(InvalidArgument, match="step: expected a StepEvents, got a"):
+            engine.step(wrong)  # type: ignore[arg-type]
+        assert engine_state(engine) == before
     with pytest.raises(InvalidArgument, match=r"new_blocks\['b'\]: block id '7' is not an"):
         engine.step(StepEvents(new_blocks={"b": ["7"]}))  # type: ignore[list-item]
-    assert engine_state(engine) == before
-
-
-@pytest.mark.parametrize(
-    ("call", "message"),
-    [
-        (
-            lambda engine: engine.step(StepEvents.build(finished=["a"]), new_blocks={"b": [3]}),
-            "step: got events and the keyword 'new_blocks'",
-        ),
-        (
-            lambda engine: engine.step(StepEvents.build(new_blocks={"b": [3]}), fresh=[]),
-            "step: got events and the keyword 'fresh'",
-        ),
-        (
-            lambda engine: engine.step({"new_blocks": {"b": [3]}}),
-            r"step: expected a StepEvents, got a dict \(\{'new_blocks'",
-        ),
-    ],
-    ids=["events-and-keywords", "events-and-fresh", "a-dict"],
-)
-def test_events_with_keywords_or_of_another_type_are_refused_and_nothing_changes(
-    call: Any, message: str
-) -> None:
-    engine = Engine(make_kv_caches(64, block_size=BLOCK_SIZE), BLOCK_SIZE)
-    engine.step(new_blocks={"a": [9, 10]})
-    before = engine_state(engine)
-    with pytest.raises(InvalidArgument, match=message):
-        call(engine)
     assert engine_state(engine) == before
 
 
@@ -344,13 +317,13 @@ def test_events_with_keywords_or_of_another_type_are_refused_and_nothing_changes
 def test_null_block_is_never_tracked_or_moved() -> None:
     h = Harness(threshold=0, enable_placement=False)
     # vLLM block tables may hold the null block (sliding window); it is never live.
-    result = h.step(new_blocks={"a": [0, 0, 5], "b": [0, 9]}, evicted=[0])
+    result = h.step(StepEvents(new_blocks={"a": [0, 0, 5], "b": [0, 9]}, evicted=[0]))
     assert 0 not in result.block_mapping
     assert h.engine.stats().num_live == 2
     assert h.engine.request_blocks("a") == [0, 0, 5]
     for _ in range(3):
-        h.step(new_blocks={"c": [30, 31]}, finished=["a"])
-        h.step(finished=["c"], new_blocks={"a": [0, 28]})
+        h.step(StepEvents(new_blocks={"c": [30, 31]}, finished=["a"]))
+        h.step(StepEvents(finished=["c"], new_blocks={"a": [0, 28]}))
     assert h.engine.resolve([0]).tolist() == [0]
     moved = [m for batch in h.executor.calls for m in batch]
     assert moved, "the scenario should have compacted"
@@ -360,13 +333,13 @@ def test_null_block_is_never_tracked_or_moved() -> None:
 # --- trigger, cap, convergence ---------------------------------------------------------
 def test_trigger_boundary_holes_equal_to_threshold_do_not_trigger() -> None:
     h = Harness(threshold=4)
-    h.step(new_blocks=one_block_requests(1, 20))
-    result = h.step(finished=["r2", "r4", "r6", "r8"])
+    h.step(StepEvents(new_blocks=one_block_requests(1, 20)))
+    result = h.step(StepEvents(finished=["r2", "r4", "r6", "r8"]))
     assert result.moves == ()
     assert result.stats.holes == 4
     assert h.executor.calls == []
 
-    result = h.step(finished=["r10"])  # holes = threshold + 1
+    result = h.step(StepEvents(finished=["r10"]))  # holes = threshold + 1
     assert result.moves == (
         Move(20, 2, False),
         Move(19, 4, False),
@@ -382,17 +355,17 @@ def test_trigger_boundary_holes_equal_to_threshold_do_not_trigger() -> None:
 
 def test_zero_threshold_triggers_on_a_single_hole() -> None:
     h = Harness(threshold=0)
-    h.step(new_blocks=one_block_requests(1, 6))
-    result = h.step(finished=["r3"])
+    h.step(StepEvents(new_blocks=one_block_requests(1, 6)))
+    result = h.step(StepEvents(finished=["r3"]))
     assert result.moves == (Move(6, 3, False),)
     assert h.engine.resolve([6]).tolist() == [3]
 
 
 def test_move_cap_and_convergence_over_several_steps() -> None:
     h = Harness(threshold=0, max_moves_per_step=3)
-    h.step(new_blocks=one_block_requests(1, 20))
+    h.step(StepEvents(new_blocks=one_block_requests(1, 20)))
     holes = []
-    result = h.step(finished=[f"r{i}" for i in range(1, 11)])  # 10 holes at the bottom
+    result = h.step(StepEvents(finished=[f"r{i}" for i in range(1, 11)]))  # 10 holes at the bottom
     holes.append(result.stats.holes)
     while result.moves:
         assert len(result.moves) <= 3
@@ -405,11 +378,11 @@ def test_move_cap_and_convergence_over_several_steps() -> None:
 
 def test_decode_buckets_compact_only_when_the_bucket_drops() -> None:
     h = Harness(decode_buckets=(8, 16, 32))  # the threshold is not used
-    h.step(new_blocks=one_block_requests(1, 12))  # reads 13 blocks: bucket 16
-    result = h.step(finished=["r2", "r3", "r4"])  # 9 live need 10 slots: still 16
+    h.step(StepEvents(new_blocks=one_block_requests(1, 12)))  # reads 13 blocks: bucket 16
+    result = h.step(StepEvents(finished=["r2", "r3", "r4"]))  # 9 live need 10 slots: still 16
     assert result.moves == ()
     assert result.stats.holes == 3
-    result = h.step(finished=["r5", "r6"])  # 7 live fit in 8 slots: bucket 8
+    result = h.step(StepEvents(finished=["r5", "r6"]))  # 7 live fit in 8 slots: bucket 8
     assert result.moves == (
         Move(12, 2, False),
         Move(11, 3, False),
@@ -418,16 +391,16 @@ def test_decode_buckets_compact_only_when_the_bucket_drops() -> None:
         Move(8, 6, False),
     )
     assert (result.stats.max_live, result.stats.holes) == (7, 0)
-    result = h.step(new_blocks={"r13": [13]})  # fresh, placed at 8: 9 blocks, bucket 16
+    result = h.step(StepEvents(new_blocks={"r13": [13]}))  # fresh, placed at 8: 9 blocks, bucket 16
     assert (result.moves, result.stats.max_live) == ((), 8)
-    result = h.step(finished=["r1"])  # 7 live again: slot 8's block goes down to 1
+    result = h.step(StepEvents(finished=["r1"]))  # 7 live again: slot 8's block goes down to 1
     assert result.moves == (Move(8, 1, False),)
 
 
 def test_moves_go_down_and_pair_highest_live_with_lowest_free() -> None:
     h = Harness(threshold=1, max_moves_per_step=2)
-    h.step(new_blocks={"a": [1, 2, 3], "b": [4, 5, 6], "c": [7, 8]})
-    result = h.step(finished=["a"])
+    h.step(StepEvents(new_blocks={"a": [1, 2, 3], "b": [4, 5, 6], "c": [7, 8]}))
+    result = h.step(StepEvents(finished=["a"]))
     assert result.moves == (Move(8, 1, False), Move(7, 2, False))
     result = h.step()
     assert result.moves == ()  # one hole left, threshold 1
@@ -436,26 +409,26 @@ def test_moves_go_down_and_pair_highest_live_with_lowest_free() -> None:
 # --- shared blocks ---------------------------------------------------------------------
 def test_shared_blocks_keep_their_reference_count_when_moved() -> None:
     h = Harness(threshold=3)
-    h.step(new_blocks={"low": list(range(1, 9)), "a": [10, 11, 12]}, fresh=[])
-    h.step(new_blocks={"b": [10, 11, 13]})  # prefix sharing: 10 and 11 referenced twice
+    h.step(StepEvents(new_blocks={"low": list(range(1, 9)), "a": [10, 11, 12]}, fresh=[]))
+    h.step(StepEvents(new_blocks={"b": [10, 11, 13]}))  # prefix sharing: 10 and 11 referenced twice
     shared_slots = set(h.engine.resolve([10, 11]).tolist())
-    result = h.step(finished=["low"])
+    result = h.step(StepEvents(finished=["low"]))
     moved_sources = {m.src_physical_id for m in result.moves}
     assert shared_slots <= moved_sources, "the shared blocks should have moved"
     assert h.engine.list_requests() == {"a": [10, 11, 12], "b": [10, 11, 13]}
 
-    h.step(finished=["a"])  # 10 and 11 are still held by "b"
+    h.step(StepEvents(finished=["a"]))  # 10 and 11 are still held by "b"
     assert h.engine.stats().num_live == 3
     assert h.lost_blocks() == []
-    h.step(finished=["b"])
+    h.step(StepEvents(finished=["b"]))
     assert h.engine.stats().num_live == 0
 
 
 # --- copy direction --------------------------------------------------------------------
 def test_moves_are_one_way_without_prefix_caching() -> None:
     h = Harness(threshold=0)
-    h.step(new_blocks={"a": [1, 2], "b": [3, 4]})
-    result = h.step(finished=["a"])
+    h.step(StepEvents(new_blocks={"a": [1, 2], "b": [3, 4]}))
+    result = h.step(StepEvents(finished=["a"]))
     assert result.moves == (Move(4, 1, False), Move(3, 2, False))
     # One-way: the freed blocks' old content was overwritten, not kept.
     assert h.kv.lost_blocks(h.engine, [1, 2]) == [1, 2]
@@ -463,11 +436,15 @@ def test_moves_are_one_way_without_prefix_caching() -> None:
 
 def test_moves_swap_with_cached_targets_and_copy_one_way_onto_evicted_ones() -> None:
     h = Harness(threshold=3, prefix_caching=True)
-    h.step(new_blocks={"low": [1, 2, 3], "mid": [4, 5, 6, 7], "high": [8]}, fresh=range(1, 9))
-    result = h.step(finished=["low"])  # 1, 2, 3 stay cached; holes == threshold
+    h.step(
+        StepEvents(
+            new_blocks={"low": [1, 2, 3], "mid": [4, 5, 6, 7], "high": [8]}, fresh=range(1, 9)
+        )
+    )
+    result = h.step(StepEvents(finished=["low"]))  # 1, 2, 3 stay cached; holes == threshold
     assert result.moves == ()
     h.engine.schedule_defragment()
-    result = h.step(evicted=[2])
+    result = h.step(StepEvents(evicted=[2]))
     assert result.moves == (Move(8, 1, True), Move(7, 2, False), Move(6, 3, True))
     assert h.model.cached == {1, 3}
     assert h.engine.resolve([1, 2, 3, 8, 7, 6]).tolist() == [8, 7, 6, 1, 2, 3]
@@ -479,8 +456,8 @@ def test_moves_swap_with_cached_targets_and_copy_one_way_onto_evicted_ones() -> 
 
 def test_a_capped_pass_moves_onto_an_empty_slot_rather_than_swap_with_a_cached_one() -> None:
     h = Harness(threshold=0, prefix_caching=True, max_moves_per_step=1, enable_placement=False)
-    h.step(new_blocks={"gone": [1, 2], "a": [3, 4]}, fresh=range(1, 5))
-    result = h.step(finished=["gone"], evicted=[2])  # slot 1 cached, slot 2 empty
+    h.step(StepEvents(new_blocks={"gone": [1, 2], "a": [3, 4]}, fresh=range(1, 5)))
+    result = h.step(StepEvents(finished=["gone"], evicted=[2]))  # slot 1 cached, slot 2 empty
     # One move allowed: the top block leaves either way and the pool ends as packed
     # (slot 3 stays live), but onto the empty slot it is a copy, not a swap.
     assert result.moves == (Move(4, 2, False),)
@@ -490,10 +467,10 @@ def test_a_capped_pass_moves_onto_an_empty_slot_rather_than_swap_with_a_cached_o
 
 def test_cached_blocks_survive_compaction_and_are_reused_as_prefix_hits() -> None:
     h = Harness(threshold=0, prefix_caching=True)
-    h.step(new_blocks={"a": [1, 2, 3], "b": [4, 5, 6]}, fresh=range(1, 7))
-    h.step(finished=["a"])  # cached 1..3 below live 4..6: two-way swaps
+    h.step(StepEvents(new_blocks={"a": [1, 2, 3], "b": [4, 5, 6]}, fresh=range(1, 7)))
+    h.step(StepEvents(finished=["a"]))  # cached 1..3 below live 4..6: two-way swaps
     assert h.engine.stats().totals.num_two_way_moves == 3
-    h.step(new_blocks={"c": [1, 2, 9]}, fresh=[9])  # prefix-cache hit on 1, 2
+    h.step(StepEvents(new_blocks={"c": [1, 2, 9]}, fresh=[9]))  # prefix-cache hit on 1, 2
     assert h.engine.request_blocks("c") == [1, 2, 9]
 
 
@@ -502,27 +479,27 @@ def test_a_fresh_block_moved_into_a_cached_hole_pushes_only_the_cached_data_up()
     slot to be placed on, so compaction moves it down; one copy of the cached block's
     data into its slot, not a swap. The cached block is then a prefix hit where it went."""
     h = Harness(threshold=0, prefix_caching=True)
-    h.step(new_blocks={"warm": list(range(1, 32))}, fresh=range(1, 32))
-    h.step(finished=["warm"])  # every free block cached
-    h.step(new_blocks={"a": [1, 2]}, fresh=[])  # prefix hits, in place
-    result = h.step(new_blocks={"a": [20]}, fresh=[20])
+    h.step(StepEvents(new_blocks={"warm": list(range(1, 32))}, fresh=range(1, 32)))
+    h.step(StepEvents(finished=["warm"]))  # every free block cached
+    h.step(StepEvents(new_blocks={"a": [1, 2]}, fresh=[]))  # prefix hits, in place
+    result = h.step(StepEvents(new_blocks={"a": [20]}, fresh=[20]))
     assert result.num_placed == 0
     assert result.moves == (Move(3, 20, False),)  # the fresh block takes 3, cached 3 goes up
     assert h.engine.resolve([20, 3]).tolist() == [3, 20]
     assert h.engine.stats().totals.num_two_way_moves == 0
     assert result.num_bytes_moved == h.executor.bytes_per_block
-    h.step(new_blocks={"b": [3]}, fresh=[])  # the harness checks it reads its data
+    h.step(StepEvents(new_blocks={"b": [3]}, fresh=[]))  # the harness checks it reads its data
 
 
 # --- placement -------------------------------------------------------------------------
 def test_fresh_blocks_are_placed_without_copying() -> None:
     h = Harness(threshold=0)
-    result = h.step(new_blocks={"a": [7, 12, 30]})
+    result = h.step(StepEvents(new_blocks={"a": [7, 12, 30]}))
     assert result.block_mapping == {7: 1, 12: 2, 30: 3, 1: 7, 2: 12, 3: 30}
     assert result.num_placed == 3
     assert result.moves == ()
     assert result.stats.holes == 0
-    result = h.step(new_blocks={"a": [20], "b": [5, 6]})
+    result = h.step(StepEvents(new_blocks={"a": [20], "b": [5, 6]}))
     assert h.engine.resolve([20, 5, 6]).tolist() == [4, 5, 6]
     assert result.num_placed == 1
     assert h.executor.calls == []  # placement is a mapping change only
@@ -531,7 +508,7 @@ def test_fresh_blocks_are_placed_without_copying() -> None:
 
 def test_without_placement_fresh_blocks_are_compacted_by_copying() -> None:
     h = Harness(threshold=0, enable_placement=False)
-    result = h.step(new_blocks={"a": [7, 12, 30]})
+    result = h.step(StepEvents(new_blocks={"a": [7, 12, 30]}))
     assert result.num_placed == 0
     assert result.moves == (Move(30, 1, False), Move(12, 2, False), Move(7, 3, False))
     assert len(h.executor.calls) == 1
@@ -539,11 +516,11 @@ def test_without_placement_fresh_blocks_are_compacted_by_copying() -> None:
 
 def test_placement_skips_cached_slots_and_uses_evicted_ones() -> None:
     h = Harness(prefix_caching=True)
-    h.step(new_blocks={"a": [1, 2, 3]}, fresh=[1, 2, 3])
-    h.step(finished=["a"])
-    h.step(new_blocks={"b": [10]}, fresh=[10])
+    h.step(StepEvents(new_blocks={"a": [1, 2, 3]}, fresh=[1, 2, 3]))
+    h.step(StepEvents(finished=["a"]))
+    h.step(StepEvents(new_blocks={"b": [10]}, fresh=[10]))
     assert h.engine.resolve([10]).tolist() == [4]
-    h.step(new_blocks={"c": [11]}, fresh=[11], evicted=[2])
+    h.step(StepEvents(new_blocks={"c": [11]}, fresh=[11], evicted=[2]))
     assert h.engine.resolve([11]).tolist() == [2]
     assert h.model.cached == {1, 3}
     assert h.executor.calls == []
@@ -551,18 +528,18 @@ def test_placement_skips_cached_slots_and_uses_evicted_ones() -> None:
 
 def test_fresh_none_places_every_newly_live_block_without_prefix_caching() -> None:
     h = Harness()
-    h.step(new_blocks={"a": [1]})
-    result = h.step(new_blocks={"b": [1, 9]})  # 1 is shared: holds data, not fresh
+    h.step(StepEvents(new_blocks={"a": [1]}))
+    result = h.step(StepEvents(new_blocks={"b": [1, 9]}))  # 1 is shared: holds data, not fresh
     assert result.num_placed == 1
     assert h.engine.resolve([1, 9]).tolist() == [1, 2]
 
 
 def test_fresh_none_places_nothing_with_prefix_caching() -> None:
     h = Harness(prefix_caching=True)
-    result = h.step(new_blocks={"a": [5, 9]})
+    result = h.step(StepEvents(new_blocks={"a": [5, 9]}))
     assert result.num_placed == 0
     assert h.engine.resolve([5, 9]).tolist() == [5, 9]
-    result = h.step(new_blocks={"b": [20]}, fresh=[20])
+    result = h.step(StepEvents(new_blocks={"b": [20]}, fresh=[20]))
     assert result.num_placed == 1
 
 
@@ -575,8 +552,8 @@ def test_fresh_none_and_explicit_fresh_agree_without_prefix_caching() -> None:
     ]
     fresh_lists = [[9, 4, 17], [22], [4, 30]]
     for events, fresh in zip(steps, fresh_lists, strict=True):
-        a = implicit.step(**events)
-        b = explicit.step(**events, fresh=fresh)
+        a = implicit.step(StepEvents(**events))
+        b = explicit.step(StepEvents(**events, fresh=fresh))
         assert (a.block_mapping, a.moves, a.digest) == (b.block_mapping, b.moves, b.digest)
 
 
@@ -639,14 +616,14 @@ def test_same_events_give_the_same_moves_and_mapping() -> None:
 # --- forced passes, reset, digest ------------------------------------------------------
 def test_schedule_defragment_forces_a_pass_in_the_next_step_only() -> None:
     h = Harness(threshold=10)
-    h.step(new_blocks=one_block_requests(1, 8))
-    result = h.step(finished=["r1", "r2"])
+    h.step(StepEvents(new_blocks=one_block_requests(1, 8)))
+    result = h.step(StepEvents(finished=["r1", "r2"]))
     assert result.moves == ()
     h.engine.schedule_defragment()
     assert h.executor.calls == []  # nothing moves outside a step
     result = h.step()
     assert result.moves == (Move(8, 1, False), Move(7, 2, False))
-    h.step(finished=["r3"])
+    h.step(StepEvents(finished=["r3"]))
     result = h.step()
     assert result.moves == ()
     assert result.stats.holes == 1
@@ -654,8 +631,8 @@ def test_schedule_defragment_forces_a_pass_in_the_next_step_only() -> None:
 
 def test_reset_forgets_everything_and_restores_the_identity() -> None:
     h = Harness(threshold=10)
-    h.step(new_blocks={"a": [5, 6, 7], "b": [9]})
-    h.step(finished=["a"])
+    h.step(StepEvents(new_blocks={"a": [5, 6, 7], "b": [9]}))
+    h.step(StepEvents(finished=["a"]))
     h.engine.schedule_defragment()
     h.engine.reset()
     stats = h.engine.stats()
@@ -665,7 +642,7 @@ def test_reset_forgets_everything_and_restores_the_identity() -> None:
     assert physical_layout(h.engine).tolist() == list(range(32))
     assert h.engine.list_requests() == {}
     # The engine works from scratch; the pending forced pass was dropped.
-    result = h.engine.step(new_blocks={"c": [1, 5]}, fresh=[])
+    result = h.engine.step(StepEvents(new_blocks={"c": [1, 5]}, fresh=[]))
     assert result.moves == () and result.num_placed == 0
     assert result.stats.holes == 3
 
@@ -675,8 +652,8 @@ def test_a_reset_while_a_pass_holds_kv_lock_publishes_the_identity_after_the_pas
     ``kv_lock`` before it publishes the identity."""
     kv_lock = threading.Lock()
     h = Harness(threshold=0, kv_lock=kv_lock)
-    h.step(new_blocks={"a": [5, 6, 7], "b": [9, 10]})
-    h.step(finished=["a"])  # b moves down
+    h.step(StepEvents(new_blocks={"a": [5, 6, 7], "b": [9, 10]}))
+    h.step(StepEvents(finished=["a"]))  # b moves down
     moved = physical_layout(h.engine).tolist()
     assert moved != list(range(32))
     with kv_lock:  # a pass is running
@@ -694,8 +671,8 @@ def test_a_reset_while_a_pass_holds_kv_lock_publishes_the_identity_after_the_pas
 def test_digest_is_the_mapping_digest_of_the_live_pairs() -> None:
     h = Harness(threshold=1)
     assert h.engine.digest == 0 == mapping_digest([])
-    h.step(new_blocks={"a": [4, 8, 15], "b": [16, 23]})
-    result = h.step(finished=["a"], new_blocks={"c": [10, 8]})
+    h.step(StepEvents(new_blocks={"a": [4, 8, 15], "b": [16, 23]}))
+    result = h.step(StepEvents(finished=["a"], new_blocks={"c": [10, 8]}))
     mapping = physical_layout(h.engine)
     live = [8, 10, 16, 23]
     assert result.digest == mapping_digest((i, int(mapping[i])) for i in live)
@@ -703,8 +680,8 @@ def test_digest_is_the_mapping_digest_of_the_live_pairs() -> None:
 
 def test_block_mapping_covers_every_newly_referenced_or_moved_id() -> None:
     h = Harness(threshold=0)
-    h.step(new_blocks={"a": [1, 2, 3, 4], "b": [5, 6]})
-    result = h.step(finished=["a"], new_blocks={"b": [5 + 20]}, fresh=[])
+    h.step(StepEvents(new_blocks={"a": [1, 2, 3, 4], "b": [5, 6]}))
+    result = h.step(StepEvents(finished=["a"], new_blocks={"b": [5 + 20]}, fresh=[]))
     # 25 is not fresh (says the caller), so it is compacted by a copy.
     moved_sources = {m.src_physical_id for m in result.moves}
     assert moved_sources == {25, 6, 5}
@@ -786,7 +763,7 @@ def test_an_engine_given_an_executor_needs_no_caches() -> None:
     executor.drops_moves = True
     engine = Engine([], BLOCK_SIZE, EngineConfig(threshold=0), executor=executor)
     assert engine.num_blocks == 32
-    engine.step(StepEvents.build(new_blocks={"a": [5, 6]}, fresh=[]))
+    engine.step(StepEvents(new_blocks={"a": [5, 6]}, fresh=[]))
     assert engine.resolve([5, 6]).tolist() == [2, 1]
     assert [len(batch) for batch in executor.calls] == [2]
 
@@ -794,7 +771,7 @@ def test_an_engine_given_an_executor_needs_no_caches() -> None:
 # --- reads -----------------------------------------------------------------------------
 def test_resolve_is_vectorised_and_refuses_bad_ids() -> None:
     h = Harness()
-    h.step(new_blocks={"a": [7, 12]})
+    h.step(StepEvents(new_blocks={"a": [7, 12]}))
     assert h.engine.resolve([7, 12, 0]).tolist() == [1, 2, 0]
     assert h.engine.resolve(np.array([[7], [12]])).tolist() == [[1], [2]]
     assert h.engine.resolve([]).tolist() == []
@@ -816,10 +793,11 @@ def test_kv_lock_is_taken_only_to_move_blocks() -> None:
     h = Harness(threshold=0, kv_lock=kv_lock)
     assert h.engine.kv_lock is kv_lock
     with kv_lock:  # the worker's forward pass is running
-        result = h.step(new_blocks={"a": [7, 12]})  # placement only: no KV access
+        result = h.step(StepEvents(new_blocks={"a": [7, 12]}))  # placement only: no KV access
         assert result.num_placed == 2
         worker = threading.Thread(
-            target=h.engine.step, kwargs={"finished": ["a"], "new_blocks": {"b": [30]}, "fresh": []}
+            target=h.engine.step,
+            args=(StepEvents(finished=["a"], new_blocks={"b": [30]}, fresh=[]),),
         )
         worker.start()
         worker.join(timeout=0.2)
@@ -834,7 +812,7 @@ def test_the_mode_changes_only_while_the_engine_is_pristine() -> None:
     assert h.engine.is_pristine
     h.engine.change_mode(prefix_caching=True)
     assert h.engine.config.prefix_caching and h.engine.is_pristine
-    h.engine.step(new_blocks={"req-a": [3, 4]})
+    h.engine.step(StepEvents(new_blocks={"req-a": [3, 4]}))
     assert not h.engine.is_pristine
     digest = h.engine.digest
     with pytest.raises(InvalidArgument, match="reset to change the mode"):

@@ -203,7 +203,7 @@ class Run:
             kwargs["new_blocks"][""] = []
         else:
             kwargs["evicted"].append(self.num_blocks + 3)
-        return StepEvents.build(**kwargs)
+        return StepEvents(**kwargs)
 
     # --- checking -----------------------------------------------------------------------
     def snapshot(self) -> tuple[Any, ...]:

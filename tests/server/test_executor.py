@@ -210,10 +210,10 @@ def test_only_the_cpu_backend_is_imported_for_cpu_tensors() -> None:
         """
         import sys
         import torch
-        from kvdefrag.server import Engine, EngineConfig
+        from kvdefrag.server import Engine, EngineConfig, StepEvents
 
         engine = Engine([(torch.zeros(64, 2), None)], 4, EngineConfig(threshold=0))
-        engine.step(new_blocks={"a": [5, 9]}, fresh=[])
+        engine.step(StepEvents(new_blocks={"a": [5, 9]}, fresh=[]))
         assert engine.stats().totals.num_moves == 2
         print(sorted(m for m in sys.modules
                      if m.startswith("habana_frameworks")
@@ -252,9 +252,9 @@ def check_failed_engine(engine: Engine, kv: SignedKv, mapping_before: list[int])
     assert engine.unhealthy_reason is not None
     assert INJECTED_FAILURE in engine.unhealthy_reason
     with pytest.raises(EngineUnhealthy, match=INJECTED_FAILURE):
-        engine.step()
+        engine.step(StepEvents())
     with pytest.raises(EngineUnhealthy):
-        engine.step(new_blocks={"late": [1]})
+        engine.step(StepEvents(new_blocks={"late": [1]}))
     assert engine.stats() == stats  # refused steps change nothing
 
 
@@ -263,12 +263,12 @@ def test_a_failed_move_commits_nothing_and_leaves_the_engine_unhealthy(num_done:
     kv = SignedKv.create(32, block_size=BLOCK_SIZE)
     executor = failing_partway(kv, lambda moves: moves[:num_done])
     engine = Engine(kv.kv_caches, BLOCK_SIZE, config=EngineConfig(threshold=2), executor=executor)
-    engine.step(new_blocks={"a": list(range(1, 7)), "b": list(range(7, 13))})
+    engine.step(StepEvents(new_blocks={"a": list(range(1, 7)), "b": list(range(7, 13))}))
     kv.write_fresh(engine, range(1, 13))
     mapping_before = engine.resolve(np.arange(32)).tolist()
 
     with pytest.raises(EngineUnhealthy, match=INJECTED_FAILURE) as info:
-        engine.step(finished=["a"])  # six holes: the compaction of six blocks fails
+        engine.step(StepEvents(finished=["a"]))  # six holes: the compaction of six blocks fails
     assert isinstance(info.value.__cause__, RuntimeError)
     check_failed_engine(engine, kv, mapping_before)
 
@@ -276,7 +276,7 @@ def test_a_failed_move_commits_nothing_and_leaves_the_engine_unhealthy(num_done:
     executor.is_failing = False
     assert engine.stats().is_healthy and engine.unhealthy_reason is None
     assert engine.resolve(np.arange(32)).tolist() == list(range(32))
-    result = engine.step(new_blocks={"c": [3, 9]}, fresh=[])
+    result = engine.step(StepEvents(new_blocks={"c": [3, 9]}, fresh=[]))
     assert result.moves == (Move(9, 1, False), Move(3, 2, False))
     assert engine.stats().holes == 0
 
@@ -288,15 +288,15 @@ def test_a_failed_move_keeps_the_placement_of_its_own_step() -> None:
     engine = Engine(kv.kv_caches, BLOCK_SIZE, config=EngineConfig(threshold=2), executor=executor)
     twin = Engine(twin_kv.kv_caches, BLOCK_SIZE, config=EngineConfig(threshold=10_000))
     steps = [
-        (StepEvents.build(new_blocks={"a": [1, 2, 3], "b": [4, 5], "c": [6, 7, 8]}), range(1, 9)),
-        (StepEvents.build(finished=["b"], new_blocks={"a": [20]}), [20]),
+        (StepEvents(new_blocks={"a": [1, 2, 3], "b": [4, 5], "c": [6, 7, 8]}), range(1, 9)),
+        (StepEvents(finished=["b"], new_blocks={"a": [20]}), [20]),
     ]
     for events, fresh in steps:
         for each_engine, each_kv in ((engine, kv), (twin, twin_kv)):
             each_engine.step(events)
             each_kv.write_fresh(each_engine, list(fresh))
     assert engine.stats().totals.num_moves == twin.stats().totals.num_moves == 0
-    failing_step = StepEvents.build(finished=["a"], new_blocks={"d": [30, 31]})
+    failing_step = StepEvents(finished=["a"], new_blocks={"d": [30, 31]})
     with pytest.raises(EngineUnhealthy):
         engine.step(failing_step)  # 30, 31 placed low; three holes left above threshold
     twin_result = twin.step(failing_step)
@@ -315,11 +315,13 @@ def test_a_failed_move_with_prefix_caching_keeps_live_and_cached_blocks() -> Non
         config=EngineConfig(threshold=2, prefix_caching=True),
         executor=executor,
     )
-    engine.step(new_blocks={"a": [1, 2, 3, 4], "b": [5, 6, 7, 8, 9]}, fresh=range(1, 10))
+    engine.step(
+        StepEvents(new_blocks={"a": [1, 2, 3, 4], "b": [5, 6, 7, 8, 9]}, fresh=range(1, 10))
+    )
     kv.write_fresh(engine, range(1, 10))
     mapping_before = engine.resolve(np.arange(32)).tolist()
     with pytest.raises(EngineUnhealthy):
-        engine.step(finished=["a"], evicted=[1, 3])  # two one-way moves, two swaps
+        engine.step(StepEvents(finished=["a"], evicted=[1, 3]))  # two one-way moves, two swaps
     check_failed_engine(engine, kv, mapping_before)
     assert kv.lost_blocks(engine, [2, 4]) == []  # still cached, still intact
 
@@ -342,11 +344,13 @@ def test_a_failure_inside_the_swap_executor_keeps_every_block(fail_at_call: int)
         config=EngineConfig(threshold=2, prefix_caching=True),
         executor=executor,
     )
-    failing.step(new_blocks={"a": [1, 2, 3, 4], "b": [5, 6, 7, 8, 9]}, fresh=range(1, 10))
+    failing.step(
+        StepEvents(new_blocks={"a": [1, 2, 3, 4], "b": [5, 6, 7, 8, 9]}, fresh=range(1, 10))
+    )
     kv.write_fresh(failing, range(1, 10))
     mapping_before = failing.resolve(np.arange(32)).tolist()
     with pytest.raises(EngineUnhealthy):
-        failing.step(finished=["a"], evicted=[1])  # one one-way move, three swaps
+        failing.step(StepEvents(finished=["a"], evicted=[1]))  # one one-way move, three swaps
     assert executor.failed_writes == [fail_at_call]
     check_failed_engine(failing, kv, mapping_before)
     assert kv.lost_blocks(failing, [2, 3, 4]) == []

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from kvdefrag.client import DefragClient
+from kvdefrag.common import StepEvents
 from kvdefrag.server import Move, _backends
 
 from support.kv import SignedKv, kv_tensors
@@ -135,7 +136,7 @@ def test_a_service_on_hpu_warms_at_bind_on_request_and_after_a_rebind(
     assert old.mismatched(range(64), range(64)) == []  # nothing moved
 
     with DefragClient(handle.address, timeout_s=10) as client:
-        client.step(new_blocks={"a": list(range(1, 11)), "b": [40, 41, 42]})
+        client.step(StepEvents(new_blocks={"a": list(range(1, 11)), "b": [40, 41, 42]}))
         old_before = [tensor.clone() for tensor in kv_tensors(old.kv_caches)]
         new = SignedKv.create(64, block_size=4)
         fake_habana.swaps.clear()
@@ -145,7 +146,7 @@ def test_a_service_on_hpu_warms_at_bind_on_request_and_after_a_rebind(
         live = [40, 41, 42]
         new.write(live, handle.resolve(live).tolist())  # b's data, written after the wake-up
         fake_habana.swaps.clear()
-        reply = client.step(finished=["a"])  # holes below b: it moves down
+        reply = client.step(StepEvents(finished=["a"]))  # holes below b: it moves down
         assert reply.num_moves == 3 and fake_habana.swaps == [(4, False)]
         assert new.lost_blocks(handle, live) == []
     for tensor, before in zip(kv_tensors(old.kv_caches), old_before, strict=True):

@@ -13,7 +13,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvdefrag.common import EngineUnhealthy
+from kvdefrag.common import EngineUnhealthy, StepEvents
 from kvdefrag.server import Engine, EngineConfig
 from kvdefrag.server._executor_cpu import CpuSwapExecutor
 
@@ -35,11 +35,11 @@ def test_a_move_failure_turns_health_off_until_the_handle_resets(serve: Serve) -
     executor = ScriptedExecutor.around(CpuSwapExecutor(kv.kv_caches, kv.block_size))
     handle = serve(kv=kv, threshold=0, executor=executor)
     engine = handle._engine  # the scheduler in the worker's process: no servicer involved
-    engine.step(new_blocks={"a": list(range(1, 9)), "b": list(range(9, 17))})
+    engine.step(StepEvents(new_blocks={"a": list(range(1, 9)), "b": list(range(9, 17))}))
     assert health_status(handle.address) == health_pb2.HealthCheckResponse.SERVING
     executor.is_failing = True
     with pytest.raises(EngineUnhealthy):
-        engine.step(finished=["a"])  # b must move down: the move fails
+        engine.step(StepEvents(finished=["a"]))  # b must move down: the move fails
     assert health_status(handle.address) == health_pb2.HealthCheckResponse.NOT_SERVING
     old_epoch = handle.epoch
     assert handle.reset() == handle.epoch != old_epoch
@@ -74,7 +74,9 @@ def test_the_cpu_worker_pattern_runs_beside_steps_without_deadlock() -> None:
                 new_id = f"r{index}"
                 count = min(rng.randint(1, 6), len(free))
                 blocks = [free.pop() for _ in range(count)]
-                engine.step(finished=finished, new_blocks={new_id: blocks} if blocks else None)
+                engine.step(
+                    StepEvents(finished=finished, new_blocks={new_id: blocks} if blocks else None)
+                )
                 for request_id in finished:
                     free.extend(held.pop(request_id))
                 with engine.kv_lock:  # the forward pass fills the new blocks

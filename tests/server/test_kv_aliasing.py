@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from kvdefrag.client import DefragClient
-from kvdefrag.common import InvalidArgument
+from kvdefrag.common import InvalidArgument, StepEvents
 from kvdefrag.server import Engine, load_config, serve_in_process
 from kvdefrag.server.config import EngineConfig
 from kvdefrag.vllm.worker import bind_vllm_kv_caches
@@ -100,9 +100,9 @@ def compacting_steps(kv: SignedKv, engine: Engine) -> list[int]:
     swaps with the freed blocks), writing every fresh block where it lands; returns the
     live logical ids."""
     live = [20, 21, 22, 23, 24, 25]
-    engine.step(new_blocks={"low": list(range(1, 10)), "high": live})
+    engine.step(StepEvents(new_blocks={"low": list(range(1, 10)), "high": live}))
     kv.write_fresh(engine, list(range(1, 10)) + live)
-    result = engine.step(finished=["low"])
+    result = engine.step(StepEvents(finished=["low"]))
     assert len(result.moves) == len(live)
     return live
 
@@ -130,7 +130,7 @@ def test_vllms_key_value_halves_of_one_tensor_bind_and_move_every_block(
     handle = serve(kv=kv, num_blocks=NUM_BLOCKS, threshold=0)
     with DefragClient(handle.address, timeout_s=10) as client:
         live = [20, 21, 22, 23, 24, 25]
-        client.step(new_blocks={"low": list(range(1, 10)), "high": live})
+        client.step(StepEvents(new_blocks={"low": list(range(1, 10)), "high": live}))
         kv.write_fresh(handle, list(range(1, 10)) + live)
-        assert client.step(finished=["low"]).num_moves == len(live)
+        assert client.step(StepEvents(finished=["low"])).num_moves == len(live)
     assert kv.lost_blocks(handle, live) == []

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from kvdefrag.client import DefragClient, EngineUnhealthy
-from kvdefrag.common import InvalidArgument
+from kvdefrag.common import InvalidArgument, StepEvents
 from kvdefrag.server import ServerHandle
 
 from support.doubles import ScriptedExecutor
@@ -37,7 +37,7 @@ def served(serve: Serve) -> Iterator[tuple[ServerHandle, SignedKv, DefragClient]
     kv = SignedKv.create(NUM_BLOCKS, block_size=BLOCK_SIZE)
     handle = serve(kv=kv, threshold=0)
     with DefragClient(handle.address, timeout_s=10) as client:
-        client.step(new_blocks={"a": A_BLOCKS, "b": B_BLOCKS})
+        client.step(StepEvents(new_blocks={"a": A_BLOCKS, "b": B_BLOCKS}))
         kv.write(A_BLOCKS + B_BLOCKS, client.resolve(A_BLOCKS + B_BLOCKS))
         yield handle, kv, client
 
@@ -78,7 +78,9 @@ def test_after_a_rebind_blocks_move_in_the_new_tensors_and_the_old_ones_stay(
     assert handle.resolve().tolist() == mapping.tolist()
     assert handle.stats().num_requests == 2
     new.write(B_BLOCKS, handle.resolve(B_BLOCKS).tolist())  # b recomputed after the wake-up
-    reply = client.step(finished=["a"])  # the session goes on; holes below b: b moves down
+    reply = client.step(
+        StepEvents(finished=["a"])
+    )  # the session goes on; holes below b: b moves down
     assert reply.num_moves == len(B_BLOCKS)
     assert new.lost_blocks(handle, B_BLOCKS) == []
     assert unchanged(old, old_before)
@@ -95,9 +97,9 @@ def test_released_caches_are_let_go_and_a_step_that_moves_fails_naming_it(
     assert bound() is None  # nothing holds the freed caches' executor (and views) any more
     assert handle.warmup() == 0  # nothing to warm
 
-    client.step(new_blocks={"c": [50]})  # placed, nothing moved: applied
+    client.step(StepEvents(new_blocks={"c": [50]}))  # placed, nothing moved: applied
     with pytest.raises(EngineUnhealthy, match="KV caches are released"):
-        client.step(finished=["a"])  # a compaction with no memory to move in
+        client.step(StepEvents(finished=["a"]))  # a compaction with no memory to move in
 
 
 def other_layout(**options: Any) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
@@ -128,7 +130,7 @@ def test_a_rebind_to_another_layout_is_refused_by_name_and_changes_nothing(
     with pytest.raises(InvalidArgument, match=named):
         handle.rebind_kv_caches(kv_caches)
     assert handle.epoch == epoch and handle.resolve().tolist() == mapping.tolist()
-    reply = client.step(finished=["a"])  # still moving in the bound tensors
+    reply = client.step(StepEvents(finished=["a"]))  # still moving in the bound tensors
     assert reply.num_moves == len(B_BLOCKS)
     assert old.lost_blocks(handle, B_BLOCKS) == []
 
@@ -140,5 +142,5 @@ def test_a_rebind_with_an_executor_of_another_pool_is_refused(
     new = SignedKv.create(NUM_BLOCKS, block_size=BLOCK_SIZE)
     with pytest.raises(InvalidArgument, match="the executor moves 32 blocks, the pool has 64"):
         handle.rebind_kv_caches(new.kv_caches, executor=ScriptedExecutor.without_kv(32))
-    client.step(finished=["a"])
+    client.step(StepEvents(finished=["a"]))
     assert old.lost_blocks(handle, B_BLOCKS) == []

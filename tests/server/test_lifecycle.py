@@ -66,7 +66,7 @@ def wait_until(condition: Callable[[], bool], timeout_s: float = 30.0) -> None:
 
 def step_and_write(client: DefragClient, kv: SignedKv, **fields: Any) -> Any:
     """One step; then the worker writes every new block (all of them fresh here)."""
-    events = StepEvents.build(**fields)
+    events = StepEvents(**fields)
     reply = client.step(events)
     new_ids = sorted({i for ids in events.new_blocks.values() for i in ids})
     kv.write(new_ids, client.resolve(new_ids))
@@ -120,7 +120,7 @@ def test_a_replacement_started_while_the_old_server_stops_keeps_its_socket(
 def step_until_stopped(client: DefragClient) -> None:
     """The step that hangs; the server stops under it, so it ends unacknowledged."""
     with contextlib.suppress(ServiceUnavailable):
-        client.step(finished=["a"])
+        client.step(StepEvents(finished=["a"]))
 
 
 def test_stop_returns_after_its_grace_while_a_step_hangs(serve: Serve, tmp_path: Path) -> None:
@@ -263,7 +263,7 @@ def test_client_reconnects_when_its_tcp_path_goes_half_open(
             # An idle session sees four client pings; pings the server's policy did
             # not allow would get the connection closed (GOAWAY too_many_pings).
             time.sleep(22)
-            client.step()
+            client.step(StepEvents())
             assert proxy.num_accepted == 1
             proxy.blackhole()
 
@@ -275,7 +275,7 @@ def test_client_reconnects_when_its_tcp_path_goes_half_open(
             deadline = time.monotonic() + 90.0
             while True:
                 try:
-                    client.step(new_blocks={"b": [7]})
+                    client.step(StepEvents(new_blocks={"b": [7]}))
                     break
                 except ServiceUnavailable:
                     assert time.monotonic() < deadline, "no step got through in 90 s"
@@ -292,14 +292,14 @@ def test_client_reconnects_when_its_tcp_path_goes_half_open(
 EXITING_SCRIPT = """
     import tempfile
     import torch
-    from kvdefrag.client import DefragClient
+    from kvdefrag.client import DefragClient, StepEvents
     from kvdefrag.server import ServiceConfig, serve_in_process
 
     kv_caches = [(torch.zeros(64 * 2, 4), torch.zeros(64 * 2, 4))]
     address = f"unix:{tempfile.mkdtemp()}/kv.sock"
     handle = serve_in_process(kv_caches, 2, service_config=ServiceConfig(address=address))
     client = DefragClient(address)
-    client.step(new_blocks={"a": [3, 4]})
+    client.step(StepEvents(new_blocks={"a": [3, 4]}))
     print("stepped", flush=True)
     raise RuntimeError("uncaught")
 """
@@ -358,7 +358,7 @@ def test_a_failed_move_applies_the_step_without_its_compaction_and_says_so(
         executor.is_failing = True
 
         with pytest.raises(EngineUnhealthy, match=INJECTED_FAILURE):
-            client.step(finished=["a"], new_blocks={"c": [20, 21]})  # seq 2
+            client.step(StepEvents(finished=["a"], new_blocks={"c": [20, 21]}))  # seq 2
 
         stats = client.stats()
         # Step 2's events stand (a finished, c running), so the numbers count it ...
@@ -371,7 +371,7 @@ def test_a_failed_move_applies_the_step_without_its_compaction_and_says_so(
         assert "applied without its compaction" in stats.unhealthy_reason
         assert "reset() is required" in stats.unhealthy_reason
         with pytest.raises(EngineUnhealthy, match="reset\\(\\) is required"):
-            client.step(new_blocks={"d": [30]})  # the client's mirror lacks step 2
+            client.step(StepEvents(new_blocks={"d": [30]}))  # the client's mirror lacks step 2
 
         client.rebuild_mirror()  # adopts exactly what the server holds
 
@@ -381,10 +381,10 @@ def test_a_failed_move_applies_the_step_without_its_compaction_and_says_so(
         live = [40, 41, 42]  # c's blocks are fresh: they hold no data yet
         assert kv.mismatched(live, client.resolve(live)) == []  # nothing moved, nothing lost
         with pytest.raises(EngineUnhealthy, match="step 2"):
-            client.step(new_blocks={"d": [30]})
+            client.step(StepEvents(new_blocks={"d": [30]}))
         executor.is_failing = False
         client.reset()
-        assert client.step(new_blocks={"d": [30]}).seq == 1
+        assert client.step(StepEvents(new_blocks={"d": [30]})).seq == 1
 
 
 # --- 7. bad TLS material is reported by file, before binding ----------------------------

@@ -25,7 +25,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2_grpc
 
 from kvdefrag.client import DefragClient
-from kvdefrag.common import InvalidArgument, SessionConflict
+from kvdefrag.common import InvalidArgument, SessionConflict, StepEvents
 from kvdefrag.server import ServerHandle, _convert
 from kvdefrag.v1 import defrag_pb2 as pb
 from kvdefrag.v1 import defrag_pb2_grpc as pb_grpc
@@ -114,7 +114,7 @@ def test_silent_streams_leave_room_for_probes_and_the_writer(servers: Servers) -
     # A handshake timeout far beyond the test: only the streams' bounded share helps here.
     handle = servers.serve(handshake_timeout_s=3600)
     writer = servers.client(handle, client_name="writer")
-    writer.step(new_blocks={"a": [5, 9]})
+    writer.step(StepEvents(new_blocks={"a": [5, 9]}))
     channel = servers.channel(handle)
     stub = pb_grpc.DefragServiceStub(channel)
     for _ in range(10):  # more than the 8 handler threads
@@ -129,11 +129,11 @@ def test_silent_streams_leave_room_for_probes_and_the_writer(servers: Servers) -
     check = health.Check(health_pb2.HealthCheckRequest(), timeout=10)
     assert check.status == health_pb2.HealthCheckResponse.SERVING
     assert stub.GetStats(pb.GetStatsRequest(), timeout=10).next_seq == 2
-    assert writer.step(new_blocks={"b": [7]}).seq == 2
+    assert writer.step(StepEvents(new_blocks={"b": [7]})).seq == 2
     assert writer.stats().stats.num_requests == 2
     writer.close()  # the writer comes back: a new client adopts the state
     again = servers.client(handle, client_name="writer again")
-    assert again.step(finished=["a"]).seq == 3
+    assert again.step(StepEvents(finished=["a"])).seq == 3
     assert again.audit().is_consistent
     assert next(watches[-1]).status == health_pb2.HealthCheckResponse.SERVING
 
@@ -146,7 +146,7 @@ def test_a_stream_that_does_not_open_in_time_is_ended(servers: Servers) -> None:
         next(silent)
     assert info.value.code() == grpc.StatusCode.CANCELLED  # by the server, before 120 s
     writer = servers.client(handle)  # sends open at once
-    assert writer.step(new_blocks={"a": [5]}).seq == 1
+    assert writer.step(StepEvents(new_blocks={"a": [5]})).seq == 1
 
 
 def test_too_few_handler_threads_are_refused(servers: Servers) -> None:
@@ -188,7 +188,7 @@ def test_long_client_names_are_refused_and_never_echoed_whole(servers: Servers) 
     with pytest.raises(InvalidArgument, match=r"client_name .* longer than 256 characters"):
         servers.client(handle, client_name="n" * 100_000)
     writer = servers.client(handle, client_name="w" * 256)
-    writer.step(new_blocks={"a": [1, 2]})
+    writer.step(StepEvents(new_blocks={"a": [1, 2]}))
     with pytest.raises(SessionConflict) as info:
         servers.client(handle, client_name="second")
     assert len(str(info.value)) <= MAX_DETAILS_CHARS
@@ -256,8 +256,8 @@ def test_a_message_limit_no_step_fits_in_is_refused_at_startup(servers: Servers)
 
     handle = servers.serve(1024, address=address, max_message_bytes=minimum)
     client = servers.client(handle)
-    assert client.step().seq == 1
-    assert client.step(new_blocks={"a": [700]}).block_mapping == {700: 1, 1: 700}
+    assert client.step(StepEvents()).seq == 1
+    assert client.step(StepEvents(new_blocks={"a": [700]})).block_mapping == {700: 1, 1: 700}
     assert client.audit().is_consistent
 
 
@@ -265,12 +265,12 @@ def test_a_message_limit_no_step_fits_in_is_refused_at_startup(servers: Servers)
 def test_requests_without_blocks_are_not_kept(servers: Servers) -> None:
     handle = servers.serve()
     client = servers.client(handle)
-    client.step(new_blocks={"kept": [0, 5]})
+    client.step(StepEvents(new_blocks={"kept": [0, 5]}))
     for batch in range(6):  # 3000 requests holding nothing but the null block, or nothing
         no_blocks = [0] if batch % 2 else []
-        reply = client.step(new_blocks={f"r{batch}-{i}": no_blocks for i in range(500)})
+        reply = client.step(StepEvents(new_blocks={f"r{batch}-{i}": no_blocks for i in range(500)}))
         assert reply.stats.num_requests == 1
-    reply = client.step(resumed={"kept": [0, 0]}, new_blocks={"grows": [0]})
+    reply = client.step(StepEvents(resumed={"kept": [0, 0]}, new_blocks={"grows": [0]}))
     assert reply.stats.num_requests == 0
     stub = servers.stub(handle)
     stats = stub.GetStats(pb.GetStatsRequest(), timeout=10).stats
@@ -278,13 +278,13 @@ def test_requests_without_blocks_are_not_kept(servers: Servers) -> None:
     assert not stub.ListRequests(pb.ListRequestsRequest(), timeout=10).requests
     assert client.list_requests() == {}
     assert client.audit().is_consistent
-    assert client.step(finished=["r0-0"]).num_unknown_finished == 1
+    assert client.step(StepEvents(finished=["r0-0"])).num_unknown_finished == 1
 
 
 def test_resolve_takes_at_most_num_blocks_ids_per_call(servers: Servers) -> None:
     handle = servers.serve(1024)
     client = servers.client(handle)
-    client.step(new_blocks={"a": [700, 900]})
+    client.step(StepEvents(new_blocks={"a": [700, 900]}))
     stub = servers.stub(handle)
     before = stub.GetStats(pb.GetStatsRequest(), timeout=10)
     table = pb.BlockTable(block_ids=list(range(24)))
@@ -324,7 +324,7 @@ def test_a_read_in_flight_does_not_stall_the_writer(
 ) -> None:
     handle = servers.serve(1024)
     client = servers.client(handle)
-    client.step(new_blocks={"a": [700, 900]})
+    client.step(StepEvents(new_blocks={"a": [700, 900]}))
     builder, request = _READS[method]
     build_reply = getattr(_convert, builder)
     is_building, may_finish = threading.Event(), threading.Event()
@@ -340,7 +340,7 @@ def test_a_read_in_flight_does_not_stall_the_writer(
         read = pool.submit(getattr(stub, method), request, timeout=60)
         assert is_building.wait(timeout=30)
         try:  # the read is now building its reply: the writer's steps go on meanwhile
-            seqs = [client.step(new_blocks={f"r{i}": [10 + i]}).seq for i in range(5)]
+            seqs = [client.step(StepEvents(new_blocks={f"r{i}": [10 + i]})).seq for i in range(5)]
             assert not read.done()
         finally:
             may_finish.set()
@@ -355,7 +355,7 @@ def test_a_step_in_flight_does_not_stall_the_reads(
 ) -> None:
     handle = servers.serve(1024)
     client = servers.client(handle)
-    client.step(new_blocks={"a": [700, 900]})
+    client.step(StepEvents(new_blocks={"a": [700, 900]}))
     build_reply = _convert.step_response
     is_building, may_finish = threading.Event(), threading.Event()
 
@@ -367,7 +367,7 @@ def test_a_step_in_flight_does_not_stall_the_reads(
     monkeypatch.setattr(_convert, "step_response", build_slowly)
     stub = servers.stub(handle)
     with futures.ThreadPoolExecutor(1) as pool:
-        step = pool.submit(client.step, new_blocks={"b": [5]})
+        step = pool.submit(client.step, StepEvents(new_blocks={"b": [5]}))
         assert is_building.wait(timeout=30)
         try:  # the step holds the servicer lock while it builds its reply
             replies = [
@@ -403,9 +403,9 @@ def test_a_state_larger_than_a_message_is_adopted_page_by_page(servers: Servers)
     expected: dict[str, list[int]] = {}
     for batch in range(12):  # 2400 requests with 100-character ids: about 300 kB to list
         lists = {f"{batch}-{i:03d}-".ljust(100, "x"): [1 + batch * 200 + i] for i in range(200)}
-        writer.step(new_blocks=lists)
+        writer.step(StepEvents(new_blocks=lists))
         expected |= lists
-    writer.step(new_blocks={"long": list(range(2401, 4096))})
+    writer.step(StepEvents(new_blocks={"long": list(range(2401, 4096))}))
     expected["long"] = list(range(2401, 4096))
     writer.close()
 
@@ -413,7 +413,7 @@ def test_a_state_larger_than_a_message_is_adopted_page_by_page(servers: Servers)
     assert adopter.list_requests() == expected
     assert adopter.audit().is_consistent
     assert adopter.resolve(range(4096)) == handle.resolve(range(4096)).tolist()
-    assert adopter.step(finished=["long"]).stats.num_requests == 2400
+    assert adopter.step(StepEvents(finished=["long"])).stats.num_requests == 2400
 
     pages = list_all(servers.stub(handle))
     assert len(pages) > 2 and all(page.ByteSize() <= 32 * 1024 for page in pages)
@@ -424,14 +424,14 @@ def test_a_state_larger_than_a_message_is_adopted_page_by_page(servers: Servers)
 def test_pages_hold_page_size_requests_and_refuse_a_changed_state(servers: Servers) -> None:
     handle = servers.serve(4096)
     client = servers.client(handle)
-    client.step(new_blocks={f"r{i}": [1 + i] for i in range(2500)})
+    client.step(StepEvents(new_blocks={f"r{i}": [1 + i] for i in range(2500)}))
     stub = servers.stub(handle)
     assert [len(page.requests) for page in list_all(stub)] == [1000, 1000, 500]
     assert [len(page.requests) for page in list_all(stub, page_size=1200)] == [1200, 1200, 100]
     assert len(list_all(stub, page_size=50_000)[0].requests) == 2500
 
     first = stub.ListRequests(pb.ListRequestsRequest(page_size=10), timeout=10)
-    client.step(finished=["r0"])
+    client.step(StepEvents(finished=["r0"]))
     details = expect_error(
         lambda: stub.ListRequests(pb.ListRequestsRequest(page_token=first.next_page_token)),
         grpc.StatusCode.ABORTED,
@@ -458,7 +458,7 @@ def grpcurl_path() -> str:
 
 def test_grpcurl_lists_without_paging_fields_and_pages_with_them(servers: Servers) -> None:
     handle = servers.serve(4096)
-    servers.client(handle).step(new_blocks={f"r{i}": [1 + i] for i in range(1500)})
+    servers.client(handle).step(StepEvents(new_blocks={f"r{i}": [1 + i] for i in range(1500)}))
     target = ["-unix", handle.address.removeprefix("unix:")]
     method = "kvdefrag.v1.DefragService/ListRequests"
 

@@ -15,7 +15,7 @@ import pytest
 from prometheus_client import REGISTRY, CollectorRegistry
 
 from kvdefrag.client import DefragClient
-from kvdefrag.common import EngineUnhealthy, InvalidArgument
+from kvdefrag.common import EngineUnhealthy, InvalidArgument, StepEvents
 from kvdefrag.server import Engine, EngineConfig
 from kvdefrag.server._executor_cpu import CpuSwapExecutor
 from kvdefrag.server.metrics import DURATION_BUCKETS_S, Metrics, serve_metrics
@@ -49,9 +49,9 @@ def value(registry: CollectorRegistry, name: str, **labels: str) -> float | None
 def test_far_blocks_take_three_runs_of_at_most_512_moves(registry: CollectorRegistry) -> None:
     engine, _, kv = make_engine(registry, num_blocks=2560, threshold=0)
     far_ids = list(range(1300, 2500))
-    engine.step(new_blocks={"long-prompt": far_ids}, fresh=[])
+    engine.step(StepEvents(new_blocks={"long-prompt": far_ids}, fresh=[]))
     while engine.stats().holes:
-        engine.step()
+        engine.step(StepEvents())
 
     assert value(registry, "kvdefrag_steps_total") == 3
     assert value(registry, "kvdefrag_defrag_runs_total", result="moved") == 3
@@ -71,7 +71,7 @@ def test_far_blocks_take_three_runs_of_at_most_512_moves(registry: CollectorRegi
 
 def test_fresh_blocks_count_as_placements_not_moves(registry: CollectorRegistry) -> None:
     engine, _, _ = make_engine(registry, threshold=0)
-    result = engine.step(new_blocks={"req-a": list(range(50, 60))})
+    result = engine.step(StepEvents(new_blocks={"req-a": list(range(50, 60))}))
 
     assert result.num_placed == 10
     assert value(registry, "kvdefrag_placements_total") == 10
@@ -84,8 +84,8 @@ def test_fresh_blocks_count_as_placements_not_moves(registry: CollectorRegistry)
 
 def test_unknown_finished_ids_are_counted(registry: CollectorRegistry) -> None:
     engine, _, _ = make_engine(registry)
-    engine.step(new_blocks={"known": [1, 2]})
-    engine.step(finished=["known", "cancelled-early", "never-seen"])
+    engine.step(StepEvents(new_blocks={"known": [1, 2]}))
+    engine.step(StepEvents(finished=["known", "cancelled-early", "never-seen"]))
 
     assert value(registry, "kvdefrag_unknown_finished_requests_total") == 2
     assert value(registry, "kvdefrag_steps_total") == 2
@@ -94,8 +94,8 @@ def test_unknown_finished_ids_are_counted(registry: CollectorRegistry) -> None:
 
 def test_prefix_caching_moves_swap_both_ways(registry: CollectorRegistry) -> None:
     engine, _, kv = make_engine(registry, threshold=0, prefix_caching=True)
-    engine.step(new_blocks={"cached": list(range(1, 11))})
-    engine.step(finished=["cached"], new_blocks={"far": list(range(20, 30))})
+    engine.step(StepEvents(new_blocks={"cached": list(range(1, 11))}))
+    engine.step(StepEvents(finished=["cached"], new_blocks={"far": list(range(20, 30))}))
 
     assert value(registry, "kvdefrag_moved_blocks_total", direction="two_way") == 10
     assert value(registry, "kvdefrag_moved_blocks_total", direction="one_way") == 0
@@ -116,11 +116,11 @@ def test_move_failure_is_counted_and_turns_healthy_gauge_off(
     registry: CollectorRegistry,
 ) -> None:
     engine, _, _ = make_engine(registry, threshold=0, executor=failing_executor(64))
-    engine.step(new_blocks={"near": [1, 2]})
+    engine.step(StepEvents(new_blocks={"near": [1, 2]}))
     assert value(registry, "kvdefrag_healthy") == 1
 
     with pytest.raises(EngineUnhealthy):
-        engine.step(new_blocks={"far": [40]}, fresh=[])
+        engine.step(StepEvents(new_blocks={"far": [40]}, fresh=[]))
 
     assert value(registry, "kvdefrag_defrag_runs_total", result="failed") == 1
     assert value(registry, "kvdefrag_defrag_runs_total", result="moved") == 0
@@ -136,7 +136,7 @@ def test_padded_slots_are_counted(registry: CollectorRegistry) -> None:
     executor = ScriptedExecutor.around(CpuSwapExecutor(kv.kv_caches, BLOCK_SIZE))
     executor.pad_to((8, 16))  # as static-shape backends do
     engine, _, _ = make_engine(registry, threshold=0, executor=executor)
-    engine.step(new_blocks={"far": [40, 41, 42]}, fresh=[])
+    engine.step(StepEvents(new_blocks={"far": [40, 41, 42]}, fresh=[]))
 
     assert value(registry, "kvdefrag_moved_blocks_total", direction="one_way") == 3
     assert value(registry, "kvdefrag_padded_slots_total") == 5
@@ -149,7 +149,7 @@ def test_pool_gauges_follow_the_engine_at_scrape_time(registry: CollectorRegistr
     assert value(registry, "kvdefrag_capacity_blocks") == 64
     assert value(registry, "kvdefrag_fragmentation_ratio") == 1.0
 
-    engine.step(new_blocks={"a": [5, 9], "b": [30]})
+    engine.step(StepEvents(new_blocks={"a": [5, 9], "b": [30]}))
     assert value(registry, "kvdefrag_live_blocks") == 3
     assert value(registry, "kvdefrag_max_live_block_id") == 30
     assert value(registry, "kvdefrag_hole_blocks") == 27
@@ -157,7 +157,7 @@ def test_pool_gauges_follow_the_engine_at_scrape_time(registry: CollectorRegistr
     assert value(registry, "kvdefrag_running_requests") == 2
     assert value(registry, "kvdefrag_healthy") == 1
 
-    engine.step(finished=["b"])
+    engine.step(StepEvents(finished=["b"]))
     assert value(registry, "kvdefrag_live_blocks") == 2
     assert value(registry, "kvdefrag_max_live_block_id") == 9
     assert value(registry, "kvdefrag_fragmentation_ratio") == 4.5
@@ -201,7 +201,7 @@ def test_errors_and_replays_are_counted_by_label(registry: CollectorRegistry) ->
 def test_duration_histograms_resolve_sub_millisecond_times(registry: CollectorRegistry) -> None:
     engine, _, _ = make_engine(registry, threshold=0)
     for _ in range(5):
-        engine.step()
+        engine.step(StepEvents())
     for name in ("kvdefrag_step_duration_seconds", "kvdefrag_swap_duration_seconds"):
         bounds = [
             float(sample.labels["le"])
@@ -233,7 +233,7 @@ def test_metrics_use_only_the_injected_registry() -> None:
 
 def test_serve_metrics_exposes_the_registry_over_http(registry: CollectorRegistry) -> None:
     engine, _, _ = make_engine(registry, threshold=0)
-    engine.step(new_blocks={"a": [1, 2, 3]})
+    engine.step(StepEvents(new_blocks={"a": [1, 2, 3]}))
     server = serve_metrics(registry, 0)
     try:
         assert server.port > 0
@@ -293,7 +293,7 @@ def test_constant_labels_go_on_every_series_and_keep_every_name(
 ) -> None:
     engine = small_engine()
     metrics = Metrics(registry, engine, labels={"rank": "1"})
-    engine.step(new_blocks={"a": [5, 6]}, fresh=[])
+    engine.step(StepEvents(new_blocks={"a": [5, 6]}, fresh=[]))
     metrics.record_error("Step", "INVALID_ARGUMENT")
     metrics.record_replay()
     samples = [sample for family in registry.collect() for sample in family.samples]
@@ -336,14 +336,14 @@ def test_a_workers_wait_for_its_step_is_a_histogram(serve: Serve) -> None:
     registry = CollectorRegistry()
     handle = serve(registry=registry, metrics_labels={"rank": "0"})
     with DefragClient(handle.address, timeout_s=10) as client:
-        client.step(new_blocks={"a": [1, 2]})
+        client.step(StepEvents(new_blocks={"a": [1, 2]}))
         handle.wait_applied(client.epoch, client.next_seq - 1, 10)
         assert value(registry, "kvdefrag_step_wait_seconds_count", rank="0") == 1
         waiting = threading.Thread(
             target=handle.wait_applied, args=(client.epoch, client.next_seq, 10)
         )
         waiting.start()  # the next step is not sent yet: it waits
-        client.step(new_blocks={"b": [3]})
+        client.step(StepEvents(new_blocks={"b": [3]}))
         waiting.join(timeout=10)
         assert not waiting.is_alive()
     assert value(registry, "kvdefrag_step_wait_seconds_count", rank="0") == 2

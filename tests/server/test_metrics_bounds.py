@@ -23,7 +23,7 @@ from prometheus_client.core import Metric
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from prometheus_client.openmetrics import exposition as openmetrics_exposition
 
-from kvdefrag.common import InvalidArgument
+from kvdefrag.common import InvalidArgument, StepEvents
 from kvdefrag.server import Engine, ServiceConfig, load_config
 from kvdefrag.server.metrics import Metrics, serve_metrics
 
@@ -94,7 +94,7 @@ def metered_registry() -> CollectorRegistry:
     registry = CollectorRegistry()
     engine = Engine(SignedKv.create(16, block_size=4).kv_caches, 4)
     Metrics(registry, engine)
-    engine.step(new_blocks={"req-a": [5, 6]}, fresh=[])
+    engine.step(StepEvents(new_blocks={"req-a": [5, 6]}, fresh=[]))
     return registry
 
 

@@ -24,7 +24,7 @@ from kvdefrag.client import (
     ServiceUnavailable,
     SessionConflict,
 )
-from kvdefrag.common import InvalidArgument
+from kvdefrag.common import InvalidArgument, StepEvents
 from kvdefrag.server import (
     EngineConfig,
     ServerHandle,
@@ -122,7 +122,7 @@ def test_the_handle_has_no_engine_and_its_reset_starts_a_new_epoch(serve: Serve)
     handle = serve()
     assert not hasattr(handle, "engine")
     with DefragClient(handle.address, timeout_s=10) as client:
-        client.step(new_blocks={"a": [3, 4]})
+        client.step(StepEvents(new_blocks={"a": [3, 4]}))
         old_epoch = handle.epoch
         assert client.epoch == old_epoch and handle.stats().num_live == 2
         with pytest.raises(SessionConflict, match=r"writer session .* restart vLLM"):
@@ -135,10 +135,10 @@ def test_the_handle_has_no_engine_and_its_reset_starts_a_new_epoch(serve: Serve)
         stats = handle.stats()
         assert (stats.num_live, stats.num_requests, stats.totals.num_steps) == (0, 0, 0)
         with pytest.raises(EpochMismatch):
-            client.step(new_blocks={"b": [5]})  # its state belongs to the old epoch
+            client.step(StepEvents(new_blocks={"b": [5]}))  # its state belongs to the old epoch
     with DefragClient(handle.address, timeout_s=10) as client:
         assert client.epoch == new_epoch  # a new session starts over at the new epoch
-        client.step(new_blocks={"b": [5]})
+        client.step(StepEvents(new_blocks={"b": [5]}))
 
 
 def held_step(serve: Serve) -> tuple[ServerHandle, ScriptedExecutor, DefragClient, int, int]:
@@ -151,13 +151,13 @@ def held_step(serve: Serve) -> tuple[ServerHandle, ScriptedExecutor, DefragClien
     executor = ScriptedExecutor.for_kv(kv)
     handle = serve(kv=kv, executor=executor, threshold=0)
     client = DefragClient(handle.address, timeout_s=30)
-    client.step(new_blocks={"a": list(range(1, 9)), "b": list(range(9, 17))})
+    client.step(StepEvents(new_blocks={"a": list(range(1, 9)), "b": list(range(9, 17))}))
     epoch = client.epoch
     executor.hold()
 
     def step() -> None:
         with contextlib.suppress(DefragError):  # a server stopped under it: no reply
-            client.step(finished=["a"])
+            client.step(StepEvents(finished=["a"]))
 
     threading.Thread(target=step, daemon=True).start()
     assert executor.entered.wait(10), "the step never reached the executor"
@@ -219,7 +219,7 @@ def test_stop_ends_a_wait_applied_promptly_while_a_step_hangs(serve: Serve) -> N
 def test_wait_applied_raises_epoch_mismatch_after_a_forced_reset(serve: Serve) -> None:
     handle = serve()
     with DefragClient(handle.address, timeout_s=10) as client:
-        client.step(new_blocks={"a": [3, 4]})
+        client.step(StepEvents(new_blocks={"a": [3, 4]}))
         epoch, seq = client.epoch, client.next_seq - 1
         handle.wait_applied(epoch, seq, timeout_s=0)  # applied in this epoch
 
@@ -233,7 +233,7 @@ def test_wait_applied_raises_epoch_mismatch_after_a_forced_reset(serve: Serve) -
             with pytest.raises(EpochMismatch, match=f"seq {planned_seq} of epoch {epoch}"):
                 handle.wait_applied(epoch, planned_seq, timeout_s=5)
         with pytest.raises(EpochMismatch):
-            client.step(new_blocks={"b": [5]})
+            client.step(StepEvents(new_blocks={"b": [5]}))
 
 
 def test_the_handle_resolves_the_mapping_the_kv_lock_guards(serve: Serve) -> None:
@@ -241,7 +241,7 @@ def test_the_handle_resolves_the_mapping_the_kv_lock_guards(serve: Serve) -> Non
     handle = serve(kv_lock=kv_lock, threshold=0)
     assert handle.kv_lock is kv_lock
     with DefragClient(handle.address, timeout_s=10) as client:
-        client.step(new_blocks={"a": [30, 31, 32]})
+        client.step(StepEvents(new_blocks={"a": [30, 31, 32]}))
         with handle.kv_lock:  # the forward pass: no block moves meanwhile
             mapping = handle.resolve()
             assert mapping.tolist() == handle.resolve(np.arange(64)).tolist()

@@ -18,6 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvdefrag.client import DefragClient, ServiceUnavailable
+from kvdefrag.common import StepEvents
 from kvdefrag.server import Engine, EngineConfig
 
 from support.kv import SignedKv
@@ -138,9 +139,9 @@ def test_the_client_speaks_mtls_over_tcp(serve: Serve, tmp_path: Path) -> None:
         private_key=certs["client_key"].read_bytes(),
         certificate_chain=certs["client"].read_bytes(),
     ) as client:
-        client.step(new_blocks={"a": [30, 31], "b": [40]})
+        client.step(StepEvents(new_blocks={"a": [30, 31], "b": [40]}))
         signed.write([30, 31, 40], client.resolve([30, 31, 40]))
-        client.step(finished=["a"])  # compaction moves b's block down
+        client.step(StepEvents(finished=["a"]))  # compaction moves b's block down
 
         assert signed.mismatched([40], client.resolve([40])) == []
         assert client.resolve([40]) == [1]

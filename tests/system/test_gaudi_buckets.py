@@ -38,7 +38,7 @@ def bench() -> Iterator[ModuleType]:
 def trace_step(index: int, max_live_id: int, num_live: int, **events: Any) -> WorkloadStep:
     return WorkloadStep(
         index=index,
-        events=StepEvents.build(**events),
+        events=StepEvents(**events),
         num_scheduled_tokens={},
         num_live_blocks=num_live,
         max_live_block_id=max_live_id,
@@ -123,11 +123,11 @@ def test_goals_report_the_worst_trace(bench: ModuleType) -> None:
 
 def test_recorded_events_give_the_live_blocks_after_each_step(bench: ModuleType) -> None:
     events = [
-        StepEvents.build(new_blocks={"a": [3, 1], "b": [2]}, fresh=[1, 2, 3]),
-        StepEvents.build(new_blocks={"a": [7]}, fresh=[7]),
-        StepEvents.build(finished=["a"], new_blocks={"c": [3]}, fresh=[3]),
-        StepEvents.build(resumed={"b": [5, 4]}, fresh=[5, 4]),
-        StepEvents.build(finished=["b", "c"]),
+        StepEvents(new_blocks={"a": [3, 1], "b": [2]}, fresh=[1, 2, 3]),
+        StepEvents(new_blocks={"a": [7]}, fresh=[7]),
+        StepEvents(finished=["a"], new_blocks={"c": [3]}, fresh=[3]),
+        StepEvents(resumed={"b": [5, 4]}, fresh=[5, 4]),
+        StepEvents(finished=["b", "c"]),
     ]
     steps = bench.steps_from_events(events)
     assert [(s.num_live_blocks, s.max_live_block_id) for s in steps] == [
@@ -156,8 +156,8 @@ def test_recorded_traces_are_read_back(bench: ModuleType, tmp_path: Path) -> Non
             close_file=False,
         ) as recorder,
     ):
-        recorder.record(StepEvents.build(new_blocks={"a": [9]}, fresh=[9]))
-        recorder.record(StepEvents.build())
+        recorder.record(StepEvents(new_blocks={"a": [9]}, fresh=[9]))
+        recorder.record(StepEvents())
     ((metadata, steps),) = bench.recorded_traces(tmp_path)
     assert (metadata["load"], metadata["free_order"]) == ("mid", "fifo")
     assert [s.max_live_block_id for s in steps] == [9, 9]

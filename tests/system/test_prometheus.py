@@ -19,6 +19,7 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
+from kvdefrag.common import StepEvents
 from kvdefrag.server import Engine, EngineConfig
 from kvdefrag.server.metrics import Metrics, MetricsServer, serve_metrics
 
@@ -144,10 +145,10 @@ def test_prometheus_scrapes_counters_gauges_and_histograms(
     prometheus: str, metrics_endpoint: tuple[Engine, MetricsServer]
 ) -> None:
     engine, _ = metrics_endpoint
-    engine.step(new_blocks={"far": list(range(1300, 2500))}, fresh=[])
+    engine.step(StepEvents(new_blocks={"far": list(range(1300, 2500))}, fresh=[]))
     while engine.stats().holes:
-        engine.step()
-    engine.step(finished=["never-seen"], new_blocks={"short": [2530, 2531]})
+        engine.step(StepEvents())
+    engine.step(StepEvents(finished=["never-seen"], new_blocks={"short": [2530, 2531]}))
 
     wait_for_values(
         prometheus,
@@ -172,7 +173,7 @@ def test_prometheus_scrapes_counters_gauges_and_histograms(
     )
 
     # Gauges are read at scrape time: the next scrapes see the pool empty out.
-    engine.step(finished=["far", "short"])
+    engine.step(StepEvents(finished=["far", "short"]))
     wait_for_values(
         prometheus,
         {

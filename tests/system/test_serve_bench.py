@@ -52,6 +52,8 @@ def canned_servers(bench: ModuleType) -> list:
                 'kvdefrag_placements_total{rank="0"}': 7.0,
                 'kvdefrag_step_duration_seconds_count{rank="0"}': 4.0,
                 'kvdefrag_step_duration_seconds_sum{rank="0"}': 0.002,
+                'kvdefrag_applied_steps_total{path="in_process",rank="0"}': 3.0,
+                'kvdefrag_applied_steps_total{path="rpc",rank="0"}': 1.0,
             },
             scheduler={
                 "num_schedules": 10,
@@ -99,7 +101,8 @@ def test_table_shows_each_metric_its_ratio_and_kvdefrags_side(bench: ModuleType)
     assert (
         " ".join(rows["of which waiting for the last step's replies"][-5:]) == "1.00 / 2.00 / 1.00"
     )
-    assert " ".join(rows["worker, wait for its step, p50/p99/mean ms"][-5:]) == "1.00 / 2.00 / 1.00"
+    assert " ".join(rows["steps applied by the worker / by the call"][-3:]) == "3 / 1"
+    assert " ".join(rows["worker, getting its step, p50/p99/mean ms"][-5:]) == "1.00 / 2.00 / 1.00"
     assert rows["worker, lock + rows + translation, p50/p99/mean ms"][-5] == "0.10"
 
 

@@ -126,9 +126,9 @@ def test_prefix_caching_replay_checks_cached_free_blocks(recorded: Recorded) -> 
 def test_recorder_keeps_fresh_none_apart_from_empty(tmp_path: Path) -> None:
     path = tmp_path / "trace.jsonl"
     with StepRecorder(path, num_blocks=64, block_size=4, metadata={"note": "x"}) as recorder:
-        recorder.record(StepEvents.build(new_blocks={"a": [5, 9]}, fresh=[5, 9]))
-        recorder.record(StepEvents.build(finished=["a"], new_blocks={"b": [5]}, fresh=[]))
-        recorder.record(StepEvents.build(finished=("b",)))
+        recorder.record(StepEvents(new_blocks={"a": [5, 9]}, fresh=[5, 9]))
+        recorder.record(StepEvents(finished=["a"], new_blocks={"b": [5]}, fresh=[]))
+        recorder.record(StepEvents(finished=("b",)))
 
     trace = load_trace(path)
 
@@ -144,7 +144,7 @@ def test_recorder_keeps_fresh_none_apart_from_empty(tmp_path: Path) -> None:
 def test_recorder_refuses_what_the_client_would_refuse(tmp_path: Path) -> None:
     with StepRecorder(tmp_path / "t.jsonl", num_blocks=64, block_size=4) as recorder:
         with pytest.raises(InvalidArgument, match="new_blocks"):
-            recorder.record(StepEvents.build(new_blocks={"a": ["5"]}))  # type: ignore[list-item]
+            recorder.record(StepEvents(new_blocks={"a": ["5"]}))  # type: ignore[list-item]
         assert recorder.num_steps == 0
     with pytest.raises(InvalidArgument, match="num_blocks"):
         StepRecorder(tmp_path / "u.jsonl", num_blocks=1, block_size=4)

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from kvdefrag.client import DefragClient
-from kvdefrag.common import InvalidArgument
+from kvdefrag.common import InvalidArgument, StepEvents
 from kvdefrag.server import EngineConfig, ServerHandle
 from kvdefrag.vllm import gaudi
 from kvdefrag.vllm.common import StepStamp, attach_step_stamp
@@ -277,7 +277,7 @@ def test_the_lock_is_held_from_execute_model_until_sample_tokens_and_no_move_lan
         attach_step_stamp(output, StepStamp(((client.epoch, client.next_seq - 1),)))
         assert built.execute_model(output) is None
         before = handle.resolve(np.arange(16)).tolist()
-        moving = threading.Thread(target=lambda: client.step(finished=["a"]))
+        moving = threading.Thread(target=lambda: client.step(StepEvents(finished=["a"])))
         moving.start()  # b must move down, which needs kv_lock
         moving.join(timeout=0.5)
         assert moving.is_alive()  # waits for the pass
@@ -424,7 +424,7 @@ def test_sleep_releases_and_wake_up_rebinds_only_once_the_caches_are_back(
 
 
 def run_workload(client: DefragClient, kv: SignedKv, **fields: Any) -> None:
-    client.step(**fields)
+    client.step(StepEvents(**fields))
     new_ids = sorted({i for ids in fields.get("new_blocks", {}).values() for i in ids})
     kv.write(new_ids, client.resolve(new_ids))
 
@@ -455,7 +455,7 @@ def test_after_sleep_and_wake_up_the_service_moves_blocks_in_the_new_caches(serv
 
         new = SignedKv(built.kvdefrag_kv_caches(64), BLOCK_SIZE)  # the re-allocated caches
         new.write(live, handle.resolve(live).tolist())  # b recomputed after the wake-up
-        reply = client.step(finished=["a"])  # same session, same epoch: b moves down
+        reply = client.step(StepEvents(finished=["a"]))  # same session, same epoch: b moves down
         assert reply.num_moves == len(live) and handle.epoch == epoch
         assert new.lost_blocks(handle, live) == []
         for tensor, before in zip(kv_tensors(old.kv_caches), old_before, strict=True):

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from kvdefrag.client import DefragClient
+from kvdefrag.common import StepEvents
 from kvdefrag.server import load_config, serve_in_process
 from kvdefrag.vllm.errors import UnsupportedByKvdefrag
 from kvdefrag.vllm.worker import bind_vllm_kv_caches
@@ -108,11 +109,11 @@ def compact(layers: list[Any], pairs: Any, tmp_path: Path) -> tuple[SignedKv, li
         with DefragClient(handle.address, timeout_s=10) as client:
             fill = {"a": list(range(1, 16)), "b": live[:3]}
             for new_blocks in (fill, {"c": live[3:]}):
-                client.step(new_blocks=new_blocks)
+                client.step(StepEvents(new_blocks=new_blocks))
                 new_ids = sorted({i for ids in new_blocks.values() for i in ids})
                 raw.write(new_ids, client.resolve(new_ids))
             placed = handle.resolve(live).tolist()
-            reply = client.step(finished=["a"])  # b and c move down into a's blocks
+            reply = client.step(StepEvents(finished=["a"]))  # b and c move down into a's blocks
             moved = handle.resolve(live).tolist()
     finally:
         handle.stop(1.0)

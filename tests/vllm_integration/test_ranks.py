@@ -8,7 +8,14 @@ import grpc
 import pytest
 
 from kvdefrag.client import DefragClient, StepEvents
-from kvdefrag.common import EpochMismatch, InvalidArgument, ServiceUnavailable, SessionConflict
+from kvdefrag.client import _convert as client_convert
+from kvdefrag.common import (
+    EpochMismatch,
+    InvalidArgument,
+    ServiceUnavailable,
+    SessionConflict,
+)
+from kvdefrag.common import events as events_module
 from kvdefrag.v1 import defrag_pb2 as pb
 from kvdefrag.v1 import defrag_pb2_grpc as pb_grpc
 from kvdefrag.v1 import identity_pb2, identity_pb2_grpc
@@ -101,8 +108,8 @@ def test_a_rank_that_answers_late_is_completed_not_stepped_twice(serve: Serve) -
     clients = [DefragClient(handle.address, timeout_s=0.5) for handle in handles]
     group = RankGroup(clients)
     try:
-        group.step(StepEvents.build(new_blocks={"a": [40, 41]}, fresh=[]))  # moves: slow
-        reply = group.step(StepEvents.build(new_blocks={"b": [50]}))
+        group.step(StepEvents(new_blocks={"a": [40, 41]}, fresh=[]))  # moves: slow
+        reply = group.step(StepEvents(new_blocks={"b": [50]}))
         assert reply.seq == 2
         for handle in handles:
             assert handle.stats().totals.num_steps == 2
@@ -119,14 +126,14 @@ def test_a_submitted_step_is_waited_for_on_each_rank_by_its_stamp(serve: Serve) 
     handles = [serve(kv=kvs[0], threshold=0), serve(kv=kvs[1], threshold=0, executor=slow)]
     group = RankGroup([DefragClient(handle.address) for handle in handles])
     try:
-        in_flight = group.submit(StepEvents.build(new_blocks={"a": [40, 41]}, fresh=[]))
+        in_flight = group.submit(StepEvents(new_blocks={"a": [40, 41]}, fresh=[]))
         assert [seq for _, seq in in_flight.stamp.by_rank] == [1, 1]
         assert [epoch for epoch, _ in in_flight.stamp.by_rank] == group.epochs
         for handle, (epoch, seq) in zip(handles, in_flight.stamp.by_rank, strict=True):
             handle.wait_applied(epoch, seq, timeout_s=10.0)
             assert handle._engine.list_requests() == {"a": [40, 41]}  # applied, moves done
         assert in_flight.result().seq == 1
-        assert group.submit(StepEvents.build(finished=["a"])).result().seq == 2
+        assert group.submit(StepEvents(finished=["a"])).result().seq == 2
     finally:
         group.close()
 
@@ -134,7 +141,7 @@ def test_a_submitted_step_is_waited_for_on_each_rank_by_its_stamp(serve: Serve) 
 def test_waiting_for_a_step_that_never_comes_names_it(serve: Serve) -> None:
     handle = serve(kv=SignedKv.create(64))
     with DefragClient(handle.address) as client:
-        client.step(new_blocks={"a": [3]})
+        client.step(StepEvents(new_blocks={"a": [3]}))
         handle.wait_applied(client.epoch, 1, timeout_s=0.0)  # applied: no wait at all
         with pytest.raises(ServiceUnavailable, match=r"step seq 2 of epoch .* was not applied"):
             handle.wait_applied(client.epoch, 2, timeout_s=0.05)
@@ -151,53 +158,83 @@ def test_a_rank_reset_by_force_stops_the_group_and_its_workers(
     handles = [serve(kv=SignedKv.create(64), threshold=0) for _ in range(num_ranks)]
     group = RankGroup([DefragClient(handle.address) for handle in handles])
     try:
-        group.step(StepEvents.build(new_blocks={"a": [40, 41]}, fresh=[]))
+        group.step(StepEvents(new_blocks={"a": [40, 41]}, fresh=[]))
         last = handles[-1]
         with pytest.raises(SessionConflict, match="restart vLLM"):
             last.reset()  # the scheduler's session holds the service
         last.reset(force=True)
 
-        in_flight = group.submit(StepEvents.build(new_blocks={"b": [50]}))
+        in_flight = group.submit(StepEvents(new_blocks={"b": [50]}))
         epoch, seq = in_flight.stamp.for_rank(num_ranks - 1)
         with pytest.raises(EpochMismatch):
             last.wait_applied(epoch, seq, timeout_s=10)  # the worker's pass must not run
         with pytest.raises(RanksDiverged, match=f"rank {num_ranks - 1}: .*another epoch"):
             in_flight.result()
         with pytest.raises(RanksDiverged):
-            group.step(StepEvents.build(new_blocks={"c": [51]}))
+            group.step(StepEvents(new_blocks={"c": [51]}))
     finally:
         group.close()
 
 
 @pytest.mark.parametrize("num_ranks", [1, 3])
-def test_a_step_is_checked_once_for_all_ranks_and_keeps_every_mirror(
+def test_a_step_is_checked_once_when_made_and_every_rank_is_sent_it_as_it_is(
     serve: Serve, monkeypatch: pytest.MonkeyPatch, num_ranks: int
 ) -> None:
     handles = [serve(kv=SignedKv.create(64), threshold=0) for _ in range(num_ranks)]
-    group = RankGroup([DefragClient(handle.address) for handle in handles])
-    build = StepEvents.build
-    num_builds = [0]
+    group = RankGroup([DefragClient(h.address, keep_mirror=False) for h in handles])
+    checked: list[int] = []  # id() of every block-list mapping checked
+    block_lists = events_module._block_lists
 
-    def counted_build(cls: type[StepEvents], **fields: Any) -> StepEvents:
-        num_builds[0] += 1
-        return build(**fields)
+    def spy(field: str, lists: Any) -> Any:
+        checked.append(id(lists))
+        return block_lists(field, lists)
 
-    monkeypatch.setattr(StepEvents, "build", classmethod(counted_build))
+    monkeypatch.setattr(events_module, "_block_lists", spy)
+    sent: list[StepEvents] = []
+    stream_step_request = client_convert.stream_step_request
+
+    def sending(seq: int, epoch: int, events: StepEvents) -> Any:
+        sent.append(events)
+        return stream_step_request(seq, epoch, events)
+
+    monkeypatch.setattr(client_convert, "stream_step_request", sending)
     try:
-        # Constructed directly, as the scheduler's ledger does: checked once, by the group.
+        # As the scheduler's ledger makes them: lists of ints, checked here, once.
         steps = [
             StepEvents(new_blocks={"a": [40, 41], "b": [50]}),
             StepEvents(finished=("a",), new_blocks={"c": [60]}, fresh=[]),
         ]
-        for seq, events in enumerate(steps, start=1):
-            assert group.step(events).seq == seq
-        assert num_builds[0] == len(steps)
-        assert group.submit(steps[0].checked()).result().seq == 3  # built: no check at all
-        assert num_builds[0] == len(steps) + 1  # that one .checked() above
+        ours = {id(events.new_blocks) for events in steps}
+        assert ours <= set(checked)
+        checked.clear()
+        assert group.step(steps[0]).seq == 1
+        assert group.submit(steps[1]).result().seq == 2
+        assert not ours & set(checked)  # never checked again (the servers check their own)
+        assert [id(events) for events in sent] == [id(steps[0])] * num_ranks + [
+            id(steps[1])
+        ] * num_ranks  # the one value, to every rank, not a copy
         for client, handle in zip(group.clients, handles, strict=True):
-            assert client.live_requests() == handle._engine.list_requests()
-            assert client.digest == handle._engine.digest == group.primary.digest
-            assert client.audit().is_consistent
+            assert client.digest == handle._engine.digest  # the last reply's, no mirror
+            with pytest.raises(InvalidArgument, match="keeps no mirror"):
+                client.live_requests()
+    finally:
+        group.close()
+
+
+def test_ranks_whose_mappings_differ_stop_the_group_by_their_digests(serve: Serve) -> None:
+    """The scheduler's clients keep no mirror: the digests compared across ranks are what
+    catches a rank whose mapping went another way."""
+    handles = [
+        serve(kv=SignedKv.create(64), threshold=0),
+        serve(kv=SignedKv.create(64), threshold=100),  # never compacts
+    ]
+    group = RankGroup([DefragClient(h.address, keep_mirror=False) for h in handles])
+    try:
+        with pytest.raises(RanksDiverged, match=r"rank 1: digest .* differs from rank 0's"):
+            # rank 0 compacts the blocks down, rank 1 leaves them where they are
+            group.step(StepEvents(new_blocks={"a": [40, 41], "b": [50]}, fresh=[]))
+        assert handles[0].resolve([40, 41, 50]).tolist() != [40, 41, 50]
+        assert handles[1].resolve([40, 41, 50]).tolist() == [40, 41, 50]
     finally:
         group.close()
 
@@ -206,10 +243,9 @@ def test_a_step_of_another_type_is_refused_before_any_rank_is_sent_it(serve: Ser
     handles = [serve(kv=SignedKv.create(64)) for _ in range(2)]
     group = RankGroup([DefragClient(handle.address) for handle in handles])
     try:
-        bad_steps: list[Any] = [
-            {"new_blocks": {"a": [3]}},
-            StepEvents(new_blocks={"a": ["3"]}),  # constructed directly, of the wrong type
-        ]
+        with pytest.raises(InvalidArgument):
+            StepEvents(new_blocks={"a": ["3"]})  # wrong types never make a StepEvents
+        bad_steps: list[Any] = [{"new_blocks": {"a": [3]}}, None]
         for bad in bad_steps:
             with pytest.raises(InvalidArgument):
                 group.step(bad)

@@ -171,7 +171,7 @@ def test_the_mixin_serves_the_rank_holds_kv_lock_and_stops_on_shutdown(
     assert handle is not None
     assert os.stat(run_dir).st_mode & 0o777 == 0o700
     with DefragClient(f"unix:{run_dir}/rank1.sock", prefix_caching=False) as client:
-        client.step(new_blocks={"req-0": [5, 6]})
+        client.step(StepEvents(new_blocks={"req-0": [5, 6]}))
         assert client.stats().stats.max_live == 2
 
     held: list[bool] = []
@@ -242,13 +242,13 @@ def test_a_pass_holds_kv_lock_from_execute_model_through_sample_tokens(
         lambda self, grammar: held.append(("sample_tokens", handle.kv_lock.locked())) or "out",
     )
     with DefragClient(handle.address, prefix_caching=False) as client:
-        client.step(new_blocks={"a": [1, 2, 3], "b": [6, 7]})
+        client.step(StepEvents(new_blocks={"a": [1, 2, 3], "b": [6, 7]}))
         output = _output()
         attach_step_stamp(output, StepStamp(((client.epoch, client.next_seq - 1),)))
         assert worker.execute_model(output) is None
         assert handle.kv_lock.locked()
         before = handle.resolve(np.arange(NUM_BLOCKS)).tolist()
-        moving = threading.Thread(target=lambda: client.step(finished=["a"]))
+        moving = threading.Thread(target=lambda: client.step(StepEvents(finished=["a"])))
         moving.start()  # compacts b down: needs kv_lock
         moving.join(timeout=0.5)
         assert moving.is_alive()
@@ -896,10 +896,10 @@ def test_rows_are_rewritten_only_where_they_name_a_block_live_before_its_step() 
     num_blocks = 16
     kv = [(torch.zeros(num_blocks * BLOCK_SIZE, 2), None)]
     engine = Engine(kv, BLOCK_SIZE, EngineConfig(threshold=0, prefix_caching=True))
-    engine.step(StepEvents.build(new_blocks={"r": list(range(1, num_blocks))}, fresh=[]))
-    engine.step(StepEvents.build(finished=["r"]))
+    engine.step(StepEvents(new_blocks={"r": list(range(1, num_blocks))}, fresh=[]))
+    engine.step(StepEvents(finished=["r"]))
     truth = {"c": [1], "a": [2, 4], "b": [3, 4]}  # 4: a prefix both share
-    engine.step(StepEvents.build(new_blocks=truth, fresh=[]))
+    engine.step(StepEvents(new_blocks=truth, fresh=[]))
     translator = BlockIdTranslator(engine, num_blocks)
     runner = _v1_runner(list(truth.values()))
     runner.input_batch.req_ids = [*truth, None]
@@ -915,7 +915,7 @@ def test_rows_are_rewritten_only_where_they_name_a_block_live_before_its_step() 
 
     def execute(**events: Any) -> int | None:
         """A step, then the worker's pass: rows follow, then the runner's own updates."""
-        engine.step(StepEvents.build(**events))
+        engine.step(StepEvents(**events))
         resolve, remap = translator.advance()
         num_rewritten = None if remap is None else remap_v1_runner_rows(runner, remap)
         for rid in events.get("finished", []):
@@ -1002,10 +1002,10 @@ def test_the_engines_log_gives_where_blocks_live_before_their_step_went() -> Non
     assert batches == []
     # live high, moved in the step they became live in (6 -> 1, 5 -> 2): no output before
     # this step's names them, so no row follows them
-    result = engine.step(StepEvents.build(new_blocks={"a": [5], "b": [6]}, fresh=[]))
+    result = engine.step(StepEvents(new_blocks={"a": [5], "b": [6]}, fresh=[]))
     assert len(result.moves) == 2
     assert engine.moves_since(version) == (version, [])
-    engine.step(StepEvents.build(finished=["b"]))  # a hole at 1 below a (at 2): a moves
+    engine.step(StepEvents(finished=["b"]))  # a hole at 1 below a (at 2): a moves
     found = engine.moves_since(version)
     assert found is not None
     now, batches = found
@@ -1014,8 +1014,8 @@ def test_the_engines_log_gives_where_blocks_live_before_their_step_went() -> Non
     engine.reset()  # the scheduler's session opens with one, after the worker attached
     after_reset = engine.moves_since(version)
     assert after_reset is not None and after_reset[1] == []  # what came before is not followed
-    engine.step(StepEvents.build(new_blocks={"c": [7], "d": [6]}, fresh=[]))
-    engine.step(StepEvents.build(finished=["c"]))
+    engine.step(StepEvents(new_blocks={"c": [7], "d": [6]}, fresh=[]))
+    engine.step(StepEvents(finished=["c"]))
     found = engine.moves_since(version)
     assert found is not None and found[1] == [[Move(2, 1, False)]]  # only since the reset
 
@@ -1025,10 +1025,10 @@ def test_the_engines_log_follows_a_block_released_and_taken_again_in_one_step() 
     reads them: the block is live before and after the step, so its move is logged."""
     kv = [(torch.zeros(NUM_BLOCKS * BLOCK_SIZE, 2), None)]
     engine = Engine(kv, BLOCK_SIZE, EngineConfig(threshold=0))
-    engine.step(StepEvents.build(new_blocks={"x": [1], "a": [2]}, fresh=[]))
+    engine.step(StepEvents(new_blocks={"x": [1], "a": [2]}, fresh=[]))
     version, _ = engine.moves_since(None) or (None, None)
     assert version is not None
-    engine.step(StepEvents.build(finished=["x", "a"], new_blocks={"parked": [2]}, fresh=[]))
+    engine.step(StepEvents(finished=["x", "a"], new_blocks={"parked": [2]}, fresh=[]))
     found = engine.moves_since(version)
     assert found is not None and found[1] == [[Move(2, 1, False)]]
 
@@ -1039,13 +1039,13 @@ def test_the_engines_log_leaves_out_blocks_that_became_live_and_the_free_half_of
     logged) into cached holes."""
     kv = [(torch.zeros(NUM_BLOCKS * BLOCK_SIZE, 2), None)]
     engine = Engine(kv, BLOCK_SIZE, EngineConfig(threshold=0, prefix_caching=True))
-    engine.step(StepEvents.build(new_blocks={"r": list(range(1, NUM_BLOCKS))}, fresh=[]))
-    engine.step(StepEvents.build(finished=["r"]))  # every free block is cached
-    engine.step(StepEvents.build(new_blocks={"a": [1], "b": [2], "c": [3]}, fresh=[]))
+    engine.step(StepEvents(new_blocks={"r": list(range(1, NUM_BLOCKS))}, fresh=[]))
+    engine.step(StepEvents(finished=["r"]))  # every free block is cached
+    engine.step(StepEvents(new_blocks={"a": [1], "b": [2], "c": [3]}, fresh=[]))
     version, _ = engine.moves_since(None) or (None, None)
     assert version is not None
     # a and b finish (cached holes at 1 and 2); d arrives at 7, no empty slot to place it on
-    result = engine.step(StepEvents.build(finished=["a", "b"], new_blocks={"d": [7]}, fresh=[7]))
+    result = engine.step(StepEvents(finished=["a", "b"], new_blocks={"d": [7]}, fresh=[7]))
     assert list(result.moves) == [Move(1, 7, False), Move(3, 2, True)]
     found = engine.moves_since(version)
     assert found is not None and found[1] == [[Move(3, 2, False)]]

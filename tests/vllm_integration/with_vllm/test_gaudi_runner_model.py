@@ -156,7 +156,7 @@ def _run(
         scheduler,
         workers,  # type: ignore[arg-type]
         Workload(seed=seed, num_requests=80),
-        resolve=scheduler.kvdefrag.ranks.primary.resolve if is_defrag else (lambda ids: ids),
+        resolve=ranks[0][0].resolve if is_defrag else (lambda ids: ids),
         in_flight=2 if is_async else 1,
         abort_every=37,
         dummy_batch_every=3 if data_parallel else 0,
@@ -357,13 +357,13 @@ class _SeedOrder:
     def seed_order(self, events: StepEvents) -> Any:
         if not self.reorder or not events.finished:
             return self.submit(events)
-        taken = StepEvents.build(
+        taken = StepEvents(
             new_blocks=events.new_blocks,
             resumed=events.resumed,
             fresh=events.fresh,
             evicted=events.evicted,
         )
-        released = StepEvents.build(finished=events.finished, fresh=[])
+        released = StepEvents(finished=events.finished, fresh=[])
         if taken.is_empty:
             return self.submit(released)
         self.num_split += 1
@@ -400,7 +400,7 @@ def test_sabotage_new_blocks_before_finished_ones_is_refused(
                     scheduler,
                     workers,  # type: ignore[arg-type]
                     Workload(seed=1, num_requests=80),
-                    resolve=scheduler.kvdefrag.ranks.primary.resolve,
+                    resolve=ranks[0][0].resolve,
                 )
             assert order.num_split > 0
         else:
@@ -408,7 +408,7 @@ def test_sabotage_new_blocks_before_finished_ones_is_refused(
                 scheduler,
                 workers,  # type: ignore[arg-type]
                 Workload(seed=1, num_requests=80),
-                resolve=scheduler.kvdefrag.ranks.primary.resolve,
+                resolve=ranks[0][0].resolve,
             )
             scheduler.kvdefrag.settle()
             assert not scheduler.has_requests()
@@ -424,15 +424,16 @@ class _RewritingPath:
     and every cached request whose physical row changed re-sent as resumed with its whole
     physical row (so a V1 GPU runner would replace the row)."""
 
-    def __init__(self, scheduler: Any) -> None:
+    def __init__(self, scheduler: Any, service: Any) -> None:
         self.scheduler = scheduler
+        self.service = service  # rank 0's: every rank's mapping is the same once settled
         self.sent_rows: dict[str, list[int]] = {}
         self.num_resent = 0
 
     def rewrite(self, output: SchedulerOutput) -> None:
         bridge = self.scheduler.kvdefrag
         bridge.settle()  # the step planned with this output is applied on every rank
-        resolve = bridge.ranks.primary.resolve
+        resolve = self.service.resolve
         blocks = self.scheduler.kv_cache_manager.coordinator.single_type_managers[0]
         cached = output.scheduled_cached_reqs
         full_rows: dict[str, list[int]] = {}
@@ -458,7 +459,7 @@ def test_sabotage_rows_resent_as_resumed_into_the_appending_runner_corrupt(
     scheduler = make_scheduler(
         TwoRankScheduler, model_dir, num_blocks=NUM_BLOCKS, prefix_caching=False
     )
-    path = _RewritingPath(scheduler)
+    path = _RewritingPath(scheduler, ranks[0][0])
     original = scheduler.schedule
 
     def schedule(*args: Any, **kwargs: Any) -> SchedulerOutput:
@@ -472,7 +473,7 @@ def test_sabotage_rows_resent_as_resumed_into_the_appending_runner_corrupt(
         scheduler,
         workers,  # type: ignore[arg-type]
         Workload(seed=1, num_requests=80),
-        resolve=scheduler.kvdefrag.ranks.primary.resolve,
+        resolve=ranks[0][0].resolve,
         max_steps=400,
     )
     scheduler.kvdefrag.settle()

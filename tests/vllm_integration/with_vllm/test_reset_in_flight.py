@@ -67,7 +67,7 @@ def _run(
             SignedWorker(kv, translator_for(handle, ASYNC_NUM_BLOCKS), service=(handle, rank))
             for rank, (handle, kv) in enumerate(ranks)
         ]
-        resolve = scheduler.kvdefrag.ranks.primary.resolve
+        resolve = ranks[0][0].resolve
     else:
         workers = [SignedWorker(torch.zeros(ASYNC_NUM_BLOCKS * BLOCK_SIZE, 1, dtype=torch.int64))]
         resolve = list

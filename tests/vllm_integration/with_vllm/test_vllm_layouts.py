@@ -208,7 +208,9 @@ def test_each_dp_engines_scheduler_steps_only_its_own_ranks(model_dir: str, run_
             schedulers[1].add_request(request)
         schedulers[1].schedule()
         schedulers[1].kvdefrag.settle()
-        live = [scheduler.kvdefrag.ranks.primary.stats().stats.max_live for scheduler in schedulers]
+        live = [
+            scheduler.kvdefrag.ranks.clients[0].stats().stats.max_live for scheduler in schedulers
+        ]
         assert live[0] == 0 and live[1] > 0, live
     finally:
         for scheduler in schedulers:

@@ -92,7 +92,7 @@ def _run(
         )
         for rank, (handle, kv) in enumerate(ranks[:num_ranks])
     ]
-    resolve = scheduler.kvdefrag.ranks.primary.resolve if is_defrag else (lambda ids: list(ids))
+    resolve = ranks[0][0].resolve if is_defrag else (lambda ids: list(ids))
     steps = run_loop(
         scheduler,
         workers,
@@ -136,7 +136,7 @@ def test_preemption_happens_in_the_small_pool(model_dir: str, ranks: list[Any]) 
         scheduler,
         workers,
         Workload(seed=3, num_requests=80),
-        resolve=scheduler.kvdefrag.ranks.primary.resolve,
+        resolve=ranks[0][0].resolve,
     )
     scheduler.kvdefrag.settle()
     scheduler.kvdefrag.ranks.close()
@@ -252,25 +252,46 @@ def _slow_rank_services(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(Engine, "apply_events", late)
 
 
+@pytest.mark.parametrize("carries_events", [True, False], ids=["events", "stamp-only"])
 def test_translating_workers_wait_for_the_step_sent_without_waiting(
-    model_dir: str, ranks: list[Any], monkeypatch: pytest.MonkeyPatch
+    model_dir: str, ranks: list[Any], monkeypatch: pytest.MonkeyPatch, carries_events: bool
 ) -> None:
     """The workers run each output while its step is still in flight (here always: a
-    synchronous loop, slow services), and wait for it."""
+    synchronous loop, slow services). An output that carries its step's events: the
+    worker applies the step itself and the scheduler's call finds it applied; one that
+    carries only the stamp: the worker waits for the call."""
     _slow_rank_services(monkeypatch)
+    if not carries_events:
+        attach = _bridge.attach_step_stamp
+        monkeypatch.setattr(
+            _bridge, "attach_step_stamp", lambda out, stamp: attach(out, stamp.without_events())
+        )
     wait_applied = ServerHandle.wait_applied
+    apply_planned_step = ServerHandle.apply_planned_step
     waits_for_a_step_in_flight = []
+    applied_by_the_worker = []
 
     def counted(self: ServerHandle, epoch: int, seq: int, timeout_s: float) -> None:
         if self.stats().totals.num_steps < seq:
             waits_for_a_step_in_flight.append(seq)
         wait_applied(self, epoch, seq, timeout_s)
 
+    def applied(self: ServerHandle, epoch: int, seq: int, events: Any) -> bool:
+        is_applied_here = apply_planned_step(self, epoch, seq, events)
+        if is_applied_here:
+            applied_by_the_worker.append(seq)
+        return is_applied_here
+
     monkeypatch.setattr(ServerHandle, "wait_applied", counted)
+    monkeypatch.setattr(ServerHandle, "apply_planned_step", applied)
     scheduler, workers, _ = _run(TwoRankScheduler, model_dir, ranks, prefix_caching=True)
-    assert len(waits_for_a_step_in_flight) > 100
+    in_flight = applied_by_the_worker if carries_events else waits_for_a_step_in_flight
+    assert len(in_flight) > 100
+    if not carries_events:
+        assert applied_by_the_worker == []
     assert scheduler.kvdefrag.totals.num_preempted > 0
-    for worker in workers:
+    for (handle, _), worker in zip(ranks, workers, strict=True):
+        assert handle.stats().totals.num_steps == scheduler.kvdefrag.totals.num_steps
         assert worker.num_checked > 10_000
         assert worker.num_corrupted == 0
 
@@ -299,7 +320,7 @@ def test_a_forced_reset_of_one_rank_fails_its_next_pass_and_stops_the_scheduler(
         SignedWorker(kv, translator_for(handle, NUM_BLOCKS), service=(handle, rank))
         for rank, (handle, kv) in enumerate(ranks)
     ]
-    resolve = scheduler.kvdefrag.ranks.primary.resolve
+    resolve = ranks[0][0].resolve
     try:
         workload = Workload(seed=3, num_requests=40)
         run_loop(scheduler, workers, workload, resolve=resolve, max_steps=30)
@@ -418,7 +439,7 @@ def test_the_scheduler_side_reads_what_changed_not_the_pool(
                 scheduler,
                 workers,
                 Workload(seed=4, num_requests=40),
-                resolve=bridge.ranks.primary.resolve,
+                resolve=pool_ranks[0][0].resolve,
             )
             bridge.settle()
             bridge.ranks.close()
@@ -569,5 +590,11 @@ def test_the_scheduler_refuses_a_ranks_file_that_is_a_link(
 def test_scheduler_exports_are_pinned() -> None:
     assert_public_names(
         "kvdefrag.vllm.scheduler",
-        {"DefragAsyncScheduler", "DefragScheduler", "UnsupportedByKvdefrag", "check_supported"},
+        {
+            "DefragAsyncScheduler",
+            "DefragScheduler",
+            "StartupRefused",
+            "UnsupportedByKvdefrag",
+            "check_supported",
+        },
     )

@@ -65,7 +65,7 @@ def _run_v2(
         )
         for rank, (handle, kv) in enumerate(ranks[:num_ranks])
     ]
-    resolve = scheduler.kvdefrag.ranks.primary.resolve if is_defrag else (lambda ids: list(ids))
+    resolve = ranks[0][0].resolve if is_defrag else (lambda ids: list(ids))
     steps = run_loop(
         scheduler,
         workers,  # type: ignore[arg-type]

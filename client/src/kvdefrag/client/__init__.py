@@ -1,9 +1,9 @@
 """kvdefrag client side (torch-free): talks to the sidecar from the vLLM scheduler.
 
 Example:
-    >>> from kvdefrag.client import DefragClient
+    >>> from kvdefrag.client import DefragClient, StepEvents
     >>> with DefragClient("unix:/tmp/kvdefrag.sock") as client:  # doctest: +SKIP
-    ...     reply = client.step(new_blocks={"req-a": [5, 9]})
+    ...     reply = client.step(StepEvents(new_blocks={"req-a": [5, 9]}))
     ...     physical_ids = client.resolve([5, 9])
 
 kvdefrag inside vLLM (both sides) is the ``kvdefrag-vllm`` distribution: ``kvdefrag.vllm``.

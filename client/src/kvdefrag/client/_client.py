@@ -37,7 +37,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -59,7 +59,7 @@ from kvdefrag.common import (
 )
 from kvdefrag.common._exit import call_at_exit
 from kvdefrag.common.durations import check_duration
-from kvdefrag.common.events import step_call_events
+from kvdefrag.common.events import require_step_events
 
 DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 MAX_MESSAGE_BYTES_LIMIT = 2**31 - 1  # gRPC keeps message limits in a C int
@@ -87,7 +87,7 @@ class DefragClient:
 
     Example:
         >>> with DefragClient("unix:/tmp/kvdefrag.sock") as client:  # doctest: +SKIP
-        ...     reply = client.step(new_blocks={"req-a": [5, 9]})
+        ...     reply = client.step(StepEvents(new_blocks={"req-a": [5, 9]}))
         ...     client.resolve([5, 9])
         [1, 2]
     """
@@ -105,6 +105,7 @@ class DefragClient:
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         interceptors: Sequence[Any] = (),
         record_to: str | os.PathLike[str] | None = None,
+        keep_mirror: bool = True,
     ) -> None:
         """Connects and opens the step session.
 
@@ -122,6 +123,11 @@ class DefragClient:
             interceptors: ``grpc`` client interceptors (tracing, tests).
             record_to: A JSON-lines file that receives every step the server applied,
                 for ``kvdefrag replay`` (offline tuning).
+            keep_mirror: Keep a local copy of the mapping (``resolve``,
+                ``live_requests``, ``audit`` and a digest check of every reply). False
+                keeps only the digest of the last reply, for a writer that never
+                resolves through the client and checks the digests itself (the vLLM
+                scheduler compares its ranks'); those reads are then refused.
 
         Raises:
             InvalidArgument: A setting is out of range.
@@ -139,6 +145,7 @@ class DefragClient:
         self.prefix_caching = prefix_caching
         self.client_name = client_name or _default_client_name()
         self.max_message_bytes = max_message_bytes
+        self.keep_mirror = keep_mirror
         channel = open_channel(
             address,
             max_message_bytes=max_message_bytes,
@@ -210,14 +217,15 @@ class DefragClient:
 
     @property
     def digest(self) -> int:
-        """Digest of the mirror's live mapping.
+        """Digest of the mirror's live mapping (without a mirror: the last reply's).
 
         Raises:
             StepPending: A step's outcome is unknown (see ``complete_pending_step()``).
             EngineUnhealthy, EpochMismatch, MirrorDiverged: The mirror may be stale.
         """
         with self._lock:
-            return self._session.require_readable_mirror("digest").digest
+            self._session.check_usable()
+            return self._session.require_settled_digest("digest").digest
 
     @property
     def has_pending_step(self) -> bool:
@@ -241,33 +249,14 @@ class DefragClient:
             return {rid: list(ids) for rid, ids in requests.items()}
 
     # --- the step ---------------------------------------------------------------------
-    def step(
-        self,
-        events: StepEvents | None = None,
-        /,
-        *,
-        finished: Iterable[str] = (),
-        new_blocks: Mapping[str, Sequence[int]] | None = None,
-        resumed: Mapping[str, Sequence[int]] | None = None,
-        fresh: Iterable[int] | None = None,
-        evicted: Iterable[int] = (),
-    ) -> StepReply:
+    def step(self, events: StepEvents, /) -> StepReply:
         """Sends one scheduling iteration's block events and applies the reply.
 
-        Pass the events either as a ``StepEvents`` (``client.step(events)``) or as its
-        fields' keywords (``client.step(new_blocks=...)``), not both. A ``StepEvents``
-        that ``StepEvents.build`` made is sent as is (neither copied nor checked again:
-        leave it unchanged, it is kept until the reply is applied); one constructed
-        directly is checked first.
+        ``events`` was type-checked when it was made (``StepEvents``) and is sent as it
+        is: leave it unchanged, it is kept until the reply is applied.
 
         Args:
             events: The step's events.
-            finished: Request ids that finished or were preempted (blocks released).
-            new_blocks: Request id -> logical ids appended this step.
-            resumed: Request id -> full new block list of a resumed request (replaces).
-            fresh: Logical ids among the new/resumed ones that hold no data yet; None:
-                every newly live block without prefix caching, none with it.
-            evicted: Logical ids dropped from the prefix cache.
 
         Returns:
             The step's reply; its mapping changes are already in the mirror.
@@ -277,22 +266,15 @@ class DefragClient:
                 ``complete_pending_step()`` and send them again.
             StepOutcomeUnknown: No reply within ``timeout_s``: the step is pending (the
                 server may have applied it); call ``complete_pending_step()``.
-            InvalidArgument: A field is malformed, ``events`` is not a ``StepEvents``, or
-                it comes with keywords (nothing changed on either side).
+            InvalidArgument: ``events`` is not a ``StepEvents`` (nothing changed on
+                either side).
             MessageTooLarge: The step exceeds ``max_message_bytes`` (nothing changed).
             EngineUnhealthy: The server's engine failed a KV move; ``reset()`` recovers.
             EpochMismatch: The server restarted or was reset under this client.
             MirrorDiverged: The reply does not match the mirror.
             DefragError: Any other refusal (``OutOfOrder``, ``SessionConflict``).
         """
-        events = step_call_events(
-            events,
-            finished=finished,
-            new_blocks=new_blocks,
-            resumed=resumed,
-            fresh=fresh,
-            evicted=evicted,
-        )
+        events = require_step_events(events)
         with self._lock:
             self._check_usable()
             reply = self._session.send_step(events, self._deadline())

@@ -221,3 +221,17 @@ class Mirror:
                     self._live_digests[logical_id] = mixed
                     self.digest ^= mixed
             refs[logical_id] += 1
+
+
+class ServerDigest:
+    """What a client that keeps no mirror (``keep_mirror=False``) remembers of its server:
+    the pool's size and the digest of the live mapping as of the last acknowledged step,
+    so that a reopened session is still checked against it.
+
+    For a writer whose replies are checked elsewhere (the vLLM scheduler compares every
+    rank's digest) and that never resolves through the client.
+    """
+
+    def __init__(self, num_blocks: int, digest: int) -> None:
+        self.num_blocks = num_blocks
+        self.digest = digest

@@ -30,7 +30,7 @@ import grpc
 
 from kvdefrag.client import _convert
 from kvdefrag.client._channel import BACKOFF_MAX_S, BACKOFF_START_S
-from kvdefrag.client._mirror import Mirror
+from kvdefrag.client._mirror import Mirror, ServerDigest
 from kvdefrag.client._rebuild import fetch_mirror
 from kvdefrag.client._stream import ReplyTimeout, Stream, StreamEnded
 from kvdefrag.client._types import SessionInfo, StepReply
@@ -60,6 +60,7 @@ class SessionSettings(Protocol):
     timeout_s: float
     client_name: str
     max_message_bytes: int
+    keep_mirror: bool
 
 
 @dataclasses.dataclass
@@ -96,7 +97,7 @@ class StepSession:
         self._has_had_session = False
         self._epoch = 0
         self._next_seq = 1
-        self._mirror: Mirror | None = None
+        self._mirror: Mirror | ServerDigest | None = None
         self._info: SessionInfo | None = None
         self._pending: _PendingStep | None = None
         self._unusable: DefragError | None = None
@@ -150,12 +151,28 @@ class StepSession:
             StepPending: A step's outcome is unknown.
             EngineUnhealthy, EpochMismatch, MirrorDiverged: The session is unusable (the
                 mirror may be stale): ``rebuild_mirror()`` or ``reset()`` first.
+            InvalidArgument: The client keeps no mirror.
         """
         self.check_usable()
         return self.require_settled_mirror(what)
 
     def require_settled_mirror(self, what: str) -> Mirror:
-        """Returns the mirror if no step's outcome is unknown; else raises ``StepPending``."""
+        """Returns the mirror if no step's outcome is unknown; else raises ``StepPending``.
+
+        Raises:
+            InvalidArgument: The client keeps no mirror (``keep_mirror=False``).
+        """
+        known = self.require_settled_digest(what)
+        if not isinstance(known, Mirror):
+            raise InvalidArgument(
+                f"{what}: this client keeps no mirror (keep_mirror=False); ask the server "
+                "(list_requests(), stats()) or open a client with keep_mirror=True"
+            )
+        return known
+
+    def require_settled_digest(self, what: str) -> Mirror | ServerDigest:
+        """What the client knows of the server's mapping (its mirror, or only the digest),
+        if no step's outcome is unknown; else raises ``StepPending``."""
         if self._pending is not None:
             seq = self._pending.seq
             raise StepPending(
@@ -165,8 +182,9 @@ class StepSession:
             )
         return self.require_mirror()
 
-    def require_mirror(self) -> Mirror:
-        """Returns the mirror, or raises when the last (re)connect failed to set one up."""
+    def require_mirror(self) -> Mirror | ServerDigest:
+        """Returns the mirror (only the digest when the client keeps none), or raises
+        when the last (re)connect failed to set one up."""
         if self._mirror is None:
             raise DefragError(
                 f"DefragClient for {self._settings.address} has no mirror: its last "
@@ -293,10 +311,13 @@ class StepSession:
                 f"expected seq {pending.seq} of epoch {self._epoch}"
             )
         logical_ids, physical_ids = _convert.step_deltas(body)
-        try:
-            digest = mirror.apply_step(pending.events, logical_ids, physical_ids)
-        except InvalidArgument as err:
-            raise self._diverged(f"{context}: {err}") from err
+        if isinstance(mirror, Mirror):
+            try:
+                digest = mirror.apply_step(pending.events, logical_ids, physical_ids)
+            except InvalidArgument as err:
+                raise self._diverged(f"{context}: {err}") from err
+        else:
+            digest = mirror.digest = body.digest
         self._next_seq = pending.seq + 1
         if digest != body.digest:
             raise self._diverged(
@@ -400,18 +421,19 @@ class StepSession:
         if self._epoch == 0:
             # NOTE: an epoch at seq 1 with an empty digest has applied nothing: identity.
             is_pristine = info.next_seq == 1 and info.digest == 0
-            mirror = (
-                Mirror(info.num_blocks)
-                if is_pristine
-                else fetch_mirror(self._stub, info, timeout_s=settings.timeout_s)
-            )
+            mirror: Mirror | ServerDigest
+            if not settings.keep_mirror:
+                mirror = ServerDigest(info.num_blocks, info.digest)
+            elif is_pristine:
+                mirror = Mirror(info.num_blocks)
+            else:
+                mirror = fetch_mirror(self._stub, info, timeout_s=settings.timeout_s)
             if not is_pristine:
                 _LOGGER.info(
-                    "adopted the state of %s: epoch %d, seq %d, %d requests",
+                    "adopted the state of %s: epoch %d, seq %d",
                     settings.address,
                     info.epoch,
                     info.next_seq,
-                    len(mirror.requests),
                 )
             self._info, self._epoch, self._next_seq = info, info.epoch, info.next_seq
             self._mirror = mirror

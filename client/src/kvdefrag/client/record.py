@@ -1,7 +1,7 @@
 """Step traces: record what a scheduler sends as JSON lines, and read them back for replay.
 
-A trace is one header line, then one line per step with exactly the keywords of
-``DefragClient.step`` / ``Engine.step``::
+A trace is one header line, then one line per step with exactly the fields of
+``StepEvents``, the argument of ``DefragClient.step`` / ``Engine.step``::
 
     {"kvdefrag_trace": 1, "num_blocks": 8000, "block_size": 16, "prefix_caching": false}
     {"finished": [], "new_blocks": {"req-0": [1, 2]}, "resumed": {}, "fresh": [1, 2], "evicted": []}
@@ -16,7 +16,7 @@ Example:
     >>> from kvdefrag.common import StepEvents
     >>> buffer = io.StringIO()
     >>> with StepRecorder(buffer, num_blocks=64, block_size=16, close_file=False) as rec:
-    ...     rec.record(StepEvents.build(new_blocks={"req-a": [5, 9]}, fresh=[5, 9]))
+    ...     rec.record(StepEvents(new_blocks={"req-a": [5, 9]}, fresh=[5, 9]))
     >>> trace = parse_trace(buffer.getvalue().splitlines())
     >>> trace.header.num_blocks, trace.steps[0].new_blocks
     (64, {'req-a': [5, 9]})
@@ -150,7 +150,7 @@ class StepRecorder:
         self._file.write(json.dumps(value, separators=(",", ":")) + "\n")
 
     def record(self, events: StepEvents) -> None:
-        """Appends one step (build it with ``StepEvents.build``, which checks types)."""
+        """Appends one step."""
         self._write(events.as_kwargs())
         self.num_steps += 1
 

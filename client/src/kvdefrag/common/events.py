@@ -8,10 +8,11 @@ Adding a field means changing this class, the proto and the two conversion modul
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import operator
 from array import array
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, ClassVar
+from typing import Any
 
 from kvdefrag.common.errors import InvalidArgument, quote
 
@@ -23,7 +24,10 @@ _INT64_MAX = (1 << 63) - 1
 
 
 def _block_ids(field: str, ids: Iterable[int], request_id: str | None = None) -> list[int]:
-    """Checks and copies block ids; ``field[request_id]`` names them in errors."""
+    """Checks block ids: a list of ints is returned as it is, anything else as a checked
+    list of ints; ``field[request_id]`` names them in errors."""
+    if type(ids) is list and _are_int64s(ids):
+        return ids
     if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
         raise InvalidArgument(
             f"{_name(field, request_id)}: expected a sequence of block ids, got {quote(ids)}"
@@ -31,8 +35,8 @@ def _block_ids(field: str, ids: Iterable[int], request_id: str | None = None) ->
     if not isinstance(ids, (list, tuple)):
         ids = list(ids)  # read once: the slow path below may read it again
     try:
-        # NOTE: the fast path: array("q") takes exactly what operator.index takes and
-        # what fits in an int64, in C; anything else falls through to name the culprit.
+        # NOTE: array("q") takes exactly what operator.index takes and what fits in an
+        # int64, in C; anything else falls through to name the culprit.
         fast: list[int] = array("q", ids).tolist()
     except (TypeError, OverflowError):
         pass
@@ -51,6 +55,17 @@ def _block_ids(field: str, ids: Iterable[int], request_id: str | None = None) ->
     return checked
 
 
+def _are_int64s(ids: Sequence[int]) -> bool:
+    """Whether every id is an ``int`` (exactly) that fits in an int64 (two passes in C)."""
+    if not set(map(type, ids)) <= {int}:
+        return False
+    try:
+        array("q", ids)
+    except OverflowError:
+        return False
+    return True
+
+
 def _name(field: str, request_id: str | None) -> str:
     return field if request_id is None else f"{field}[{quote(request_id)}]"
 
@@ -62,8 +77,17 @@ def _request_id(field: str, request_id: object) -> str:
 
 
 def _block_lists(field: str, lists: Mapping[str, Sequence[int]] | None) -> dict[str, list[int]]:
+    """Checks request id -> block ids: a dict of str -> list of ints is returned as it is
+    (checked in a few passes in C, whatever the number of requests)."""
     if lists is None:
         return {}
+    if (
+        type(lists) is dict
+        and set(map(type, lists)) <= {str}
+        and set(map(type, lists.values())) <= {list}
+        and _are_int64s(list(itertools.chain.from_iterable(lists.values())))
+    ):
+        return lists
     if not isinstance(lists, Mapping):
         raise InvalidArgument(
             f"{field}: expected a mapping of request id -> block ids, got {type(lists).__name__}"
@@ -72,6 +96,17 @@ def _block_lists(field: str, lists: Mapping[str, Sequence[int]] | None) -> dict[
         _request_id(field, request_id): _block_ids(field, ids, request_id)
         for request_id, ids in lists.items()
     }
+
+
+def _request_ids(field: str, request_ids: Iterable[str]) -> tuple[str, ...]:
+    if type(request_ids) is tuple and set(map(type, request_ids)) <= {str}:
+        return request_ids
+    if isinstance(request_ids, (str, bytes)) or not isinstance(request_ids, Iterable):
+        raise InvalidArgument(
+            f"{field}: expected a collection of request ids, "
+            f"got a {type(request_ids).__name__} ({quote(request_ids)})"
+        )
+    return tuple(_request_id(field, request_id) for request_id in request_ids)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,15 +122,17 @@ class StepEvents:
         fresh: Logical ids among the new/resumed ones that hold no data yet; None lets
             the engine decide (every newly live block without prefix caching, none with).
 
-    Build one with ``StepEvents.build(...)`` (it checks types and copies); the range
-    checks against the pool are the engine's. ``step()`` (engine, client, rank group)
-    takes a built value as is, neither copied nor checked again, so leave it unchanged
-    once built. A value constructed directly (``StepEvents(...)``, or
-    ``dataclasses.replace``) is not trusted: ``step()`` checks it once, as ``build``
-    would, and uses the checked copy (see ``checked()``).
+    The types are checked once, here, when the value is made (the range checks against
+    the pool are the engine's), and every ``step()`` (engine, client, rank group) takes
+    the value as it is. Lists of ints (and dicts of them) are kept, not copied: leave
+    them unchanged once given; any other collection is copied into one.
+
+    Raises:
+        InvalidArgument: A request id is not a str, or a block id not an int64 (naming
+            the field and the value).
 
     Example:
-        >>> StepEvents.build(new_blocks={"req-a": (5, 9)}).new_blocks
+        >>> StepEvents(new_blocks={"req-a": (5, 9)}).new_blocks
         {'req-a': [5, 9]}
     """
 
@@ -105,55 +142,17 @@ class StepEvents:
     fresh: list[int] | None = None
     evicted: list[int] = dataclasses.field(default_factory=list)
 
-    # True on the values ``build`` returns (set on the instance; not a field, so equality
-    # and repr ignore it).
-    _is_checked: ClassVar[bool] = False
-
-    @classmethod
-    def build(
-        cls,
-        *,
-        finished: Iterable[str] = (),
-        new_blocks: Mapping[str, Sequence[int]] | None = None,
-        resumed: Mapping[str, Sequence[int]] | None = None,
-        fresh: Iterable[int] | None = None,
-        evicted: Iterable[int] = (),
-    ) -> StepEvents:
-        """Checks the types of the events and copies them.
-
-        Raises:
-            InvalidArgument: A request id is not a str, or a block id not an int64.
-        """
-        if isinstance(finished, (str, bytes)) or not isinstance(finished, Iterable):
-            raise InvalidArgument(
-                "finished: expected a collection of request ids, "
-                f"got a {type(finished).__name__} ({quote(finished)})"
-            )
-        events = cls(
-            finished=tuple(_request_id("finished", request_id) for request_id in finished),
-            new_blocks=_block_lists("new_blocks", new_blocks),
-            resumed=_block_lists("resumed", resumed),
-            fresh=None if fresh is None else _block_ids("fresh", fresh),
-            evicted=_block_ids("evicted", evicted),
-        )
-        object.__setattr__(events, "_is_checked", True)  # frozen: the one write
-        return events
-
-    def checked(self) -> StepEvents:
-        """Returns these events if ``build`` made them, else a checked copy of them.
-
-        Raises:
-            InvalidArgument: A value constructed directly holds a field of the wrong type.
-        """
-        if self._is_checked:
-            return self
-        return type(self).build(
-            finished=self.finished,
-            new_blocks=self.new_blocks,
-            resumed=self.resumed,
-            fresh=self.fresh,
-            evicted=self.evicted,
-        )
+    def __post_init__(self) -> None:
+        checked = {
+            "finished": _request_ids("finished", self.finished),
+            "new_blocks": _block_lists("new_blocks", self.new_blocks),
+            "resumed": _block_lists("resumed", self.resumed),
+            "fresh": None if self.fresh is None else _block_ids("fresh", self.fresh),
+            "evicted": _block_ids("evicted", self.evicted),
+        }
+        for name, value in checked.items():
+            if value is not getattr(self, name):
+                object.__setattr__(self, name, value)  # frozen: the one write
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
@@ -161,7 +160,7 @@ class StepEvents:
         return tuple(field.name for field in dataclasses.fields(cls))
 
     def as_kwargs(self) -> dict[str, Any]:
-        """Returns the events as the keywords of ``step()`` (client or engine), copied:
+        """Returns the fields as keywords of ``StepEvents`` (a trace's line), copied:
         changing them does not change this value."""
         return {
             "finished": list(self.finished),
@@ -177,64 +176,15 @@ class StepEvents:
         return not (self.finished or self.new_blocks or self.resumed or self.fresh or self.evicted)
 
 
-def step_call_events(
-    events: object,
-    *,
-    finished: Iterable[str],
-    new_blocks: Mapping[str, Sequence[int]] | None,
-    resumed: Mapping[str, Sequence[int]] | None,
-    fresh: Iterable[int] | None,
-    evicted: Iterable[int],
-) -> StepEvents:
-    """The events of a ``step(events)`` or ``step(**keywords)`` call, checked once.
-
-    Args:
-        events: The positional argument: a ``StepEvents``, or None for the keyword form.
-        finished: ``step``'s keywords, as passed (their defaults: ``()`` or None).
-        new_blocks: As ``finished``.
-        resumed: As ``finished``.
-        fresh: As ``finished``.
-        evicted: As ``finished``.
-
-    Returns:
-        ``events`` itself if ``StepEvents.build`` made it, else the checked events.
+def require_step_events(events: object) -> StepEvents:
+    """``events`` if it is a ``StepEvents`` (checked when it was made), for a ``step()``.
 
     Raises:
-        InvalidArgument: ``events`` is not a StepEvents, or comes with event keywords,
-            or a field has the wrong type.
-    """
-    if events is None:
-        return StepEvents.build(
-            finished=finished, new_blocks=new_blocks, resumed=resumed, fresh=fresh, evicted=evicted
-        )
-    # NOTE: a keyword at its default adds nothing; any other value (even an empty list,
-    # or ``fresh=()``, which means "none is fresh") would compete with the events.
-    at_default = {
-        "finished": isinstance(finished, tuple) and not finished,
-        "new_blocks": new_blocks is None,
-        "resumed": resumed is None,
-        "fresh": fresh is None,
-        "evicted": isinstance(evicted, tuple) and not evicted,
-    }
-    given = [name for name, is_default in at_default.items() if not is_default]
-    if given:
-        raise InvalidArgument(
-            f"step: got events and the keyword {given[0]!r}: pass the events one way, "
-            "either a StepEvents or keywords"
-        )
-    return checked_step_events(events)
-
-
-def checked_step_events(events: object) -> StepEvents:
-    """``events``, type-checked once: itself if ``StepEvents.build`` made it, else the
-    checked copy (see ``StepEvents.checked``).
-
-    Raises:
-        InvalidArgument: ``events`` is not a ``StepEvents``, or a field has the wrong type.
+        InvalidArgument: It is anything else (nothing was sent or applied).
     """
     if not isinstance(events, StepEvents):
         raise InvalidArgument(
             f"step: expected a StepEvents, got a {type(events).__name__} ({quote(events)}); "
-            "pass the events as keywords, or as StepEvents.build(...)"
+            "pass StepEvents(finished=..., new_blocks=..., ...)"
         )
-    return events.checked()
+    return events

@@ -19,7 +19,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -36,7 +36,7 @@ from kvdefrag.common import (
     Totals,
 )
 from kvdefrag.common.errors import quote
-from kvdefrag.common.events import step_call_events
+from kvdefrag.common.events import require_step_events
 from kvdefrag.server import _policy
 from kvdefrag.server._backends import make_executor
 from kvdefrag.server._executor import (
@@ -149,10 +149,10 @@ class Engine:
 
     Example:
         >>> import torch
-        >>> from kvdefrag.server import Engine, EngineConfig
+        >>> from kvdefrag.server import Engine, EngineConfig, StepEvents
         >>> kv = [(torch.zeros(64 * 16, 8), torch.zeros(64 * 16, 8))]
         >>> engine = Engine(kv, block_size=16, config=EngineConfig(threshold=0))
-        >>> result = engine.step(new_blocks={"req-a": [5, 9]})
+        >>> result = engine.step(StepEvents(new_blocks={"req-a": [5, 9]}))
         >>> result.block_mapping  # fresh blocks placed at the bottom, free ones swapped up
         {5: 1, 9: 2, 1: 5, 2: 9}
         >>> engine.resolve([5, 9]).tolist()
@@ -206,61 +206,32 @@ class Engine:
             self._observers = [*self._observers, observer]
 
     # --- the step ---------------------------------------------------------------------
-    def step(
-        self,
-        events: StepEvents | None = None,
-        /,
-        *,
-        finished: Iterable[str] = (),
-        new_blocks: Mapping[str, Sequence[int]] | None = None,
-        resumed: Mapping[str, Sequence[int]] | None = None,
-        fresh: Iterable[int] | None = None,
-        evicted: Iterable[int] = (),
-    ) -> StepResult:
+    def step(self, events: StepEvents, /) -> StepResult:
         """Applies one scheduling iteration's block events, then compacts if needed.
 
-        Pass the events either as a ``StepEvents`` (``engine.step(events)``) or as its
-        fields' keywords (``engine.step(new_blocks=...)``), not both. A ``StepEvents``
-        that ``StepEvents.build`` made is applied as is (neither copied nor checked
-        again: leave it unchanged); one constructed directly is checked first.
+        ``events`` was type-checked when it was made (``StepEvents``) and is applied as it
+        is (leave it unchanged).
 
         Args:
             events: The step's events.
-            finished: Request ids whose blocks are released (finished or preempted).
-            new_blocks: Request id -> logical block ids appended this step.
-            resumed: Request id -> the full new block list of a resumed request.
-            fresh: Logical ids among the new/resumed ones that hold no data yet; None:
-                every newly live block without prefix caching, none with it.
-            evicted: Logical ids dropped from the prefix cache.
 
         Returns:
             The new or changed mapping entries, the moves executed and statistics.
 
         Raises:
-            InvalidArgument: A field is malformed, ``events`` is not a ``StepEvents``,
-                or it comes with keywords; nothing changed.
+            InvalidArgument: ``events`` is not a ``StepEvents``, or names blocks or
+                requests the pool refuses; nothing changed.
             EngineUnhealthy: A previous KV move failed (nothing changed), or this one
                 did: the step is applied without its compaction and counted in
                 ``stats().totals.num_steps``.
         """
-        return self.apply_events(
-            step_call_events(
-                events,
-                finished=finished,
-                new_blocks=new_blocks,
-                resumed=resumed,
-                fresh=fresh,
-                evicted=evicted,
-            )
-        )
+        return self.apply_events(require_step_events(events))
 
     def apply_events(self, events: StepEvents) -> StepResult:
-        """``step`` for events whose types are known to be right (the servicer's path).
+        """``step`` for a caller that knows it holds a ``StepEvents`` (the servicer's path).
 
-        The types are taken as ``StepEvents.build`` (or a proto conversion) guarantees
-        them, even for a ``StepEvents`` constructed directly, and nothing is copied: the
-        caller must not change ``events`` afterwards.
-        The pool checks (ranges, duplicates, fresh blocks) run as in ``step``.
+        Nothing is copied: the caller must not change ``events`` afterwards. The pool
+        checks (ranges, duplicates, fresh blocks) run as in ``step``.
 
         Raises:
             InvalidArgument, EngineUnhealthy: As ``step``.

@@ -29,7 +29,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
-from kvdefrag.common import InvalidArgument, PoolStats
+from kvdefrag.common import InvalidArgument, PoolStats, StepEvents
 from kvdefrag.common._exit import call_at_exit
 from kvdefrag.common.durations import check_duration
 from kvdefrag.server import _convert, _identity, _socket_file
@@ -236,6 +236,28 @@ class ServerHandle:
         """
         timeout_s = check_duration("wait_applied: timeout_s", timeout_s, allow_zero=True)
         self._servicer.wait_applied(epoch, seq, timeout_s)
+
+    def apply_planned_step(self, epoch: int, seq: int, events: StepEvents) -> bool:
+        """Applies step ``seq`` of ``epoch`` here, for the open stream session, unless it
+        was applied already; its writer's own copy of the step is then answered from the
+        replay cache.
+
+        For a worker that was handed the step's events with its output (``kvdefrag.vllm``):
+        it need not wait for the step's call to arrive. Only the open session's next seq of
+        the current epoch is applied; anything else is refused and changes nothing. Call it
+        before taking ``kv_lock``, as ``wait_applied``.
+
+        Returns:
+            True when this call applied the step, False when it was applied already.
+
+        Raises:
+            EpochMismatch: The service is at another epoch (restarted or reset).
+            SessionConflict: No stream session is open (it ended, or a forced reset).
+            OutOfOrder: ``seq`` is ahead of the next step (``wait_applied`` for it).
+            StepInFlight: Another step kept the service busy; ``wait_applied`` for it.
+            EngineUnhealthy, InvalidArgument, MessageTooLarge: As the step's call.
+        """
+        return self._servicer.apply_planned_step(epoch, seq, events)
 
     @property
     def metrics_port(self) -> int | None:

@@ -139,6 +139,14 @@ class ServiceMetrics(Protocol):
 
     def record_step_wait(self, duration_s: float) -> None: ...
 
+    def record_applied(self, path: str) -> None: ...
+
+
+APPLIED_BY_RPC = "rpc"
+APPLIED_IN_PROCESS = "in_process"
+"""How a step reached the engine first (``record_applied``): a Step or StepStream call, or
+``apply_planned_step`` in the worker's process."""
+
 
 class _ShuttingDown(Exception):
     """The server is stopping: steps are refused with UNAVAILABLE (retry elsewhere)."""
@@ -205,6 +213,8 @@ class DefragServicer:
         self._applied = (self._epoch, self._next_seq)
         self._progress = threading.Condition(threading.Lock())
         self._replies: collections.OrderedDict[int, Message] = collections.OrderedDict()
+        # The seq a worker applied in process whose stream copy has not come yet (0: none).
+        self._seq_applied_in_process = 0
         self._session: _Session | None = None
         # Set without the lock: stop() must not wait behind a step that hangs.
         self._is_stopping = threading.Event()
@@ -488,6 +498,49 @@ class DefragServicer:
             self._session = None
             _LOGGER.info("stream session of %r closed", session.client_name)
 
+    def apply_planned_step(self, epoch: int, seq: int, events: StepEvents) -> bool:
+        """Applies step ``seq`` of ``epoch`` in process for the open stream session, unless
+        it was applied already: the one entry point besides the RPCs.
+
+        The vLLM integration's scheduler sends each step over its stream and hands the
+        same events to the workers with the output; a worker whose step has not arrived
+        yet applies it here, through the same checks as the stream's (``_admit``: only the
+        open session's next seq of the current epoch). Whichever comes first applies it;
+        the other finds it applied, and the stream's copy is answered from the replay
+        cache (the same reply).
+
+        Returns:
+            True when this call applied the step, False when it was applied already.
+
+        Raises:
+            EpochMismatch: ``epoch`` is not the current epoch (restarted, or reset).
+            SessionConflict: No stream session is open (ended, or a forced reset).
+            OutOfOrder: ``seq`` skips ahead of the next seq (an earlier step is missing).
+            StepInFlight: Another step held the service past ``LOCK_WAIT_S``.
+            EngineUnhealthy, InvalidArgument, MessageTooLarge: As a step from the
+                stream; nothing changed.
+        """
+        started = time.monotonic()
+        is_applied_here = False
+        current_epoch, next_seq = self._applied
+        if not (current_epoch == epoch and next_seq > seq):
+            if not epoch:
+                raise InvalidArgument("apply_planned_step: epoch 0 names no epoch")
+            with self._locked(f"step seq {seq}"):
+                session = self._session
+                if session is None:
+                    raise SessionConflict(
+                        f"step seq {seq}: no stream session is open to apply it for"
+                    )
+                is_applied = epoch == self._epoch and seq < self._next_seq
+                if not is_applied and self._admit(seq, epoch, session) is None:
+                    self._check_reply_bound(events)
+                    self._reply(seq, self._apply(seq, events), path=APPLIED_IN_PROCESS)
+                    is_applied_here = True
+        if self._metrics is not None:
+            self._metrics.record_step_wait(time.monotonic() - started)
+        return is_applied_here
+
     def _step(self, request: Message, session: _Session | None) -> Message:
         """Applies one step once; returns its reply as the stream sends it (a
         StepStreamResponse; the unary Step returns its ``step``). A resend of an applied
@@ -552,7 +605,10 @@ class DefragServicer:
                 f"seq {seq} was applied and its reply is no longer cached (the last "
                 f"{self._replay_cache_size} are kept); expected seq {self._next_seq}"
             )
-        if self._metrics is not None:
+        if seq == self._seq_applied_in_process:
+            # NOTE: the stream's copy of a step a worker applied first: not a resend.
+            self._seq_applied_in_process = 0
+        elif self._metrics is not None:
             self._metrics.record_replay()
         return _convert.replayed_response(cached)
 
@@ -579,14 +635,18 @@ class DefragServicer:
         finally:
             self._in_progress = None
 
-    def _reply(self, seq: int, result: StepResult) -> Message:
-        """Makes step ``seq``'s reply, caches it for resends and counts the seq applied;
-        call it holding the servicer lock."""
+    def _reply(self, seq: int, result: StepResult, *, path: str = APPLIED_BY_RPC) -> Message:
+        """Makes step ``seq``'s reply, caches it for resends and counts the seq applied
+        (and by which ``path``); call it holding the servicer lock."""
         response = _convert.step_response(result, seq, self._epoch)
         self._replies[seq] = response
         while len(self._replies) > self._replay_cache_size:
             self._replies.popitem(last=False)
         self._next_seq += 1
+        if path == APPLIED_IN_PROCESS:
+            self._seq_applied_in_process = seq
+        if self._metrics is not None:
+            self._metrics.record_applied(path)
         self._publish_progress()
         return response
 
@@ -748,6 +808,7 @@ class DefragServicer:
                 self._epoch = new_epoch(self._epoch)
                 self._next_seq = 1
                 self._replies.clear()
+                self._seq_applied_in_process = 0
                 if session is not None:
                     session.reset_to = self._epoch
                     self._session = None

@@ -18,7 +18,7 @@ MAX_CLIENT_NAME_CHARS = 256
 
 
 def validate_step(tracker: BlockTracker, events: StepEvents) -> None:
-    """Checks one step's events (types already checked by ``StepEvents.build``) against
+    """Checks one step's events (types checked when the ``StepEvents`` was made) against
     the pool: request ids well formed, every block id in range, fresh blocks free.
 
     Raises:

@@ -217,6 +217,13 @@ class Metrics:
             "kvdefrag_replayed_steps",
             "Steps resent by a client and answered from the replay cache (not applied).",
         )
+        self._applied_steps = family(
+            "kvdefrag_applied_steps",
+            "Steps applied, by the path that brought them first: rpc (a Step or StepStream "
+            "call) or in_process (a vLLM worker applied the step its output carried before "
+            "the scheduler's call arrived; that call is then answered from the replay cache).",
+            ("path",),
+        )
         self._unknown_finished = counter(
             "kvdefrag_unknown_finished_requests",
             "Finished request ids the engine did not know (tolerated: e.g. cancelled "
@@ -246,6 +253,10 @@ class Metrics:
         self._runs_failed = self._defrag_runs.labels(**constant, result="failed")
         self._moved_one_way = self._moved_blocks.labels(**constant, direction="one_way")
         self._moved_two_way = self._moved_blocks.labels(**constant, direction="two_way")
+        self._applied_by_path = {
+            path: self._applied_steps.labels(**constant, path=path)
+            for path in ("rpc", "in_process")
+        }
         # NOTE: last, once every metric is registered: a registry that refuses one
         # (duplicate names) leaves the engine without a half-built observer.
         engine.add_observer(self)
@@ -287,6 +298,11 @@ class Metrics:
     def record_step_wait(self, duration_s: float) -> None:
         """Records how long a worker waited for its step (``wait_applied``)."""
         self._step_wait.observe(duration_s)
+
+    def record_applied(self, path: str) -> None:
+        """Counts a step applied, by the path that brought it first (``"rpc"`` or
+        ``"in_process"``)."""
+        self._applied_by_path[path].inc()
 
     def record_replay(self) -> None:
         """Counts a resent step answered from the replay cache."""

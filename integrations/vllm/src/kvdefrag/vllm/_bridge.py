@@ -13,7 +13,8 @@ its scheduler's ``deferred_frees`` deque, so that it imports no vLLM;
     pool.blocks[i].ref_cnt / .block_hash            only for blocks this step freed
 
 The output goes to the workers as vLLM built it (logical ids), stamped with the step
-planned with it: each worker waits for that step, then translates.
+planned with it (its events too): each worker gets that step applied (itself, if the
+call has not arrived yet), then translates.
 """
 
 from __future__ import annotations
@@ -199,11 +200,13 @@ class SchedulerBridge:
         self.totals.num_preempted += len(output.preempted_req_ids or ())
         self.settle()
         events = self.ledger.plan(changes, is_cached)
+        stamp = self._stamp
         if not events.is_empty:
             self._in_flight = self.ranks.submit(events)
-            self._stamp = self._in_flight.stamp
+            stamp = self._in_flight.stamp  # with the events: the workers may apply it
+            self._stamp = stamp.without_events()
             self.totals.num_steps += 1
-        attach_step_stamp(output, self._stamp)
+        attach_step_stamp(output, stamp)
         if len(self.totals.step_durations_s) < self.keep_durations:
             self.totals.step_durations_s.append(time.perf_counter() - started)
 

@@ -107,7 +107,9 @@ class BlockLedger:
             else:
                 resumed[request_id] = logical_ids
                 dropped += old_ids
-            held[request_id] = logical_ids
+            # NOTE: a copy: held lists grow with later steps, and the step's events must
+            # not (they are shared with the ranks' clients and the workers, unchecked again).
+            held[request_id] = list(logical_ids)
             added += logical_ids
             fresh += self._fresh(changes, request_id, logical_ids, 0)
         for request_id in sorted(changes.appended):

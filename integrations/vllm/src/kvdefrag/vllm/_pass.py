@@ -18,9 +18,11 @@ runner:
   inputs are built, every block id is resolved and the forward runs in ``sample_tokens``
   (its Eagle draft too).
 
-So a pass spans both calls: ``RunnerPass.execute_model`` waits for the step stamped on
-the output, takes ``kv_lock`` and readies the runner (``PassTarget.begin``); when the
-runner returns None the lock stays held until the step's ``sample_tokens`` has run.
+So a pass spans both calls: ``RunnerPass.execute_model`` makes sure the step stamped on
+the output is applied (applying it itself when the output carries its events and the
+scheduler's call has not arrived: ``wait_for_planned_step``), takes ``kv_lock`` and
+readies the runner (``PassTarget.begin``); when the runner returns None the lock stays
+held until the step's ``sample_tokens`` has run.
 Calls outside any scheduled step (a data-parallel rank's dummy batch, a warm-up) run
 holding the lock too, with the mapping as it is (``RunnerPass.idle``).
 
@@ -42,6 +44,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
+from kvdefrag.common import OutOfOrder, SessionConflict, StepEvents, StepInFlight
 from kvdefrag.vllm.common import read_step_stamp
 
 __all__ = ["PassTarget", "RunnerPass", "StepService", "wait_for_planned_step"]
@@ -57,26 +60,45 @@ class StepService(Protocol):
     @property
     def kv_lock(self) -> threading.Lock: ...
 
+    def apply_planned_step(self, epoch: int, seq: int, events: StepEvents) -> bool: ...
+
     def wait_applied(self, epoch: int, seq: int, timeout_s: float) -> None: ...
 
 
+# Refusals of an in-process step after which the step's own call still decides: the
+# session is between streams, an earlier step is missing here, or a step holds the service.
+_LEFT_TO_THE_CALL = (SessionConflict, OutOfOrder, StepInFlight)
+
+
 def wait_for_planned_step(service: StepService, rank: int, output: Any, timeout_s: float) -> None:
-    """Waits until this rank's service has applied the step planned with ``output``.
+    """Returns once this rank's service has applied the step planned with ``output``.
 
     The scheduler sends each step without waiting for its reply and stamps the output
     with it (``common.attach_step_stamp``); a runner that read block ids before its step
-    is applied would find the blocks' old places. Call it before taking ``kv_lock``
-    (applying the step may need the lock to move KV data). An unstamped output waits for
-    nothing.
+    is applied would find the blocks' old places. The output that planned the step also
+    carries its events: if the scheduler's call has not arrived yet, the step is applied
+    here, in this thread, through the service's own checks
+    (``ServerHandle.apply_planned_step``), and the call finds it applied. Otherwise (an
+    output that repeats an earlier step, or one the service refuses to apply for now) it
+    waits for the call. Call it before taking ``kv_lock`` (applying the step may need the
+    lock to move KV data). An unstamped output waits for nothing.
 
     Raises:
         EpochMismatch, EngineUnhealthy, ServiceUnavailable: As
             ``ServerHandle.wait_applied`` (the step will not be applied here).
+        InvalidArgument, MessageTooLarge: The service refused the step's events (so will
+            the scheduler's call).
     """
     stamp = read_step_stamp(output)
     if stamp is None:
         return
     epoch, seq = stamp.for_rank(rank)
+    if stamp.events is not None:
+        try:
+            service.apply_planned_step(epoch, seq, stamp.events)
+            return
+        except _LEFT_TO_THE_CALL:
+            pass
     service.wait_applied(epoch, seq, timeout_s)
 
 

@@ -2,10 +2,12 @@
 
 Every tensor-parallel (and pipeline-parallel) rank owns a slice of the KV cache in the same
 block layout, so every rank's engine must apply the same steps and reach the same mapping.
-The step is built once and its types are checked once, whatever the number of ranks; the
-one ``StepEvents`` is sent to all ranks concurrently (each client builds its own message,
-which carries that rank's seq and epoch, and keeps its own mirror), and the replies must
-agree on the digest of the live mapping and on the epoch the session was opened in.
+The step is built once, whatever the number of ranks; the one ``StepEvents`` is sent to
+all ranks concurrently (each client builds its own message, which carries that rank's seq
+and epoch), and the replies must agree on the digest of the live mapping and on the epoch
+the session was opened in. Nothing resolves through the scheduler's clients (the workers
+translate through their own services), so they keep no mirror: the digests are compared
+across ranks instead.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from kvdefrag.common import (
     StepEvents,
     StepOutcomeUnknown,
 )
-from kvdefrag.common.events import checked_step_events
+from kvdefrag.common.events import require_step_events
 from kvdefrag.common.identity import identity_proof
 from kvdefrag.v1 import identity_pb2, identity_pb2_grpc
 from kvdefrag.vllm.common import RANKS_FILE, ClientTls, PublishedRank, StepStamp
@@ -132,6 +134,7 @@ def connect_ranks(
                     published.address,
                     prefix_caching=prefix_caching,
                     client_name=f"vllm-rank{rank}",
+                    keep_mirror=False,
                     **tls,
                 )
             )
@@ -145,8 +148,8 @@ def connect_ranks(
 class RankGroup:
     """The scheduler's clients to every rank's service, stepped in lockstep.
 
-    Invariant: after every successful ``step`` all clients' mirrors are equal, so
-    resolving through the first client resolves for every rank.
+    Invariant: after every successful ``step`` every rank's service is at the same digest
+    of its live mapping, in the epoch its session was opened in.
     """
 
     def __init__(self, clients: Sequence[DefragClient]) -> None:
@@ -158,24 +161,18 @@ class RankGroup:
             max_workers=len(self.clients), thread_name_prefix="kvdefrag-rank"
         )
 
-    @property
-    def primary(self) -> DefragClient:
-        """The client whose mirror answers ``resolve`` for all ranks."""
-        return self.clients[0]
-
     def step(self, events: StepEvents) -> StepReply:
         """Sends one step to every rank concurrently and waits for all of them.
 
         Args:
-            events: The step's events; one constructed directly (not by
-                ``StepEvents.build``) is checked here, once for every rank.
+            events: The step's events (type-checked when they were made; shared by every
+                rank, never copied).
 
         Returns:
             The first rank's reply (the others are equal in digest and mapping).
 
         Raises:
-            InvalidArgument: ``events`` is not a ``StepEvents``, or a field has the wrong
-                type; no rank was sent anything.
+            InvalidArgument: ``events`` is not a ``StepEvents``; no rank was sent anything.
             RanksDiverged: The ranks' digests differ, or a rank's epoch changed (its
                 service restarted, or a forced reset: it refuses the step with
                 ``EpochMismatch``).
@@ -183,24 +180,25 @@ class RankGroup:
                 resent ``MAX_COMPLETION_ATTEMPTS`` times (it stays pending there).
             DefragError: A rank refused the step (the first such error, by rank).
         """
-        events = checked_step_events(events)
+        events = require_step_events(events)
         if len(self.clients) == 1:
-            return self._checked([_rank_step(0, self.primary, events)])
+            return self._checked([_rank_step(0, self.clients[0], events)])
         return self.submit(events).result()
 
     def submit(self, events: StepEvents) -> InFlightStep:
         """Sends one step to every rank concurrently without waiting for the replies.
 
         Returns:
-            The step in flight: its ``StepStamp`` (each rank's ``(epoch, seq)``), and ``result()``,
-            which waits for every reply and checks them as ``step`` does. Submit the next
-            step only after ``result()`` returned.
+            The step in flight: its ``StepStamp`` (each rank's ``(epoch, seq)``, and the
+            events, for the output planned with it), and ``result()``, which waits for
+            every reply and checks them as ``step`` does. Submit the next step only after
+            ``result()`` returned.
 
         Raises:
             InvalidArgument: As ``step``; no rank was sent anything.
         """
-        events = checked_step_events(events)
-        stamp = StepStamp(tuple((client.epoch, client.next_seq) for client in self.clients))
+        events = require_step_events(events)
+        stamp = StepStamp(tuple((client.epoch, client.next_seq) for client in self.clients), events)
         futures = [
             self._pool.submit(_rank_step, rank, client, events)
             for rank, client in enumerate(self.clients)

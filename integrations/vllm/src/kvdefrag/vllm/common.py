@@ -20,8 +20,9 @@ alone:
   has a scheduler and ranks of its own, so each gets a run directory of its own
   (``engine_run_dir``: DP engine ``k > 0`` in ``<run dir>/dp<k>``) and ports of its own
   (``rank_port_offset``).
-* **The step stamp**: the step planned with an output, which a worker waits for before it
-  translates that output (``attach_step_stamp`` / ``read_step_stamp``).
+* **The step stamp**: the step planned with an output, with its events, which a worker
+  gets applied before it translates that output (``attach_step_stamp`` /
+  ``read_step_stamp``).
 * **Which ``SchedulerOutput`` fields carry block ids** (``map_block_ids``), and which
   blocks of a scheduled request are fresh (``first_fresh_block_index``).
 
@@ -37,6 +38,7 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any, TypedDict
 
+from kvdefrag.common import StepEvents
 from kvdefrag.common.identity import IDENTITY_SECRET_BYTES
 from kvdefrag.vllm._run_dir import (
     UnsafeRunDir,
@@ -293,11 +295,25 @@ class StepStamp:
     (a step without events repeats the last step's), so every pass also checks that its
     rank's service is still at the epoch the output was planned against.
 
+    It also carries the step's events on the output that planned it (vLLM carries its
+    own per-step scheduler-to-worker data on the output too, e.g. KV connector
+    metadata): a worker whose service has not applied the step yet when its pass starts
+    applies it itself (``ServerHandle.apply_planned_step``) instead of waiting for the
+    scheduler's call, which then finds it applied. A later output that plans no step
+    repeats the stamp without them.
+
     Attributes:
         by_rank: ``(epoch, seq)`` of the step on each rank's service, rank 0 first.
+        events: The step's events, on the output that planned it; None on the outputs
+            that repeat it (left out of comparisons).
     """
 
     by_rank: tuple[tuple[int, int], ...]
+    events: StepEvents | None = dataclasses.field(default=None, compare=False, repr=False)
+
+    def without_events(self) -> StepStamp:
+        """This stamp as a later output that plans no step repeats it."""
+        return StepStamp(self.by_rank) if self.events is not None else self
 
     def for_rank(self, rank: int) -> tuple[int, int]:
         """``(epoch, seq)`` of the step on rank ``rank``'s service.

@@ -7,8 +7,9 @@ kvdefrag.vllm.scheduler.DefragAsyncScheduler`` (async scheduling, vLLM's default
 running ``kvdefrag.vllm.worker.DefragWorker`` (see docs/operator/vllm.md).
 
 The output leaves here in logical ids, as vLLM built it, stamped with the step planned
-with it (``common.attach_step_stamp``); every worker, under every scheduling mode and
-runner, waits for that step and translates the output when it runs it.
+with it (``common.attach_step_stamp``, the step's events included); every worker, under
+every scheduling mode and runner, makes sure that step is applied (applying it itself when
+the scheduler's call has not arrived) and translates the output when it runs it.
 
 Facts about vLLM 0.33 this relies on:
 
@@ -92,7 +93,7 @@ class DefragScheduler(Scheduler):  # type: ignore[misc]
     """vLLM's scheduler, plus one kvdefrag step per ``schedule()`` for every rank.
 
     The output it returns names logical blocks, as vLLM built it, stamped with the step
-    planned with it; each worker waits for that step and translates. Everything else
+    planned with it; each worker gets that step applied and translates. Everything else
     (queues, the KV cache manager, prefix caching, preemption) is vLLM's own, in logical
     ids. Per step it reads only what changed (``_bridge``); with
     ``KVDEFRAG_VLLM_AUDIT_EVERY=N`` it also compares its ledger with the KV cache manager

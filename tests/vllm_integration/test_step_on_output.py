@@ -1,0 +1,203 @@
+"""The step handed to the workers on the output too: whichever arrives first applies it, once.
+
+The scheduler sends each step over gRPC and stamps the output with it, events included; a
+worker whose service has not applied the step when its pass starts applies it itself
+(``wait_for_planned_step``), and the scheduler's call, arriving later, is answered from
+the replay cache. Real servers on signed KV caches, one rank behind a proxy that holds
+the scheduler's calls back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+from prometheus_client import CollectorRegistry
+
+from kvdefrag.client import DefragClient
+from kvdefrag.common import EpochMismatch, InvalidArgument, ServiceUnavailable, StepEvents
+from kvdefrag.server import ServerHandle
+from kvdefrag.vllm._pass import wait_for_planned_step
+from kvdefrag.vllm._ranks import RankGroup
+from kvdefrag.vllm.common import StepStamp, attach_step_stamp
+
+from support.kv import SignedKv
+from support.proxy import SocketProxy
+from support.server import Serve
+
+NUM_BLOCKS = 64
+# Long enough for any step on a loaded machine; a pass that waited for a held-up call
+# instead of applying its step would run into it and raise ServiceUnavailable.
+STEP_WAIT_S = 5.0
+
+# A fragmenting workload: with threshold 0 its finishes make the engines compact (move KV).
+STEPS = (
+    StepEvents(new_blocks={"a": list(range(1, 11)), "b": [40, 41, 42]}),
+    StepEvents(new_blocks={"c": [50, 51], "a": [12]}),
+    StepEvents(finished=["a"]),
+    StepEvents(new_blocks={"d": [5, 6, 7]}, finished=["c"]),
+    StepEvents(new_blocks={"b": [43]}),
+    StepEvents(finished=["b"], new_blocks={"e": [20, 21]}),
+)
+
+
+def _fresh_ids(events: StepEvents) -> list[int]:
+    return [block_id for ids in events.new_blocks.values() for block_id in ids]
+
+
+def _stamped(stamp: StepStamp) -> Any:
+    output = SimpleNamespace()
+    attach_step_stamp(output, stamp)
+    return output
+
+
+def _sample(registry: CollectorRegistry, name: str, **labels: str) -> float:
+    value = registry.get_sample_value(name, labels)
+    return 0.0 if value is None else value
+
+
+def _state(handle: ServerHandle) -> tuple[int, int, list[int]]:
+    """What a refused step must leave as it was: steps applied, digest, mapping."""
+    return (
+        handle.stats().totals.num_steps,
+        handle._engine.digest,
+        handle.resolve().tolist(),
+    )
+
+
+class _Rank:
+    def __init__(self, handle: ServerHandle, kv: SignedKv, registry: CollectorRegistry) -> None:
+        self.handle = handle
+        self.kv = kv
+        self.registry = registry
+
+
+@pytest.fixture
+def ranks(serve: Serve) -> list[_Rank]:
+    made = []
+    for _ in range(2):
+        kv = SignedKv.create(NUM_BLOCKS)
+        registry = CollectorRegistry()
+        handle = serve(kv=kv, num_blocks=NUM_BLOCKS, threshold=0, registry=registry)
+        made.append(_Rank(handle, kv, registry))
+    return made
+
+
+@pytest.fixture
+def held_up(ranks: list[_Rank], tmp_path: Path) -> Iterator[SocketProxy]:
+    """A proxy in front of rank 0's service (the scheduler's calls to it go through it)."""
+    proxy = SocketProxy(ranks[0].handle.address, listen=f"unix:{tmp_path}/proxy.sock")
+    try:
+        yield proxy
+    finally:
+        proxy.close()
+
+
+def test_a_pass_finds_its_step_applied_while_the_schedulers_call_is_held_up(
+    ranks: list[_Rank], held_up: SocketProxy
+) -> None:
+    clients = [
+        DefragClient(held_up.address, client_name="rank0"),
+        DefragClient(ranks[1].handle.address, client_name="rank1"),
+    ]
+    group = RankGroup(clients)
+    try:
+        for number, events in enumerate(STEPS, start=1):
+            held_up.mode = "stall"  # rank 0's call leaves, and goes nowhere for now
+            in_flight = group.submit(events)
+            output = _stamped(in_flight.stamp)
+            for rank_number, rank in enumerate(ranks):
+                wait_for_planned_step(rank.handle, rank_number, output, STEP_WAIT_S)
+                assert rank.handle.stats().totals.num_steps == number
+                rank.kv.write_fresh(rank.handle, _fresh_ids(events))  # the forward pass
+            held_up.mode = "pass"
+            reply = in_flight.result()  # the digests agree across ranks (RankGroup)
+            assert (reply.seq, reply.replayed) == (number, True)  # rank 0 answered from cache
+            assert reply.digest == ranks[0].handle._engine.digest
+        live = clients[1].live_requests()
+        assert sorted(live) == ["d", "e"]
+        for rank in ranks:
+            totals = rank.handle.stats().totals
+            assert totals.num_steps == len(STEPS)  # each applied once
+            assert totals.num_moves > 0  # the worker's own applies moved KV data
+            ids = [block_id for ids in live.values() for block_id in ids]
+            assert rank.kv.lost_blocks(rank.handle, ids) == []
+        metrics = ranks[0].registry
+        assert _sample(metrics, "kvdefrag_applied_steps_total", path="in_process") == len(STEPS)
+        assert _sample(metrics, "kvdefrag_applied_steps_total", path="rpc") == 0
+        # The held-up calls were answered from the cache, but none was a resend.
+        assert _sample(metrics, "kvdefrag_replayed_steps_total") == 0
+        assert clients[0].audit(strict=True).is_consistent
+    finally:
+        group.close()
+
+
+def test_a_pass_whose_step_came_by_rpc_first_applies_nothing_again(
+    ranks: list[_Rank],
+) -> None:
+    rank = ranks[0]
+    with DefragClient(rank.handle.address) as client:
+        group = RankGroup([client])
+        in_flight = group.submit(STEPS[0])
+        reply = in_flight.result()  # applied by the call
+        before = _state(rank.handle)
+        wait_for_planned_step(rank.handle, 0, _stamped(in_flight.stamp), STEP_WAIT_S)
+        assert _state(rank.handle) == before
+        assert reply.replayed is False
+        assert _sample(rank.registry, "kvdefrag_applied_steps_total", path="rpc") == 1
+        assert _sample(rank.registry, "kvdefrag_applied_steps_total", path="in_process") == 0
+
+
+def test_a_stale_or_forged_step_on_an_output_is_refused_and_changes_nothing(
+    ranks: list[_Rank],
+) -> None:
+    handle = ranks[0].handle
+    other = StepEvents(new_blocks={"x": [30, 31]})
+    with DefragClient(handle.address) as client:
+        client.step(STEPS[0])
+        client.step(STEPS[1])
+        epoch, next_seq = client.epoch, client.next_seq
+        before = _state(handle)
+
+        def pass_with(stamp: tuple[int, int], timeout_s: float = STEP_WAIT_S) -> None:
+            output = _stamped(StepStamp((stamp,), other))
+            wait_for_planned_step(handle, 0, output, timeout_s)
+
+        with pytest.raises(EpochMismatch, match=f"is not the server epoch {epoch}"):
+            pass_with((epoch ^ 1, next_seq))
+        assert _state(handle) == before
+        with pytest.raises(ServiceUnavailable, match=f"step seq {next_seq + 1} of epoch"):
+            pass_with((epoch, next_seq + 1), timeout_s=0.2)  # skips a step: left to the call
+        assert _state(handle) == before
+        pass_with((epoch, next_seq - 1))  # applied already: found applied, never again
+        assert _state(handle) == before
+        with pytest.raises(InvalidArgument, match="epoch 0"):
+            handle.apply_planned_step(0, next_seq, other)
+        assert _state(handle) == before
+
+        handle.reset(force=True)  # the scheduler's session ends: restart vLLM
+        after_reset = _state(handle)
+        with pytest.raises(EpochMismatch, match=f"of epoch {epoch}: the server is at"):
+            pass_with((epoch, next_seq))
+        with pytest.raises(ServiceUnavailable, match="step seq 1 of epoch"):
+            pass_with((handle.epoch, 1), timeout_s=0.2)  # no writer in the new epoch
+        assert _state(handle) == after_reset
+        assert after_reset[2] == list(range(NUM_BLOCKS))
+    assert _sample(ranks[0].registry, "kvdefrag_applied_steps_total", path="in_process") == 0
+
+
+def test_without_a_writer_session_a_pass_waits_for_the_call(ranks: list[_Rank]) -> None:
+    handle = ranks[0].handle
+    with DefragClient(handle.address) as client:
+        client.step(STEPS[0])
+        epoch, next_seq = client.epoch, client.next_seq
+    before = _state(handle)
+    output = _stamped(StepStamp(((epoch, next_seq),), STEPS[1]))
+    with pytest.raises(ServiceUnavailable, match=f"step seq {next_seq} of epoch {epoch}"):
+        wait_for_planned_step(handle, 0, output, 0.2)
+    assert _state(handle) == before
+    assert np.array_equal(handle.resolve(), np.array(before[2]))
