@@ -31,7 +31,8 @@ from typing import Any
 
 import pytest
 
-from kvdefrag.vllm.common import CLIENT_TLS_ENV, RANKS_FILE, RAY_ENV_PREFIXES_ENV, TCP_PORT_ENV
+from kvdefrag.vllm.common import RANKS_FILE
+from kvdefrag.vllm.config import CLIENT_TLS_ENV, RAY_ENV_PREFIXES_ENV, TCP_PORT_ENV
 
 from support.ray_cluster import ROOT, RayCluster, free_port_range, node_environment
 from support.tls import make_certificates
