@@ -21,6 +21,9 @@ parallel: N engines, each in its own engine-core process, driven through vLLM's
 ``AsyncLLM`` and its DP coordinator as ``vllm serve --data-parallel-size N`` does, since
 vLLM's ``LLM`` refuses ``data_parallel_size > 1``; a dense model, so the engines are
 independent; with ``--tp 1`` only),
+``--executor ray`` (with ``--tp``: vLLM's Ray executor on the Ray cluster that
+``RAY_ADDRESS`` names, in place of its multiprocess one), ``--metrics-at HOST:PORT,...``
+(where each rank serves its metrics, when the ranks are on several hosts),
 ``--engine-processes`` (vLLM's engine-core and worker processes, as under ``vllm
 serve``; otherwise the engine core runs in this process), ``--async-scheduling`` (NOTE:
 vLLM 0.32's CPU platform turns it off again, ``platforms/cpu.py``; the result line says
@@ -105,6 +108,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--prefix-caching", action="store_true")
     parser.add_argument("--tp", type=int, default=1, metavar="N")
     parser.add_argument("--dp", type=int, default=1, metavar="N")
+    parser.add_argument("--executor", choices=("mp", "ray"), default="mp")
+    parser.add_argument("--metrics-at", type=lambda text: text.split(","), default=None)
     parser.add_argument("--engine-processes", action="store_true")
     parser.add_argument("--async-scheduling", action="store_true")
     parser.add_argument("--force-async", action="store_true")
@@ -255,7 +260,7 @@ def run(mode: str, args: argparse.Namespace) -> dict[str, Any]:
         **engine_options(args, mode),
         async_scheduling=args.async_scheduling or args.force_async,
         tensor_parallel_size=args.tp,
-        distributed_executor_backend="mp" if args.tp > 1 else None,
+        distributed_executor_backend=args.executor if args.tp > 1 else None,
     )
     rng = random.Random(11)
     params = [
@@ -272,7 +277,9 @@ def run(mode: str, args: argparse.Namespace) -> dict[str, Any]:
         tokens = [list(output.outputs[0].token_ids) for output in outputs]
         num_cached_tokens = sum(output.num_cached_tokens or 0 for output in outputs)
     # NOTE: while the workers still serve: their services stop when the engine shuts down.
-    metrics = scrape_rank_metrics(args.tp) if WORKERS[mode] != WORKERS["plain"] else []
+    metrics = (
+        scrape_rank_metrics(args.tp, args.metrics_at) if WORKERS[mode] != WORKERS["plain"] else []
+    )
     llm.llm_engine.engine_core.shutdown()
     scheduler = read_report(run_dir)  # written when the last request finished
     waits = os.path.join(run_dir, "worker0_waits.json")  # weighted_workers.WAITS_NAME
@@ -359,9 +366,10 @@ async def run_data_parallel(mode: str, args: argparse.Namespace) -> dict[str, An
     }
 
 
-def scrape_rank_metrics(num_ranks: int) -> list[dict[str, Any]]:
+def scrape_rank_metrics(num_ranks: int, targets: list[str] | None = None) -> list[dict[str, Any]]:
     """Each rank's kvdefrag metrics, when ``KVDEFRAG_METRICS_PORT`` is set: rank ``i`` (local
-    rank ``i`` here, one host) serves on that port + ``i``. Per rank: the port and its
+    rank ``i`` here, one host) serves on that port + ``i``, or at ``targets[i]``
+    (``--metrics-at HOST:PORT,...``: ranks on several hosts). Per rank: the port and its
     ``kvdefrag_*`` samples (``name{labels}`` -> value); none when the variable is unset.
 
     NOTE: the engine core may still send one step after the last output returns (the one
@@ -375,7 +383,11 @@ def scrape_rank_metrics(num_ranks: int) -> list[dict[str, Any]]:
     host = os.environ.get("KVDEFRAG_METRICS_HOST", "").strip() or "127.0.0.1"
     deadline = time.monotonic() + 10.0
     while True:
-        scraped = [_scrape(host, int(base) + local_rank) for local_rank in range(num_ranks)]
+        scraped = (
+            [_scrape(*target.rsplit(":", 1)) for target in targets]
+            if targets
+            else [_scrape(host, int(base) + local_rank) for local_rank in range(num_ranks)]
+        )
         steps = {
             value
             for rank in scraped
@@ -387,9 +399,10 @@ def scrape_rank_metrics(num_ranks: int) -> list[dict[str, Any]]:
         time.sleep(0.2)
 
 
-def _scrape(host: str, port: int) -> dict[str, Any]:
+def _scrape(host: str, port: int | str) -> dict[str, Any]:
     import urllib.request
 
+    port = int(port)
     with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=10) as response:
         text = response.read().decode()
     samples = {}

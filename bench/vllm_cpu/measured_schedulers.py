@@ -39,8 +39,12 @@ def write_report(report: dict[str, Any], parallel_config: Any) -> None:
     """Writes ``report`` as ``scheduler.json`` in the engine's run directory."""
     run_dir = engine_run_dir(parallel_config, load_integration_config().run_dir)
     os.makedirs(run_dir, mode=0o700, exist_ok=True)
-    with open(os.path.join(run_dir, REPORT_NAME), "w") as file:
+    path = os.path.join(run_dir, REPORT_NAME)
+    partial = f"{path}.{os.getpid()}"
+    with open(partial, "w") as file:
         json.dump(report, file)
+    # NOTE: replaced whole: an engine core stopped while writing leaves the last report
+    os.replace(partial, path)
 
 
 class MeasuredScheduler(Scheduler):  # type: ignore[misc]

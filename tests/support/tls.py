@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+from collections.abc import Sequence
 from pathlib import Path
 
 OPENSSL = shutil.which("openssl")
@@ -16,14 +17,18 @@ def _openssl(*args: str | Path) -> None:
     subprocess.run([OPENSSL, *map(str, args)], check=True, capture_output=True, timeout=60)
 
 
-def make_certificates(directory: Path) -> dict[str, Path]:
-    """A CA, and a server (localhost) and a client certificate signed by it."""
+def make_certificates(
+    directory: Path, server_ips: Sequence[str] = ("127.0.0.1",)
+) -> dict[str, Path]:
+    """A CA, and a server (localhost and ``server_ips``) and a client certificate signed
+    by it."""
     key = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
     ca, ca_key = directory / "ca.pem", directory / "ca.key"
     _openssl("req", "-x509", *key, "-keyout", ca_key, "-out", ca, "-days", "1",
              "-subj", "/CN=kvdefrag test CA")  # fmt: skip
     extensions = directory / "san.ext"
-    extensions.write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
+    names = ",".join(["DNS:localhost", *(f"IP:{ip}" for ip in server_ips)])
+    extensions.write_text(f"subjectAltName={names}\n")
     paths = {"ca": ca}
     for name in ("server", "client"):
         csr = directory / f"{name}.csr"

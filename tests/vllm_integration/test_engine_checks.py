@@ -45,7 +45,11 @@ REFUSED = [
     ({"kv_transfer_config": object()}, "drop --kv-transfer-config or kvdefrag"),
     (
         {"distributed_executor_backend": "external_launcher", "data_parallel_size": 2},
-        "data parallelism under an external launcher",
+        "external launcher with more than one rank.*--distributed-executor-backend mp or ray",
+    ),
+    (
+        {"distributed_executor_backend": "external_launcher", "world_size": 2},
+        "every rank's process runs its own scheduler",
     ),
 ]
 """Each configuration kvdefrag refuses, and what the message must say."""
@@ -63,6 +67,8 @@ def test_tensor_data_and_pipeline_parallelism_are_served() -> None:
     check_engine_config(engine_config(data_parallel_size=2))
     check_engine_config(engine_config(pipeline_parallel_size=4))
     check_engine_config(engine_config(distributed_executor_backend="ray"))
+    for backend in ("uni", "mp", "ray", "external_launcher"):  # one rank: one scheduler
+        check_engine_config(engine_config(distributed_executor_backend=backend))
     check_engine_config(None)
 
 

@@ -196,6 +196,28 @@ def test_the_mixin_serves_the_rank_holds_kv_lock_and_stops_on_shutdown(
     assert not (run_dir / "rank1.sock").exists()
 
 
+def test_a_step_that_bypasses_the_worker_is_refused_by_the_runner(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An executor calling the model runner directly (as vLLM 0.32's legacy Ray executor
+    does) gets an error at its first step, not wrong tokens; through the worker it runs."""
+    monkeypatch.setenv("KVDEFRAG_VLLM_RUN_DIR", str(tmp_path / "run"))
+    worker = _Worker(rank=0)
+    ran: list[Any] = []
+    worker.model_runner.execute_model = lambda output: ran.append(output) or output  # type: ignore[attr-defined]
+    monkeypatch.setattr(
+        _FakeVllmWorker, "execute_model", lambda self, out: self.model_runner.execute_model(out)
+    )
+    worker.initialize_from_config(_kv_cache_config())
+    output = _output()
+    with pytest.raises(UnsupportedByKvdefrag, match="calls the runner directly"):
+        worker.model_runner.execute_model(output)
+    assert ran == []
+    assert worker.execute_model(output) is output
+    assert ran == [output]
+    worker.shutdown()
+
+
 def test_a_pass_holds_kv_lock_from_execute_model_through_sample_tokens(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -668,6 +690,8 @@ def _refused_config(setting: str, monkeypatch: pytest.MonkeyPatch) -> SimpleName
         parallel.distributed_executor_backend = "ray"
         monkeypatch.setenv(setting, "0")
         monkeypatch.setattr(_engine_checks, "has_legacy_ray_executor", lambda: True)
+    elif setting == "external_launcher":
+        parallel.distributed_executor_backend = "external_launcher"
     elif setting in ("KVDEFRAG_METRICS_PORT", "KVDEFRAG_VLLM_TCP_PORT"):
         monkeypatch.setenv(setting, "65534")  # DP rank 1 x 2 ranks + local rank 1: 65537
     else:
@@ -682,6 +706,7 @@ EARLY_REFUSALS = {
     "kv_transfer_config": (UnsupportedByKvdefrag, "drop --kv-transfer-config"),
     "speculative_config": (UnsupportedByKvdefrag, "method 'eagle'"),
     "VLLM_USE_RAY_V2_EXECUTOR_BACKEND": (UnsupportedByKvdefrag, "Unset VLLM_USE_RAY_V2"),
+    "external_launcher": (UnsupportedByKvdefrag, "--distributed-executor-backend mp or ray"),
     "KVDEFRAG_METRICS_PORT": (InvalidArgument, "choose KVDEFRAG_METRICS_PORT at most 65532"),
     "KVDEFRAG_VLLM_TCP_PORT": (BadSetting, "choose KVDEFRAG_VLLM_TCP_PORT in 1..65532"),
 }

@@ -245,7 +245,11 @@ def test_data_parallel_2_each_engine_steps_its_own_rank_and_generates_what_vllm_
     metrics = defrag["metrics"]
     assert [scraped["port"] - metrics[0]["port"] for scraped in metrics] == [0, 1]
     for dp_rank, scraped in enumerate(metrics):
-        assert scraped["samples"][f'kvdefrag_steps_total{{dp_rank="{dp_rank}",rank="0"}}'] > 0
+        samples = scraped["samples"]
+        assert samples[f'kvdefrag_steps_total{{dp_rank="{dp_rank}",rank="0"}}'] > 0
+        # blocks moved in every engine, each by its own scheduler
+        moved = [v for k, v in samples.items() if k.startswith("kvdefrag_moved_blocks_total")]
+        assert sum(moved) > 0, (dp_rank, samples)
 
 
 def test_workers_in_their_own_processes_wait_for_the_step_in_flight(root: str) -> None:

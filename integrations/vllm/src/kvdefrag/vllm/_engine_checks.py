@@ -62,8 +62,9 @@ def check_engine_config(vllm_config: object) -> None:
 
     Raises:
         UnsupportedByKvdefrag: Decode/prefill context parallelism, a KV connector,
-            vLLM's legacy Ray executor, or data or pipeline parallelism under an external
-            launcher; the message names the setting and what to do instead.
+            vLLM's legacy Ray executor, or an external launcher with more than one rank
+            (tensor, pipeline or data parallel); the message names the setting and what
+            to do instead.
     """
     parallel = getattr(vllm_config, "parallel_config", None)
     if (
@@ -101,12 +102,18 @@ def check_engine_config(vllm_config: object) -> None:
             f"no longer are. Unset {RAY_V2_ENV} (or set it to 1) for RayExecutorV2, or use "
             "--distributed-executor-backend mp."
         )
-    if (
-        getattr(parallel, "distributed_executor_backend", None) == "external_launcher"
-        and int(getattr(parallel, "data_parallel_size", 1)) > 1
+    if getattr(parallel, "distributed_executor_backend", None) == "external_launcher" and (
+        int(getattr(parallel, "world_size", 1)) > 1
+        or int(getattr(parallel, "data_parallel_size", 1)) > 1
     ):
+        # NOTE: under an external launcher every rank's process builds an engine core and
+        # a scheduler of its own (vLLM 0.33 ``v1/executor/uniproc_executor.py``,
+        # ``ExecutorWithExternalLauncher``: the schedulers agree by determinism); a rank's
+        # kvdefrag service takes one scheduler's session, so the second one would fail
+        # after the model loaded.
         raise UnsupportedByKvdefrag(
-            "kvdefrag does not support data parallelism under an external launcher (every "
-            "DP rank's process shares one world of ranks): drop --data-parallel-size or "
-            "launch with vllm serve --data-parallel-size."
+            "kvdefrag cannot serve vLLM's external launcher with more than one rank (every "
+            "rank's process runs its own scheduler, and a rank's kvdefrag service follows "
+            "one scheduler): launch with vllm serve and --distributed-executor-backend mp "
+            "or ray, or drop kvdefrag."
         )

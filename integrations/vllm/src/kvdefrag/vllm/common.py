@@ -9,15 +9,17 @@ alone:
   on several hosts), on ``HOST:PORT+offset`` (``rank_port_offset``) with TLS from the
   ``KVDEFRAG_TLS_*`` variables, and proves a secret of its own (``IdentityService``). Once
   every rank serves, the workers gather their addresses and secrets over vLLM's own world
-  process group and rank 0 writes them to ``<run dir>/ranks.json`` (0600); the scheduler,
-  built on rank 0's host after the KV caches exist, reads that file and checks each rank's
-  proof before it trusts the address. The run directory comes from
-  ``KVDEFRAG_VLLM_RUN_DIR`` (set it once for ``vllm serve``; every process of the engine
-  inherits it): it must be this user's and unreachable by group and others (created 0700 if
-  missing), and no file in it is written or read through a link (``_run_dir``;
-  ``UnsafeRunDir`` otherwise). Under data parallelism every DP engine has a scheduler and
-  ranks of its own, so each gets a run directory of its own (``engine_run_dir``: DP engine
-  ``k > 0`` in ``<run dir>/dp<k>``) and ports of its own (``rank_port_offset``).
+  process group and rank 0 writes them to ``<run dir>/ranks.json`` (0600), and under vLLM's
+  Ray executor also to Ray's key-value store (``_rank_directory``); the scheduler, built
+  after the KV caches exist, reads that file on rank 0's host (or, under Ray, the store,
+  wherever Ray placed rank 0) and checks each rank's proof before it trusts the address.
+  The run directory comes from ``KVDEFRAG_VLLM_RUN_DIR`` (set it once for ``vllm serve``;
+  every process of the engine inherits it): it must be this user's and unreachable by group
+  and others (created 0700 if missing), and no file in it is written or read through a
+  link (``_run_dir``; ``UnsafeRunDir`` otherwise). Under data parallelism every DP engine
+  has a scheduler and ranks of its own, so each gets a run directory of its own
+  (``engine_run_dir``: DP engine ``k > 0`` in ``<run dir>/dp<k>``) and ports of its own
+  (``rank_port_offset``).
 * **The step stamp**: the step planned with an output, with its events, which a worker
   gets applied before it translates that output (``attach_step_stamp`` /
   ``read_step_stamp``).
@@ -165,11 +167,7 @@ def publish_ranks(run_dir: str, ranks: Sequence[PublishedRank]) -> None:
     Raises:
         UnsafeRunDir: The run directory is not private (see ``ensure_run_dir``).
     """
-    document = {
-        "addresses": [rank.address for rank in ranks],
-        "secrets": [rank.secret.hex() for rank in ranks],
-    }
-    write_private_file(run_dir, RANKS_FILE, json.dumps(document).encode())
+    write_private_file(run_dir, RANKS_FILE, _encoded_ranks(ranks))
 
 
 def published_ranks(run_dir: str, world_size: int) -> list[PublishedRank]:
@@ -183,31 +181,52 @@ def published_ranks(run_dir: str, world_size: int) -> list[PublishedRank]:
     """
     path = os.path.join(run_dir, RANKS_FILE)
     try:
-        document = json.loads(read_private_file(run_dir, RANKS_FILE))
+        data = read_private_file(run_dir, RANKS_FILE)
     except FileNotFoundError:
         raise StartupRefused(
             f"kvdefrag: {path} does not exist: rank 0's worker writes it when the KV caches "
             "are bound; run the workers with --worker-cls "
             f"kvdefrag.vllm.worker.DefragWorker and the same {RUN_DIR_ENV}"
         ) from None
+    return _decoded_ranks(data, world_size, path)
+
+
+def _encoded_ranks(ranks: Sequence[PublishedRank]) -> bytes:
+    """The rank list as rank 0 publishes it (``ranks.json``, or Ray's key-value store)."""
+    document = {
+        "addresses": [rank.address for rank in ranks],
+        "secrets": [rank.secret.hex() for rank in ranks],
+    }
+    return json.dumps(document).encode()
+
+
+def _decoded_ranks(data: bytes, world_size: int, where: str) -> list[PublishedRank]:
+    """``_encoded_ranks``'s rank list, checked; ``where`` names it in the messages.
+
+    Raises:
+        StartupRefused: Not such a list, one for another number of ranks, or one without a
+            valid secret for every rank.
+    """
+    try:
+        document = json.loads(data)
     except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth
         document = None
     addresses = document.get("addresses") if isinstance(document, dict) else None
     secrets = document.get("secrets") if isinstance(document, dict) else None
     if not isinstance(addresses, list) or not all(isinstance(a, str) for a in addresses):
         raise StartupRefused(
-            f"kvdefrag: {path} is not a rank list written by kvdefrag's rank 0: remove it "
+            f"kvdefrag: {where} is not a rank list written by kvdefrag's rank 0: remove it "
             "and restart vLLM"
         )
     if len(addresses) != world_size:
         raise StartupRefused(
-            f"kvdefrag: {path} lists {len(addresses)} rank addresses, the engine has "
+            f"kvdefrag: {where} lists {len(addresses)} rank addresses, the engine has "
             f"{world_size} ranks: is {RUN_DIR_ENV} shared with another engine?"
         )
     decoded = _decoded_secrets(secrets, world_size)
     if decoded is None:
         raise StartupRefused(
-            f"kvdefrag: {path} has no identity secret for every rank (written by an older "
+            f"kvdefrag: {where} has no identity secret for every rank (written by an older "
             "kvdefrag worker, or not by rank 0): run every worker with this kvdefrag "
             "version and restart vLLM"
         )

@@ -39,8 +39,9 @@ from typing import Any
 from kvdefrag.vllm._bridge import ParkedBlocks, SchedulerBridge, changes_from_output
 from kvdefrag.vllm._engine_checks import check_engine_config
 from kvdefrag.vllm._gaudi_scheduler import check_gaudi_scheduler
+from kvdefrag.vllm._rank_directory import rank_directory
 from kvdefrag.vllm._ranks import RankGroup, connect_ranks
-from kvdefrag.vllm.common import PublishedRank, client_tls, engine_run_dir, published_ranks
+from kvdefrag.vllm.common import PublishedRank, client_tls, engine_run_dir
 from kvdefrag.vllm.config import IntegrationConfig, load_integration_config
 from kvdefrag.vllm.errors import StartupRefused, UnsupportedByKvdefrag
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -157,18 +158,20 @@ class DefragScheduler(Scheduler):  # type: ignore[misc]
         )
 
     def kvdefrag_ranks(self) -> list[PublishedRank]:
-        """Every rank's address and identity secret, as rank 0's worker published them in
-        this engine's run directory (``engine_run_dir``: a data-parallel engine reads its
-        own, so it steps only its own ranks; override to find them elsewhere); each is
-        verified before use.
+        """Every rank's address and identity secret, as rank 0's worker published them for
+        this engine (``_rank_directory.rank_directory``: ``ranks.json`` in its run
+        directory, or Ray's key-value store under Ray, wherever Ray placed rank 0; a
+        data-parallel engine reads its own, so it steps only its own ranks; override to
+        find them elsewhere); each is verified before use.
 
         Raises:
             UnsafeRunDir: The run directory or ``ranks.json`` is not private.
-            StartupRefused: ``ranks.json`` is missing or not for this engine's ranks.
+            StartupRefused: No record of this engine's ranks (within a bounded wait under
+                Ray), or one not for this engine's ranks.
         """
         parallel_config = self.vllm_config.parallel_config
         run_dir = engine_run_dir(parallel_config, self.kvdefrag_config.run_dir)
-        return published_ranks(run_dir, parallel_config.world_size)
+        return rank_directory(parallel_config, run_dir).ranks(parallel_config.world_size)
 
     def _kvdefrag_is_cached(self, block_id: int) -> bool:
         block = self._kvdefrag_pool[block_id]

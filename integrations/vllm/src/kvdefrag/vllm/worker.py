@@ -12,7 +12,8 @@ Once vLLM has allocated the KV caches (``initialize_from_config``), the worker b
 ``KVDEFRAG_VLLM_RUN_DIR`` (``<run dir>/dp<k>`` for data-parallel engine ``k > 0``; or on
 TCP, see ``kvdefrag.vllm.common``). What the configuration alone decides is refused
 earlier, in ``init_device``, before the model loads. The ranks then gather their addresses
-over vLLM's world group and rank 0 publishes them in the run directory, where
+over vLLM's world group and rank 0 publishes them in the engine's rank directory
+(``_rank_directory``: the run directory, or Ray's key-value store under Ray), where
 ``DefragScheduler`` reads them. It holds the service's ``kv_lock`` during every
 ``execute_model`` (the engine moves KV data only while holding it) and stops the service in
 ``shutdown``. Before each forward pass it waits for the step planned with the output (its
@@ -48,6 +49,7 @@ from kvdefrag.server.config import EngineConfig, ServiceConfig, load_config
 from kvdefrag.vllm._engine_checks import check_engine_config
 from kvdefrag.vllm._kv_binding import bind_vllm_kv_caches
 from kvdefrag.vllm._pass import PassTarget, RunnerPass, wait_for_planned_step
+from kvdefrag.vllm._rank_directory import rank_directory
 from kvdefrag.vllm._runner_rows import (
     BlockIdTranslator,
     Remap,
@@ -61,7 +63,6 @@ from kvdefrag.vllm.common import (
     engine_run_dir,
     ensure_run_dir,
     map_block_ids,
-    publish_ranks,
     rank_address,
     rank_port_offset,
     uses_v2_model_runner,
@@ -273,6 +274,7 @@ class DefragWorkerMixin:
             self.kvdefrag_step_wait_s,
             target,
         )
+        _guard_runner(self, self.kvdefrag_pass)
         self.kvdefrag_handle = handle
 
     def kvdefrag_pass_target(self, handle: ServerHandle, num_blocks: int) -> PassTarget:
@@ -425,7 +427,8 @@ class DefragWorkerMixin:
             )
             ranks = _gather_ranks(mine, int(worker.parallel_config.world_size), failure)
             if rank == 0:
-                publish_ranks(self.kvdefrag_run_dir(), ranks)
+                parallel_config = getattr(self, "parallel_config", None)
+                rank_directory(parallel_config, self.kvdefrag_run_dir()).publish(ranks)
         except BaseException:
             if handle is not None:
                 handle.stop(grace_s=0)
@@ -478,6 +481,35 @@ class DefragWorkerMixin:
             "" if handle.metrics_port is None else f", metrics on port {handle.metrics_port}",
         )
         return handle
+
+
+def _guard_runner(worker: Any, step: RunnerPass) -> None:
+    """Makes the model runner refuse a step run outside the worker's pass.
+
+    NOTE: an executor that calls the runner directly, not the worker (vLLM 0.32's legacy
+    Ray executor does, ``v1/executor/ray_utils.py:124-170``), would run forward passes
+    without the wait, ``kv_lock`` and the translation: it would read moved blocks at their
+    old places and generate wrong tokens without an error. The executors kvdefrag knows of
+    are served or refused from the configuration before the model loads
+    (``check_engine_config``); this stops any other one at its first step instead.
+    """
+    runner = getattr(worker, "model_runner", None)
+    run = getattr(runner, "execute_model", None)
+    if runner is None or runner is worker or not callable(run):
+        return
+    rank = int(worker.rank)
+
+    def execute_model(*args: Any, **kwargs: Any) -> Any:
+        if not step.is_open:
+            raise UnsupportedByKvdefrag(
+                f"kvdefrag: rank {rank}'s model runner was asked to run a step outside the "
+                "worker's execute_model: this executor calls the runner directly, so the "
+                "step would read KV blocks where they no longer are. Use vLLM's mp or ray "
+                "(RayExecutorV2) executor, which call the worker, or drop kvdefrag."
+            )
+        return run(*args, **kwargs)
+
+    runner.execute_model = execute_model
 
 
 def _metrics_config_for_rank(service_config: ServiceConfig, port_offset: int) -> ServiceConfig:
