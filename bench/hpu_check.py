@@ -34,6 +34,7 @@ having no ``index_copy_`` for float8), as the test suite does.
 from __future__ import annotations
 
 import importlib.util
+import os
 import random
 import sys
 import types
@@ -264,6 +265,7 @@ def check_split_order(device: torch.device, num_blocks: int = 256) -> int:
     from kvdefrag.client import DefragClient
     from kvdefrag.server import EngineConfig, ServiceConfig, serve_in_process
     from kvdefrag.vllm.common import StepStamp, attach_step_stamp
+    from kvdefrag.vllm.config import RUN_DIR_ENV
     from kvdefrag.vllm.gaudi import DefragHPUWorkerMixin
 
     layers = gaudi_layers(
@@ -277,6 +279,7 @@ def check_split_order(device: torch.device, num_blocks: int = 256) -> int:
         rows[block] = float(block)  # block b's signature: its logical id (identity mapping)
     worker_cls = type("SplitWorker", (DefragHPUWorkerMixin, _SplitWorker), {})
     with tempfile.TemporaryDirectory() as run_dir:
+        os.environ[RUN_DIR_ENV] = run_dir  # the worker reads its settings as in vLLM
         handle = serve_in_process(
             bind_vllm_kv_caches(layers, num_blocks, BLOCK_SIZE),
             BLOCK_SIZE,
