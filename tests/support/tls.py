@@ -39,3 +39,19 @@ def make_certificates(
                  "-out", cert, "-days", "1", "-extfile", extensions)  # fmt: skip
         paths[name], paths[f"{name}_key"] = cert, directory / f"{name}.key"
     return paths
+
+
+def vllm_mtls_settings(paths: dict[str, Path]) -> dict[str, str]:
+    """The TLS variables of a vLLM engine whose ranks serve TCP with mutual TLS: each rank's
+    service certificate and the CA it asks clients for, and the scheduler's client
+    certificate and the CA it trusts (``paths`` from ``make_certificates``)."""
+    from kvdefrag.vllm.config import CLIENT_TLS_ENV
+
+    return {
+        "KVDEFRAG_TLS_CERT_FILE": str(paths["server"]),
+        "KVDEFRAG_TLS_KEY_FILE": str(paths["server_key"]),
+        "KVDEFRAG_TLS_CLIENT_CA_FILE": str(paths["ca"]),
+        CLIENT_TLS_ENV["root_certificates"]: str(paths["ca"]),
+        CLIENT_TLS_ENV["certificate_chain"]: str(paths["client"]),
+        CLIENT_TLS_ENV["private_key"]: str(paths["client_key"]),
+    }

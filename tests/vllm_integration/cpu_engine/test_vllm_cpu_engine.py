@@ -32,10 +32,10 @@ from typing import Any
 import pytest
 
 from kvdefrag.vllm.common import RANKS_FILE
-from kvdefrag.vllm.config import CLIENT_TLS_ENV, TCP_HOST_ENV, TCP_PORT_ENV
+from kvdefrag.vllm.config import TCP_HOST_ENV, TCP_PORT_ENV
 from kvdefrag.vllm.worker import DefragWorkerMixin
 
-from support.tls import make_certificates
+from support.tls import make_certificates, vllm_mtls_settings
 
 pytestmark = pytest.mark.slow
 
@@ -118,12 +118,7 @@ def _tcp_mtls_environment(folder: Path) -> dict[str, str]:
     return {
         TCP_HOST_ENV: "127.0.0.1",
         TCP_PORT_ENV: str(base),
-        "KVDEFRAG_TLS_CERT_FILE": os.fspath(paths["server"]),
-        "KVDEFRAG_TLS_KEY_FILE": os.fspath(paths["server_key"]),
-        "KVDEFRAG_TLS_CLIENT_CA_FILE": os.fspath(paths["ca"]),
-        CLIENT_TLS_ENV["root_certificates"]: os.fspath(paths["ca"]),
-        CLIENT_TLS_ENV["certificate_chain"]: os.fspath(paths["client"]),
-        CLIENT_TLS_ENV["private_key"]: os.fspath(paths["client_key"]),
+        **vllm_mtls_settings(paths),
     }
 
 

@@ -32,10 +32,10 @@ from typing import Any
 import pytest
 
 from kvdefrag.vllm.common import RANKS_FILE
-from kvdefrag.vllm.config import CLIENT_TLS_ENV, RAY_ENV_PREFIXES_ENV, TCP_PORT_ENV
+from kvdefrag.vllm.config import RAY_ENV_PREFIXES_ENV, TCP_PORT_ENV
 
 from support.ray_cluster import ROOT, RayCluster, free_port_range, node_environment
-from support.tls import make_certificates
+from support.tls import make_certificates, vllm_mtls_settings
 
 pytestmark = pytest.mark.slow
 
@@ -92,15 +92,7 @@ def start(cluster: RayCluster, root: Path, layout: Layout) -> dict[str, str]:
         certs = root / "certs"
         certs.mkdir()
         paths = make_certificates(certs, server_ips=(HEAD, OTHER))
-        env |= {
-            TCP_PORT_ENV: str(free_port_range(2, HEAD)),
-            "KVDEFRAG_TLS_CERT_FILE": os.fspath(paths["server"]),
-            "KVDEFRAG_TLS_KEY_FILE": os.fspath(paths["server_key"]),
-            "KVDEFRAG_TLS_CLIENT_CA_FILE": os.fspath(paths["ca"]),
-            CLIENT_TLS_ENV["root_certificates"]: os.fspath(paths["ca"]),
-            CLIENT_TLS_ENV["certificate_chain"]: os.fspath(paths["client"]),
-            CLIENT_TLS_ENV["private_key"]: os.fspath(paths["client_key"]),
-        }
+        env |= {TCP_PORT_ENV: str(free_port_range(2, HEAD)), **vllm_mtls_settings(paths)}
     env["KVDEFRAG_METRICS_PORT"] = str(free_port_range(2, HEAD))
     cluster.start_head(HEAD, layout.head_devices, {})
     if layout.other_devices:
