@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
+import platform
 import signal
 import subprocess
 import sys
@@ -146,3 +148,34 @@ def test_server_process_refuses_plain_text_on_a_public_address() -> None:
     )
     assert result.returncode == 1
     assert "not a loopback address" in result.stderr and "--insecure" in result.stderr
+
+
+def send_signal_to_thread(pid: int, tid: int, signum: int) -> None:
+    """tgkill(2): hands the signal to one thread, as the kernel may do with a plain kill."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.syscall(_SYS_TGKILL, pid, tid, signum) != 0:
+        raise OSError(ctypes.get_errno(), f"tgkill({pid}, {tid}) failed")
+
+
+# The tgkill syscall number on the architectures CI runs on.
+_SYS_TGKILL = {"x86_64": 234, "aarch64": 131}[platform.machine()]
+
+
+@pytest.mark.timeout(120)
+def test_sigterm_delivered_to_another_thread_still_stops_the_server(
+    server_process: tuple[subprocess.Popen[str], str],
+) -> None:
+    process, address = server_process
+    assert process.stdout is not None
+    assert f"listening on {address}" in process.stdout.readline()
+    with grpc.insecure_channel(address) as channel:
+        pb_grpc.DefragServiceStub(channel).GetStats(pb.GetStatsRequest(), timeout=10)
+    others = sorted(int(tid) for tid in os.listdir(f"/proc/{process.pid}/task"))
+    others.remove(process.pid)
+    assert others, "the server runs gRPC threads besides its main thread"
+
+    send_signal_to_thread(process.pid, others[-1], signal.SIGTERM)
+    stdout, _ = process.communicate(timeout=60)
+
+    assert process.returncode == 0
+    assert "stopped" in stdout

@@ -59,6 +59,10 @@ class Options:
     grace_s: float
 
 
+# How often the main thread wakes to run a signal handler that arrived on another thread.
+_SIGNAL_POLL_S = 0.2
+
+
 def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -232,7 +236,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             flush=True,
         )
     print(poke_commands(handle.address, handle.metrics_port), flush=True)
-    stop_requested.wait()
+    # Wait in slices, not in one untimed wait: the kernel may hand SIGTERM to one of
+    # gRPC's threads, and then nothing interrupts the main thread's lock wait, so the
+    # Python handler would only run when the wait ends on its own, which is never.
+    while not stop_requested.wait(_SIGNAL_POLL_S):
+        pass
     print("kvdefrag-server: stopping", flush=True)
     handle.stop(options.grace_s)
     print("kvdefrag-server: stopped", flush=True)
