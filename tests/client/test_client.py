@@ -311,7 +311,7 @@ def test_client_refuses_a_server_another_writer_stepped_until_it_rebuilds(
             state = server_state(pool)
             before = client_state(client)
 
-            with pytest.raises(MirrorDiverged, match="server expects seq 3 but this client is at"):
+            with pytest.raises(MirrorDiverged, match="seq 2 was applied with other events"):
                 client.step(StepEvents(new_blocks={"b": [8]}))
             with pytest.raises(MirrorDiverged):
                 client.resolve([5])  # a stale mirror is not used

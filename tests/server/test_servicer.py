@@ -154,7 +154,7 @@ def test_stream_applies_in_order_and_replays_a_resent_seq(harness: Harness) -> N
     assert dict(zip(first.logical_block_ids, first.physical_block_ids, strict=True))[5] == 1
     before = snapshot(stub)
 
-    replay = stream.step(seq=1, new_blocks=[blocks("ignored", [40])])
+    replay = stream.step(seq=1, new_blocks=[blocks("a", [5, 9])])
 
     assert replay.replayed
     replay.replayed = False
@@ -162,6 +162,30 @@ def test_stream_applies_in_order_and_replays_a_resent_seq(harness: Harness) -> N
     assert snapshot(stub) == before
     assert before[0].next_seq == 3 and before[0].digest == second.digest
     assert stream.step(seq=3).seq == 3
+
+
+def test_a_resend_with_other_events_than_were_applied_is_refused(harness: Harness) -> None:
+    handle = harness.serve(threshold=0)
+    stub = harness.stub(handle)
+    stream = harness.stream(handle)
+    stream.open()
+    stream.step(seq=1, new_blocks=[blocks("a", [5, 9])])
+    before = snapshot(stub)
+
+    details = expect_error(
+        lambda: stream.step(seq=1, new_blocks=[blocks("a", [5, 40])]),
+        FAILED_PRECONDITION,
+        "OutOfOrder",
+    )
+
+    assert "seq 1 was applied with other events" in details and "expected seq 2" in details
+    after = snapshot(stub)
+    assert (after[0].next_seq, after[0].digest, after[0].stats) == (
+        before[0].next_seq,
+        before[0].digest,
+        before[0].stats,
+    )
+    assert after[1] == before[1]
 
 
 def test_seq_gap_is_refused_naming_the_expected_seq(harness: Harness) -> None:
@@ -184,7 +208,7 @@ def test_seq_no_longer_cached_is_refused(harness: Harness) -> None:
     stub = harness.stub(handle)
     for seq in range(1, 5):
         stub.Step(pb.StepRequest(seq=seq, new_blocks=[blocks(f"r{seq}", [seq])]))
-    assert stub.Step(pb.StepRequest(seq=3)).replayed
+    assert stub.Step(pb.StepRequest(seq=3, new_blocks=[blocks("r3", [3])])).replayed
 
     details = expect_error(
         lambda: stub.Step(pb.StepRequest(seq=1)), FAILED_PRECONDITION, "OutOfOrder"

@@ -9,6 +9,7 @@ the scheduler's calls back.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -188,6 +189,40 @@ def test_a_stale_or_forged_step_on_an_output_is_refused_and_changes_nothing(
         assert _state(handle) == after_reset
         assert after_reset[2] == list(range(NUM_BLOCKS))
     assert _sample(ranks[0].registry, "kvdefrag_applied_steps_total", path="in_process") == 0
+
+
+def _stream_noticed_the_cut(client: DefragClient) -> bool:
+    stream = client._session._stream
+    return stream is None or not stream.is_idle_and_open
+
+
+@pytest.mark.parametrize("keep_mirror", [False, True], ids=["rank-client", "mirror"])
+def test_a_step_a_worker_applied_before_the_stream_broke_is_completed_after_reconnecting(
+    ranks: list[_Rank], held_up: SocketProxy, keep_mirror: bool
+) -> None:
+    rank = ranks[0]
+    with DefragClient(held_up.address, timeout_s=10, keep_mirror=keep_mirror) as client:
+        client.step(STEPS[0])
+        stamp = StepStamp(((client.epoch, client.next_seq),), STEPS[1])
+        wait_for_planned_step(rank.handle, 0, _stamped(stamp), STEP_WAIT_S)  # the worker first
+        applied = _state(rank.handle)
+        held_up.cut()  # the stream breaks before the scheduler's call for that step leaves
+        deadline = time.monotonic() + 10
+        while not _stream_noticed_the_cut(client):
+            assert time.monotonic() < deadline, "the client never noticed the cut"
+            time.sleep(0.01)
+
+        reply = client.step(STEPS[1])  # reopens one seq behind the server: its own step
+
+        assert (reply.seq, reply.replayed) == (2, True)
+        assert reply.digest == rank.handle._engine.digest
+        assert _state(rank.handle) == applied  # answered from the cache, not applied again
+        last = client.step(STEPS[2])
+        assert (last.seq, last.digest) == (3, rank.handle._engine.digest)
+        if keep_mirror:
+            assert client.audit(strict=True).is_consistent
+    assert _sample(rank.registry, "kvdefrag_applied_steps_total", path="in_process") == 1
+    assert _sample(rank.registry, "kvdefrag_replayed_steps_total") == 0
 
 
 def test_without_a_writer_session_a_pass_waits_for_the_call(ranks: list[_Rank]) -> None:

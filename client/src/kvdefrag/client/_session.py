@@ -41,6 +41,7 @@ from kvdefrag.common import (
     InvalidArgument,
     MessageTooLarge,
     MirrorDiverged,
+    OutOfOrder,
     ServiceUnavailable,
     SessionConflict,
     StepEvents,
@@ -65,12 +66,11 @@ class SessionSettings(Protocol):
 
 @dataclasses.dataclass
 class _PendingStep:
-    """A step whose reply has not arrived; ``is_sent`` once it went out on a stream."""
+    """A step whose reply has not arrived (it may have been applied already)."""
 
     seq: int
     events: StepEvents
     message: Any
-    is_sent: bool = False
 
 
 class StepSession:
@@ -263,7 +263,6 @@ class StepSession:
                 self._pending = None
                 raise
             stream.send(pending.message)
-            pending.is_sent = True
             try:
                 reply = stream.receive(deadline - time.monotonic())
             except ReplyTimeout:
@@ -453,11 +452,12 @@ class StepSession:
                     f"open session: server digest {info.digest:#018x} at seq "
                     f"{info.next_seq - 1}, mirror digest {mirror.digest:#018x}"
                 )
-        elif not (
-            self._pending is not None
-            and self._pending.is_sent
-            and info.next_seq == expected_seq + 1
-        ):
+        elif not (self._pending is not None and info.next_seq == expected_seq + 1):
+            # NOTE: one seq ahead with a step pending is that step applied, even if this
+            # client never got to send it: a vLLM worker applies the step its output
+            # carries (ServerHandle.apply_planned_step) as soon as it runs. The resend
+            # gets the cached reply; the server refuses it (OutOfOrder) if another
+            # writer's events were applied under that seq.
             raise self._diverged(
                 f"open session: the server expects seq {info.next_seq} but this client is "
                 f"at seq {expected_seq}: another writer changed the server's state"
@@ -495,6 +495,10 @@ class StepSession:
         if not isinstance(error, grpc.RpcError):
             return DefragError(f"{context}: the stream failed: {error!r}")
         mapped = _convert.defrag_error(error, context)
+        if isinstance(mapped, OutOfOrder):
+            # The server disagrees with the seq this client counted (another writer's
+            # step under it, or a seq it no longer caches): the mirror is stale.
+            return self._diverged(str(mapped))
         if isinstance(mapped, EpochMismatch):
             return self._epoch_error(str(mapped))
         if isinstance(mapped, EngineUnhealthy):

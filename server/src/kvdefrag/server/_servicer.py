@@ -174,6 +174,14 @@ class _StepInProgress:
     started_s: float
 
 
+@dataclasses.dataclass(frozen=True)
+class _AppliedStep:
+    """A step of this epoch in the replay cache: its events and the reply it got."""
+
+    events: StepEvents
+    response: Message
+
+
 class DefragServicer:
     """Serves ``kvdefrag.v1.DefragService`` on top of one engine.
 
@@ -212,7 +220,7 @@ class DefragServicer:
         # leaf, held only to publish or to check: wait_applied never waits behind a step.
         self._applied = (self._epoch, self._next_seq)
         self._progress = threading.Condition(threading.Lock())
-        self._replies: collections.OrderedDict[int, Message] = collections.OrderedDict()
+        self._replies: collections.OrderedDict[int, _AppliedStep] = collections.OrderedDict()
         # The seq a worker applied in process whose stream copy has not come yet (0: none).
         self._seq_applied_in_process = 0
         self._session: _Session | None = None
@@ -535,7 +543,7 @@ class DefragServicer:
                 is_applied = epoch == self._epoch and seq < self._next_seq
                 if not is_applied and self._admit(seq, epoch, session) is None:
                     self._check_reply_bound(events)
-                    self._reply(seq, self._apply(seq, events), path=APPLIED_IN_PROCESS)
+                    self._reply(seq, events, self._apply(seq, events), path=APPLIED_IN_PROCESS)
                     is_applied_here = True
         if self._metrics is not None:
             self._metrics.record_step_wait(time.monotonic() - started)
@@ -547,19 +555,19 @@ class DefragServicer:
         seq gets the reply it got then."""
         seq = request.seq
         with self._locked(f"step seq {seq}"):
-            replayed = self._admit(seq, request.epoch, session)
-            if replayed is not None:
-                return replayed
+            applied = self._admit(seq, request.epoch, session)
+            if applied is not None:
+                return self._replay(seq, applied, request)
             events = _convert.step_events(request)
             self._check_reply_bound(events)
-            return self._reply(seq, self._apply(seq, events))
+            return self._reply(seq, events, self._apply(seq, events))
 
-    def _admit(self, seq: int, epoch: int, session: _Session | None) -> Message | None:
+    def _admit(self, seq: int, epoch: int, session: _Session | None) -> _AppliedStep | None:
         """Whether ``session`` may apply step ``seq`` of ``epoch`` now (0: the current
         epoch); call it holding the servicer lock.
 
         Returns:
-            None for the next step; the cached reply for a seq applied already.
+            None for the next step; the cached step for a seq applied already.
 
         Raises:
             _ShuttingDown, SessionConflict, EpochMismatch, EngineUnhealthy, OutOfOrder:
@@ -605,12 +613,32 @@ class DefragServicer:
                 f"seq {seq} was applied and its reply is no longer cached (the last "
                 f"{self._replay_cache_size} are kept); expected seq {self._next_seq}"
             )
+        return cached
+
+    def _replay(self, seq: int, applied: _AppliedStep, request: Message) -> Message:
+        """Answers a call for the applied step ``seq`` with the reply it got then; call it
+        holding the servicer lock.
+
+        NOTE: the stream's copy of a step a worker applied first (from the same
+        scheduler's output) is not a resend. A resend must carry the events that were
+        applied: a client that reconnected finds the server one seq ahead and resends its
+        pending step, which may be another writer's step under that seq, not its own.
+
+        Raises:
+            OutOfOrder: A resend whose events differ from those applied at ``seq``.
+        """
         if seq == self._seq_applied_in_process:
-            # NOTE: the stream's copy of a step a worker applied first: not a resend.
             self._seq_applied_in_process = 0
-        elif self._metrics is not None:
-            self._metrics.record_replay()
-        return _convert.replayed_response(cached)
+        else:
+            if _convert.step_events(request) != applied.events:
+                raise OutOfOrder(
+                    f"seq {seq} was applied with other events than this resend of it carries "
+                    f"(another writer's step); the caller's state is stale; expected seq "
+                    f"{self._next_seq}"
+                )
+            if self._metrics is not None:
+                self._metrics.record_replay()
+        return _convert.replayed_response(applied.response)
 
     def _apply(self, seq: int, events: StepEvents) -> StepResult:
         """Applies the admitted step ``seq`` to the engine; call it holding the servicer
@@ -635,11 +663,13 @@ class DefragServicer:
         finally:
             self._in_progress = None
 
-    def _reply(self, seq: int, result: StepResult, *, path: str = APPLIED_BY_RPC) -> Message:
-        """Makes step ``seq``'s reply, caches it for resends and counts the seq applied
-        (and by which ``path``); call it holding the servicer lock."""
+    def _reply(
+        self, seq: int, events: StepEvents, result: StepResult, *, path: str = APPLIED_BY_RPC
+    ) -> Message:
+        """Makes step ``seq``'s reply, caches it with ``events`` for resends and counts the
+        seq applied (and by which ``path``); call it holding the servicer lock."""
         response = _convert.step_response(result, seq, self._epoch)
-        self._replies[seq] = response
+        self._replies[seq] = _AppliedStep(events, response)
         while len(self._replies) > self._replay_cache_size:
             self._replies.popitem(last=False)
         self._next_seq += 1
