@@ -556,9 +556,7 @@ class Side:
         # the caches alike; in vLLM it runs in another process.
         sent = pickle.loads(pickle.dumps(output))
         if isinstance(scheduler, DefragScheduler):
-            in_flight = scheduler.kvdefrag._in_flight
-            if in_flight is not None:
-                in_flight.result()
+            scheduler.kvdefrag.settle()
             if timed:
                 self.reply_s.append(clock() - scheduled)
                 inner_wall, inner_cpu = scheduler.inner_s

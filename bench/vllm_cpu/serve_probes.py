@@ -10,7 +10,7 @@ into ``$KVDEFRAG_VLLM_RUN_DIR`` as JSON for the benchmark to read:
   nothing else changed);
 * ``scheduler.json``, each time the last running request finishes: the kvdefrag
   scheduler's ``schedule()`` calls, steps sent, the time of each ``apply`` and how much
-  of it went to waiting for the previous step's replies (``settle``);
+  of it went to waiting for earlier steps' replies (``settle``);
 * ``worker<rank>_waits.jsonl``, a line every ``WAITS_EVERY`` passes: how long each pass
   waited for its step, and how long the pass then took before vLLM's runner started
   (``ProbedDefragWorker``, on vLLM's CPU worker; the last few passes may be missing).
@@ -85,18 +85,18 @@ class ProbedDefragScheduler(DefragScheduler):
         super().__init__(*args, **kwargs)
         _write_mode(self)
         self.num_schedules = 0
-        # How long each ``apply`` waited for the previous step's replies (``settle``).
+        # How long each ``apply`` waited for earlier steps' replies (``settle``).
         self.settle_durations_s: list[float] = []
-        settle = self.kvdefrag.settle
+        settle_down_to = self.kvdefrag._settle_down_to
 
-        def timed_settle() -> None:
+        def timed_settle(depth: int) -> None:
             started = time.perf_counter()
             try:
-                settle()
+                settle_down_to(depth)
             finally:
                 self.settle_durations_s.append(time.perf_counter() - started)
 
-        self.kvdefrag.settle = timed_settle  # type: ignore[method-assign]
+        self.kvdefrag._settle_down_to = timed_settle  # type: ignore[method-assign]
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         self.num_schedules += 1

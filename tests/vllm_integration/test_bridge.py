@@ -274,6 +274,7 @@ def test_every_output_carries_the_last_step_planned_and_stays_logical(serve: Ser
         bridge.apply(empty, changes_from_output(empty, None), lambda i: False)
         assert read_step_stamp(empty) == stamp  # no events, no step: the last one's stamp
         assert bridge.totals.num_steps == 1
+        bridge.settle()
         assert bridge.totals.last_reply is not None
         assert bridge.totals.last_reply.seq == 1
     finally:

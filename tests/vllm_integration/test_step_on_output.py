@@ -22,13 +22,15 @@ from prometheus_client import CollectorRegistry
 from kvdefrag.client import DefragClient
 from kvdefrag.common import EpochMismatch, InvalidArgument, ServiceUnavailable, StepEvents
 from kvdefrag.server import ServerHandle
+from kvdefrag.vllm._bridge import SchedulerBridge, changes_from_output
 from kvdefrag.vllm._pass import wait_for_planned_step
 from kvdefrag.vllm._ranks import RankGroup
-from kvdefrag.vllm.common import StepStamp, attach_step_stamp
+from kvdefrag.vllm.common import StepStamp, attach_step_stamp, read_step_stamp
 
 from support.kv import SignedKv
 from support.proxy import SocketProxy
 from support.server import Serve
+from support.vllm_output import NewRequestData, output
 
 NUM_BLOCKS = 64
 # Long enough for any step on a loaded machine; a pass that waited for a held-up call
@@ -236,3 +238,46 @@ def test_without_a_writer_session_a_pass_waits_for_the_call(ranks: list[_Rank]) 
         wait_for_planned_step(handle, 0, output, 0.2)
     assert _state(handle) == before
     assert np.array_equal(handle.resolve(), np.array(before[2]))
+
+
+def test_the_scheduler_sends_the_next_step_before_the_last_ones_replies_are_in(
+    ranks: list[_Rank], held_up: SocketProxy
+) -> None:
+    clients = [
+        DefragClient(held_up.address, client_name="rank0", keep_mirror=False),
+        DefragClient(ranks[1].handle.address, client_name="rank1", keep_mirror=False),
+    ]
+    bridge = SchedulerBridge(
+        RankGroup(clients), num_blocks=NUM_BLOCKS, block_size=16, prefix_caching=False
+    )
+    outputs = [
+        output(new=[NewRequestData("a", (list(range(40, 48)),), 0)]),
+        output(new=[NewRequestData("b", ([50, 51],), 0)]),
+        output(finished=["a"]),
+    ]
+    try:
+        held_up.mode = "stall"  # rank 0's calls leave, and go nowhere for now
+        for number, out in enumerate(outputs[:2], start=1):
+            bridge.apply(out, changes_from_output(out, None), lambda block_id: False)
+            stamp = read_step_stamp(out)
+            assert stamp is not None and [seq for _, seq in stamp.by_rank] == [number, number]
+            for rank_number, rank in enumerate(ranks):
+                wait_for_planned_step(rank.handle, rank_number, out, STEP_WAIT_S)
+        # Step 2 went out with step 1's reply from rank 0 still held up.
+        assert [step.done() for step in bridge._in_flight] == [False, False]
+
+        held_up.mode = "pass"
+        bridge.apply(outputs[2], changes_from_output(outputs[2], None), lambda block_id: False)
+        for rank_number, rank in enumerate(ranks):
+            wait_for_planned_step(rank.handle, rank_number, outputs[2], STEP_WAIT_S)
+        bridge.settle()
+
+        assert bridge.totals.last_reply is not None and bridge.totals.last_reply.seq == 3
+        assert len({rank.handle._engine.digest for rank in ranks}) == 1
+        for rank in ranks:
+            assert rank.handle.stats().totals.num_steps == 3
+            assert rank.handle._engine.list_requests() == {"b": [50, 51]}
+        assert _sample(ranks[0].registry, "kvdefrag_applied_steps_total", path="in_process") == 3
+    finally:
+        bridge.settle()
+        bridge.ranks.close()

@@ -15,7 +15,7 @@ from __future__ import annotations
 import hmac
 import secrets
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import grpc
 
@@ -148,6 +148,10 @@ def connect_ranks(
 class RankGroup:
     """The scheduler's clients to every rank's service, stepped in lockstep.
 
+    Each rank has one sending thread, so a rank's steps go out in the order they were
+    submitted, one at a time (its client's one pending step), while the caller may submit
+    the next step before the last one's replies came back.
+
     Invariant: after every successful ``step`` every rank's service is at the same digest
     of its live mapping, in the epoch its session was opened in.
     """
@@ -157,9 +161,13 @@ class RankGroup:
             raise DefragError("a RankGroup needs at least one rank's client")
         self.clients = list(clients)
         self.epochs = [client.epoch for client in self.clients]
-        self._pool = ThreadPoolExecutor(
-            max_workers=len(self.clients), thread_name_prefix="kvdefrag-rank"
-        )
+        # Per rank: the seq the last submitted step was stamped with, and its future.
+        self._last_seqs = [client.next_seq - 1 for client in self.clients]
+        self._last_sent: list[Future[StepReply] | None] = [None] * len(self.clients)
+        self._senders = [
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"kvdefrag-rank{rank}")
+            for rank in range(len(self.clients))
+        ]
 
     def step(self, events: StepEvents) -> StepReply:
         """Sends one step to every rank concurrently and waits for all of them.
@@ -180,9 +188,6 @@ class RankGroup:
                 resent ``MAX_COMPLETION_ATTEMPTS`` times (it stays pending there).
             DefragError: A rank refused the step (the first such error, by rank).
         """
-        events = require_step_events(events)
-        if len(self.clients) == 1:
-            return self._checked([_rank_step(0, self.clients[0], events)])
         return self.submit(events).result()
 
     def submit(self, events: StepEvents) -> InFlightStep:
@@ -191,22 +196,47 @@ class RankGroup:
         Returns:
             The step in flight: its ``StepStamp`` (each rank's ``(epoch, seq)``, and the
             events, for the output planned with it), and ``result()``, which waits for
-            every reply and checks them as ``step`` does. Submit the next step only after
-            ``result()`` returned.
+            every reply and checks them as ``step`` does. Steps may be submitted before
+            the earlier ones' ``result()``; each rank gets them in order. A step that
+            failed on a rank fails every later one there too (its client keeps the failed
+            step pending, or is unusable), so check the results in submission order.
 
         Raises:
             InvalidArgument: As ``step``; no rank was sent anything.
         """
         events = require_step_events(events)
-        stamp = StepStamp(tuple((client.epoch, client.next_seq) for client in self.clients), events)
+        self._last_seqs = [self._next_seq(rank) for rank in range(len(self.clients))]
+        stamp = StepStamp(
+            tuple(
+                (client.epoch, seq)
+                for client, seq in zip(self.clients, self._last_seqs, strict=True)
+            ),
+            events,
+        )
         futures = [
-            self._pool.submit(_rank_step, rank, client, events)
-            for rank, client in enumerate(self.clients)
+            sender.submit(_rank_step, rank, client, events)
+            for rank, (sender, client) in enumerate(zip(self._senders, self.clients, strict=True))
         ]
-        return InFlightStep(stamp, lambda: self._checked([f.result() for f in futures]))
+        self._last_sent = list(futures)
+        return InFlightStep(
+            stamp, futures, lambda: self._checked(stamp, [f.result() for f in futures])
+        )
 
-    def _checked(self, replies: list[StepReply]) -> StepReply:
+    def _next_seq(self, rank: int) -> int:
+        """The seq rank ``rank``'s next step gets: its client's when nothing is queued for
+        it (a step that failed there used none), else one past the last one queued."""
+        last = self._last_sent[rank]
+        if last is None or last.done():
+            return self.clients[rank].next_seq
+        return self._last_seqs[rank] + 1
+
+    def _checked(self, stamp: StepStamp, replies: list[StepReply]) -> StepReply:
         for rank, (reply, epoch) in enumerate(zip(replies, self.epochs, strict=True)):
+            if reply.seq != stamp.by_rank[rank][1]:
+                raise RanksDiverged(
+                    f"rank {rank}: answered seq {reply.seq} for the step stamped seq "
+                    f"{stamp.by_rank[rank][1]}; restart vLLM"
+                )
             if reply.epoch != epoch:
                 raise RanksDiverged(
                     f"rank {rank}: epoch changed from {epoch} to {reply.epoch} (its service "
@@ -220,8 +250,9 @@ class RankGroup:
         return replies[0]
 
     def close(self) -> None:
-        """Closes every client and the thread pool."""
-        self._pool.shutdown(wait=True)
+        """Waits for the steps still being sent, then closes every client and thread."""
+        for sender in self._senders:
+            sender.shutdown(wait=True)
         for client in self.clients:
             client.close()
 
@@ -229,9 +260,16 @@ class RankGroup:
 class InFlightStep:
     """A step sent to every rank whose replies have not been checked yet."""
 
-    def __init__(self, stamp: StepStamp, wait: Callable[[], StepReply]) -> None:
+    def __init__(
+        self, stamp: StepStamp, futures: Sequence[Future[StepReply]], wait: Callable[[], StepReply]
+    ) -> None:
         self.stamp = stamp
+        self._futures = futures
         self._wait = wait
+
+    def done(self) -> bool:
+        """True once every rank answered (or failed): ``result()`` will not wait."""
+        return all(future.done() for future in self._futures)
 
     def result(self) -> StepReply:
         """Waits for every rank's reply; raises as ``RankGroup.step`` does."""
