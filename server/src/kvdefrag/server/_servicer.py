@@ -51,7 +51,6 @@ from kvdefrag.common import (
     NotFound,
     OutOfOrder,
     PoolStats,
-    ServiceUnavailable,
     SessionConflict,
     StalePageToken,
     StepEvents,
@@ -61,6 +60,7 @@ from kvdefrag.common.errors import quote
 from kvdefrag.server import _convert
 from kvdefrag.server._engine import Engine, StepResult
 from kvdefrag.server._limits import Handshakes
+from kvdefrag.server._progress import StepProgress
 from kvdefrag.server._validate import check_client_name, check_request_id
 from kvdefrag.server.config import ServiceConfig
 
@@ -166,15 +166,6 @@ class _Session:
 
 
 @dataclasses.dataclass(frozen=True)
-class _StepInProgress:
-    """The step the engine is applying (published without the lock, for messages)."""
-
-    epoch: int
-    seq: int
-    started_s: float
-
-
-@dataclasses.dataclass(frozen=True)
 class _AppliedStep:
     """A step of this epoch in the replay cache: its events and the reply it got."""
 
@@ -188,7 +179,7 @@ class DefragServicer:
     Invariants: ``next_seq - 1`` steps were applied in this epoch, each exactly once;
     the replay cache holds only replies of this epoch; at most one stream session is
     open, and while it is, only that stream applies steps and Reset is refused unless
-    forced; ``_applied`` is ``(epoch, next_seq)`` as of the last change to either.
+    forced; ``_progress.applied`` is ``(epoch, next_seq)`` as of the last change to either.
 
     Args:
         engine: The engine to serve (the one owner of the pool state).
@@ -212,14 +203,10 @@ class DefragServicer:
         self._max_message_bytes = config.max_message_bytes
         self._metrics = metrics
         self._lock = threading.Lock()
-        self._in_progress: _StepInProgress | None = None
         self._epoch = new_epoch()
         self._next_seq = 1
-        # NOTE: (epoch, next_seq) published as one tuple, so a reader without the lock
-        # never pairs one epoch's seq with another epoch. The condition's own lock is a
-        # leaf, held only to publish or to check: wait_applied never waits behind a step.
-        self._applied = (self._epoch, self._next_seq)
-        self._progress = threading.Condition(threading.Lock())
+        # What wait_applied reads: published under a leaf lock, never the servicer's.
+        self._progress = StepProgress(self._epoch, self._next_seq)
         self._replies: collections.OrderedDict[int, _AppliedStep] = collections.OrderedDict()
         # The seq a worker applied in process whose stream copy has not come yet (0: none).
         self._seq_applied_in_process = 0
@@ -233,7 +220,7 @@ class DefragServicer:
     @property
     def epoch(self) -> int:
         """The current epoch (lock-free: never waits for a step in flight)."""
-        return self._applied[0]
+        return self._progress.applied[0]
 
     def wait_applied(self, epoch: int, seq: int, timeout_s: float) -> None:
         """Returns once step ``seq`` of ``epoch`` has been applied (for an in-process
@@ -250,49 +237,19 @@ class DefragServicer:
                 server is stopping; the message names the step and the bound.
         """
         started = time.monotonic()
-        deadline = started + timeout_s
-        with self._progress:
-            while True:
-                current_epoch, next_seq = self._applied
-                if current_epoch != epoch:
-                    raise EpochMismatch(
-                        f"waiting for step seq {seq} of epoch {epoch}: the server is at "
-                        f"epoch {current_epoch} (it restarted or was reset)"
-                    )
-                if next_seq > seq:
-                    if self._metrics is not None:
-                        self._metrics.record_step_wait(time.monotonic() - started)
-                    return
-                reason = self._engine.unhealthy_reason
-                if reason is not None:
-                    raise EngineUnhealthy(f"waiting for step seq {seq} of epoch {epoch}: {reason}")
-                remaining_s = deadline - time.monotonic()
-                is_stopping = self._is_stopping.is_set()
-                if remaining_s <= 0 or is_stopping:
-                    raise ServiceUnavailable(
-                        f"step seq {seq} of epoch {epoch} was not applied within the "
-                        f"{timeout_s} s bound (next seq {next_seq}"
-                        + self._describe_in_progress()
-                        + ")"
-                        + ("; the server is stopping" if is_stopping else "")
-                    )
-                self._progress.wait(remaining_s)
+        self._progress.wait_for(
+            epoch,
+            seq,
+            timeout_s,
+            unhealthy_reason=lambda: self._engine.unhealthy_reason,
+            is_stopping=self._is_stopping.is_set,
+        )
+        if self._metrics is not None:
+            self._metrics.record_step_wait(time.monotonic() - started)
 
     def _publish_progress(self) -> None:
         """Publishes ``(epoch, next_seq)`` and wakes ``wait_applied`` (under the lock)."""
-        with self._progress:
-            self._applied = (self._epoch, self._next_seq)
-            self._progress.notify_all()
-
-    def _describe_in_progress(self) -> str:
-        """``; step seq N of epoch E has been running for T s`` when one is, else ``""``."""
-        step = self._in_progress
-        if step is None:
-            return ""
-        return (
-            f"; step seq {step.seq} of epoch {step.epoch} has been running for "
-            f"{time.monotonic() - step.started_s:.1f} s"
-        )
+        self._progress.publish(self._epoch, self._next_seq)
 
     @contextlib.contextmanager
     def _locked(self, what: str) -> Iterator[None]:
@@ -317,7 +274,7 @@ class DefragServicer:
     def _busy(self, what: str) -> StepInFlight:
         return StepInFlight(
             f"{what}: refused for now: the service stayed busy for {LOCK_WAIT_S} s"
-            + self._describe_in_progress()
+            + self._progress.describe_in_progress()
             + "; nothing changed, retry later (a resend of the step in flight is then "
             "answered from the replay cache)"
         )
@@ -334,8 +291,7 @@ class DefragServicer:
             it (a step in flight, or with no grace at all also a read that was running).
         """
         self._is_stopping.set()
-        with self._progress:
-            self._progress.notify_all()  # every wait_applied ends now
+        self._progress.wake_all()  # every wait_applied ends now
         is_idle = self._lock.acquire(timeout=max(timeout_s, 0.0))
         try:
             session = self._session
@@ -530,7 +486,7 @@ class DefragServicer:
         """
         started = time.monotonic()
         is_applied_here = False
-        current_epoch, next_seq = self._applied
+        current_epoch, next_seq = self._progress.applied
         if not (current_epoch == epoch and next_seq > seq):
             if not epoch:
                 raise InvalidArgument("apply_planned_step: epoch 0 names no epoch")
@@ -652,7 +608,7 @@ class DefragServicer:
         """
         engine = self._engine
         num_steps = engine.stats().totals.num_steps
-        self._in_progress = _StepInProgress(self._epoch, seq, time.monotonic())
+        self._progress.begin_step(self._epoch, seq)
         try:
             return engine.apply_events(events)
         except EngineUnhealthy:
@@ -661,7 +617,7 @@ class DefragServicer:
             self._publish_progress()  # wait_applied sees the failure at once
             raise
         finally:
-            self._in_progress = None
+            self._progress.end_step()
 
     def _reply(
         self, seq: int, events: StepEvents, result: StepResult, *, path: str = APPLIED_BY_RPC
