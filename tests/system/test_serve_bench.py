@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,12 +30,15 @@ def bench() -> Iterator[ModuleType]:
         sys.path.remove(str(BENCH))
 
 
-def run(tokens_s: float, tpot_ms: float, itl_ms: float, p99_ms: float) -> dict[str, float]:
+def run(
+    tokens_s: float, tpot_ms: float, itl_ms: float, p99_ms: float, cpu_ms: float = 1.0
+) -> dict[str, float]:
     return {
         "output_throughput": tokens_s,
         "mean_tpot_ms": tpot_ms,
         "median_itl_ms": itl_ms,
         "p99_itl_ms": p99_ms,
+        "server_cpu_ms_per_token": cpu_ms,
     }
 
 
@@ -65,10 +69,10 @@ def canned_servers(bench: ModuleType) -> list:
             worker_waits_s=[0.0, 0.002],
             worker_begins_s=[0.0001],
         ),
-        server("plain", [run(2000, 5, 4, 20)]),
+        server("plain", [run(2000, 5, 4, 20, cpu_ms=2.0)]),
         server(
             "kvdefrag",
-            [run(2000, 5, 4, 22)],
+            [run(2000, 5, 4, 22, cpu_ms=2.1)],
             metrics={'kvdefrag_moved_blocks_total{direction="one_way",rank="0"}': 8.0},
             scheduler={"num_schedules": 6, "num_steps": 2, "num_preempted": 1},
         ),
@@ -92,6 +96,12 @@ def test_table_shows_each_metric_its_ratio_and_kvdefrags_side(bench: ModuleType)
     assert rows["output tokens/s"][-2:] == ["0.950x", "0.95-1.00"]  # 955 / 1005
     assert rows["mean TPOT, ms"][-4:] == ["10.00", "11.00", "1.100x", "1.00-1.10"]
     assert rows["p99 ITL, ms"][-2:] == ["1.100x", "1.10-1.10"]
+    assert rows["server CPU time per output token, ms"][-4:] == [
+        "1.00",
+        "1.00",
+        "1.000x",
+        "1.00-1.05",
+    ]
     assert rows["blocks moved / placed (kvdefrag servers)"][-3:] == ["40", "/", "7"]
     assert rows["preemptions (kvdefrag servers)"][-1] == "4"
     assert rows["schedule() calls that sent a step"][-1] == "6/16"
@@ -99,7 +109,7 @@ def test_table_shows_each_metric_its_ratio_and_kvdefrags_side(bench: ModuleType)
     # p50 / p99 / mean of [1 ms, 3 ms]
     assert " ".join(rows["scheduler, per schedule(), p50/p99/mean ms"][-5:]) == "2.00 / 3.00 / 2.00"
     assert (
-        " ".join(rows["of which waiting for the last step's replies"][-5:]) == "1.00 / 2.00 / 1.00"
+        " ".join(rows["of which waiting for earlier steps' replies"][-5:]) == "1.00 / 2.00 / 1.00"
     )
     assert " ".join(rows["steps applied by the worker / by the call"][-3:]) == "3 / 1"
     assert " ".join(rows["worker, getting its step, p50/p99/mean ms"][-5:]) == "1.00 / 2.00 / 1.00"
@@ -137,3 +147,22 @@ def test_model_has_a_tokenizer_over_its_whole_vocabulary(bench: ModuleType, tmp_
     special = {token["content"]: token["id"] for token in tokenizer["added_tokens"]}
     assert special["</s>"] == config["eos_token_id"]
     assert special["<s>"] == config["bos_token_id"]
+
+
+def test_server_cpu_time_counts_the_servers_session(bench: ModuleType) -> None:
+    burn = (
+        "import time\n"
+        "while time.process_time() < 0.3: pass\n"
+        "print('burnt', flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    server = object.__new__(bench.Server)
+    server.process = subprocess.Popen(
+        [sys.executable, "-c", burn], stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        assert server.process.stdout.readline() == "burnt\n"
+        assert 0.25 <= server.cpu_s() < 30
+    finally:
+        server.process.kill()
+        server.process.communicate()
