@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import grpc
@@ -10,6 +11,7 @@ import pytest
 from kvdefrag.client import DefragClient, StepEvents
 from kvdefrag.client import _convert as client_convert
 from kvdefrag.common import (
+    DefragError,
     EpochMismatch,
     InvalidArgument,
     ServiceUnavailable,
@@ -253,5 +255,30 @@ def test_a_step_of_another_type_is_refused_before_any_rank_is_sent_it(serve: Ser
                 group.submit(bad)
         assert [client.next_seq for client in group.clients] == [1, 1]
         assert [handle.stats().totals.num_steps for handle in handles] == [0, 0]
+    finally:
+        group.close()
+
+
+def test_a_step_queued_behind_one_a_rank_refused_is_not_sent_there(serve: Serve) -> None:
+    handles = [serve(kv=SignedKv.create(64)) for _ in range(2)]
+    group = RankGroup([DefragClient(handle.address) for handle in handles])
+    try:
+        group.step(StepEvents(new_blocks={"a": [3]}))
+        refused = group.submit(StepEvents(new_blocks={"b": [64]}))  # outside the pool
+        queued = group.submit(StepEvents(new_blocks={"c": [5]}))
+        assert [seq for _, seq in queued.stamp.by_rank] == [3, 3]
+
+        with pytest.raises(InvalidArgument, match="64"):
+            refused.result()
+        with pytest.raises(DefragError, match=r"step seq 3 was not sent: .* at seq 2"):
+            queued.result()
+
+        for handle in handles:  # neither step was applied, nor the second under seq 2
+            assert handle.stats().totals.num_steps == 1
+            assert handle._engine.list_requests() == {"a": [3]}
+        while not queued.done():  # result() raised with rank 0's error; rank 1's may lag
+            time.sleep(0.01)
+        # Once the queues drained, the next step takes the seq the clients are at.
+        assert group.submit(StepEvents(new_blocks={"c": [5]})).result().seq == 2
     finally:
         group.close()

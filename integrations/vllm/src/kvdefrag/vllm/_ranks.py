@@ -214,8 +214,10 @@ class RankGroup:
             events,
         )
         futures = [
-            sender.submit(_rank_step, rank, client, events)
-            for rank, (sender, client) in enumerate(zip(self._senders, self.clients, strict=True))
+            sender.submit(_rank_step, rank, client, events, seq)
+            for rank, (sender, client, seq) in enumerate(
+                zip(self._senders, self.clients, self._last_seqs, strict=True)
+            )
         ]
         self._last_sent = list(futures)
         return InFlightStep(
@@ -276,13 +278,23 @@ class InFlightStep:
         return self._wait()
 
 
-def _rank_step(rank: int, client: DefragClient, events: StepEvents) -> StepReply:
-    """One rank's step; a rank at another epoch is a divergence of the group.
+def _rank_step(rank: int, client: DefragClient, events: StepEvents, seq: int) -> StepReply:
+    """One rank's step, stamped ``seq``; a rank at another epoch is a divergence of the group.
 
     NOTE: a rank's service that restarted, or was reset by force, refuses the step with
     ``EpochMismatch``: its mapping is the identity while its KV data stayed where the
     moves put it, and the other ranks go on with theirs, so the group has diverged.
+
+    Raises:
+        DefragError: The client is not at ``seq``: an earlier step failed on this rank
+            (refused, or still pending), so this one is not sent, lest it be applied
+            under that step's seq.
     """
+    if client.next_seq != seq:
+        raise DefragError(
+            f"rank {rank}: step seq {seq} was not sent: the rank's client is at seq "
+            f"{client.next_seq}, so an earlier step failed there (its error comes first)"
+        )
     try:
         return step_through_timeouts(client, events)
     except EpochMismatch as err:
