@@ -37,11 +37,12 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(probe.getsockname()[1])
 
 
-def free_port_range(length: int, host: str = "127.0.0.1") -> int:
-    """A port ``p`` with ``p`` .. ``p + length - 1`` free now."""
+def free_port_range(length: int, host: str = "127.0.0.1", avoid: set[int] | None = None) -> int:
+    """A port ``p`` with ``p`` .. ``p + length - 1`` free now and none in ``avoid``."""
+    avoid = avoid or set()
     for _ in range(100):
         base = free_port(host)
-        if base + length > 65535:
+        if base + length > 65535 or avoid.intersection(range(base, base + length)):
             continue
         sockets = []
         try:
@@ -86,28 +87,38 @@ class RayCluster:
         self.folder = folder
         self.address = ""
         self.num_nodes = 0
+        # Every port handed out to a node or a test: each is only free until its owner
+        # binds it, so none may be handed out twice (Ray refuses overlapping ports, and a
+        # worker may bind any port of its range late).
+        self._ports: set[int] = set()
+
+    def ports(self, length: int = 1, host: str = "127.0.0.1") -> int:
+        """``length`` consecutive free ports never handed out before; the first one."""
+        base = free_port_range(length, host, avoid=self._ports)
+        self._ports.update(range(base, base + length))
+        return base
 
     def _start_args(self, ip: str, num_devices: int) -> list[str]:
         self.num_nodes += 1
         temp_dir = Path("/tmp") / f"kvdr-{os.getpid()}-{self.num_nodes}"  # short: unix sockets
-        workers = free_port_range(40)
+        workers = self.ports(40)
         return [
             os.fspath(RAY), "start", "--node-ip-address", ip, "--temp-dir", os.fspath(temp_dir),
             "--num-cpus", "2", "--num-gpus", str(num_devices), "--disable-usage-stats",
             "--object-store-memory", str(200 << 20),
-            "--node-manager-port", str(free_port()), "--object-manager-port", str(free_port()),
+            "--node-manager-port", str(self.ports()), "--object-manager-port", str(self.ports()),
             "--min-worker-port", str(workers), "--max-worker-port", str(workers + 39),
-            "--dashboard-agent-listen-port", str(free_port()),
-            "--dashboard-agent-grpc-port", str(free_port()),
-            "--runtime-env-agent-port", str(free_port()),
-            "--metrics-export-port", str(free_port()),
+            "--dashboard-agent-listen-port", str(self.ports()),
+            "--dashboard-agent-grpc-port", str(self.ports()),
+            "--runtime-env-agent-port", str(self.ports()),
+            "--metrics-export-port", str(self.ports()),
         ]  # fmt: skip
 
     def start_head(self, ip: str, num_devices: int, extra_env: dict[str, str]) -> None:
-        port = free_port()
+        port = self.ports()
         args = self._start_args(ip, num_devices)
         args += ["--head", "--port", str(port), "--include-dashboard", "false"]
-        args += ["--ray-client-server-port", str(free_port())]
+        args += ["--ray-client-server-port", str(self.ports())]
         self._run(args, node_environment(ip, extra_env))
         self.address = f"{ip}:{port}"
 

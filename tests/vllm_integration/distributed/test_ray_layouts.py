@@ -34,7 +34,7 @@ import pytest
 from kvdefrag.vllm.common import RANKS_FILE
 from kvdefrag.vllm.config import RAY_ENV_PREFIXES_ENV, TCP_PORT_ENV
 
-from support.ray_cluster import ROOT, RayCluster, free_port_range, node_environment
+from support.ray_cluster import ROOT, RayCluster, node_environment
 from support.tls import make_certificates, vllm_mtls_settings
 
 pytestmark = pytest.mark.slow
@@ -92,8 +92,8 @@ def start(cluster: RayCluster, root: Path, layout: Layout) -> dict[str, str]:
         certs = root / "certs"
         certs.mkdir()
         paths = make_certificates(certs, server_ips=(HEAD, OTHER))
-        env |= {TCP_PORT_ENV: str(free_port_range(2, HEAD)), **vllm_mtls_settings(paths)}
-    env["KVDEFRAG_METRICS_PORT"] = str(free_port_range(2, HEAD))
+        env |= {TCP_PORT_ENV: str(cluster.ports(2, HEAD)), **vllm_mtls_settings(paths)}
+    env["KVDEFRAG_METRICS_PORT"] = str(cluster.ports(2, HEAD))
     cluster.start_head(HEAD, layout.head_devices, {})
     if layout.other_devices:
         # one core per rank: the other node's first rank takes the core the head's leaves
