@@ -244,7 +244,7 @@ class DefragScheduler(Scheduler):  # type: ignore[misc]
                 pool.touch(blocks)
 
     def shutdown(self) -> None:
-        """Waits for the step in flight, closes the rank clients, shuts vLLM's scheduler down."""
+        """Waits for the steps in flight, closes the rank clients, shuts vLLM's scheduler down."""
         try:
             self.kvdefrag.settle()
         finally:
