@@ -18,9 +18,13 @@ process, as ``vllm bench serve --dataset-name random`` does) once to warm up, th
   ``/proc/<pid>/task/<tid>/stat``), in all and by thread name (the engine core's Python
   threads named by ``serve_probes``); vLLM's processes spin while they wait for each
   other, so this follows the wall clock too;
-* the engine core's pauses: more than 50 ms between two ``schedule()`` calls while
-  requests were unfinished (``serve_probes``), for both sides;
-* blocks moved and placements (kvdefrag's ``/metrics``), preemptions;
+* the engine step (``serve_probes``: from one ``schedule()`` call to the next while
+  requests were unfinished, with the batch it scheduled), for both sides: over every step,
+  and over the decode steps of the most common batch, where both sides do the same work
+  per step, so that what kvdefrag adds inside vLLM's loop shows apart from how many
+  requests the API server got to the engine; and the pauses longer than 50 ms;
+* vLLM's preemptions and mean queue time (its ``/metrics``), for both sides; blocks
+  moved and placements (kvdefrag's ``/metrics``);
 * what kvdefrag adds per step on each side: the scheduler's time per ``schedule()``
   (``BridgeTotals.step_durations_s``), the service's time to apply a step (moves
   included, ``kvdefrag_step_duration_seconds``) and the worker's wait for its step
@@ -37,7 +41,7 @@ processes, and this client, are pinned to the reserved CPUs (``--no-pin`` leaves
 the kernel): the same placement for both sides. It does not make runs steady on two CPUs:
 the API server, the engine core (which spins while it waits for its worker) and the client
 share one, and a run now and then loses seconds before its first tokens, on both sides
-(the engine core's pauses and vLLM's queue time show it is not in vLLM's loop). A run in
+(the engine's steps, its pauses and vLLM's queue time show it is not in vLLM's loop). A run in
 which a request fails (the client's connection dropped) is left out and run again, and
 counted.
 """
@@ -48,6 +52,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import re
 import shutil
@@ -123,6 +128,9 @@ class ServerRun:
     worker_begins_s: list[float] = dataclasses.field(default_factory=list)
     # serve_probes' pauses: (s since start, pause s, running, waiting) per pause > 50 ms.
     pauses: list[list[float]] = dataclasses.field(default_factory=list)
+    # serve_probes' engine steps, warm-up included: (the interval from one schedule() call
+    # to the next with requests unfinished, requests scheduled, tokens scheduled).
+    steps: list[list[float]] = dataclasses.field(default_factory=list)
     # [the model's CPUs, those the API server, engine core and client were moved to]; empty
     # if not pinned.
     pinned: list[list[int]] = dataclasses.field(default_factory=list)
@@ -264,6 +272,7 @@ def format_table(title: str, servers: Sequence[ServerRun]) -> str:
         ("  worker, getting its step, p50/p99/mean ms", "-", _ms(waits), "", ""),
         ("  worker, lock + rows + translation, p50/p99/mean ms", "-", _ms(begins), "", ""),
     ]
+    rows += step_rows(servers)
     rows.append(
         (
             "engine core pauses > 50 ms between schedule() calls: n / s / longest s",
@@ -280,6 +289,45 @@ def format_table(title: str, servers: Sequence[ServerRun]) -> str:
         cells += [cell.rjust(width) for cell, width in zip(row[1:], widths[1:], strict=True)]
         lines.append("  ".join(cells).rstrip())
     return "\n".join(lines)
+
+
+def decode_batch(servers: Sequence[ServerRun]) -> int:
+    """The most common batch among pure decode steps (one token per request) over every
+    server of both sides: the batch both sides are compared at."""
+    sizes = [int(n) for server in servers for _, n, tokens in server.steps if 0 < n == tokens]
+    return statistics.mode(sizes) if sizes else 0
+
+
+def step_rows(servers: Sequence[ServerRun]) -> list[tuple[str, ...]]:
+    """The engine step, inside vLLM's loop (the API server and the client aside): over
+    every step, and over the decode steps of the most common batch, where both sides do the
+    same work per step; p50 and mean per side, kvdefrag/plain and its range over the
+    pairs."""
+    batch = decode_batch(servers)
+    rows = []
+    for what, batches in (("every step", None), (f"decode steps of {batch} requests", batch)):
+        intervals = {
+            id(server): [
+                interval
+                for interval, n, tokens in server.steps
+                if batches is None or n == tokens == batches
+            ]
+            for server in servers
+        }
+        for label, stat in (("p50", _median), ("mean", statistics.fmean)):
+            sides = [
+                [1e3 * stat(intervals[id(s)]) if intervals[id(s)] else math.nan
+                 for s in servers if s.side == side]
+                for side in SIDES
+            ]  # fmt: skip
+            pairs = [d / p for p, d in zip(*sides, strict=False)]
+            plain, defrag = (_median(values) for values in sides)
+            spread = f"{min(pairs):.2f}-{max(pairs):.2f}" if pairs else "-"
+            rows.append(
+                (f"engine step, {what}, {label}, ms", f"{plain:.2f}", f"{defrag:.2f}",
+                 f"{defrag / plain:.3f}x", spread)
+            )  # fmt: skip
+    return rows
 
 
 def pause_summary(servers: Sequence[ServerRun], side: str) -> str:
@@ -620,7 +668,8 @@ def run_server(
         result = ServerRun(side, runs, incomplete_runs=incomplete, pinned=pinned)
         time.sleep(0.5)  # the probes' files are written as the last request finishes
         with contextlib.suppress(OSError):
-            result.pauses = json.loads((run_dir / "pauses.json").read_text())
+            steps = json.loads((run_dir / "steps.json").read_text())
+            result.pauses, result.steps = steps["pauses"], steps["steps"]
         result.vllm_metrics = server.scrape(server.port, "vllm:")
         if side == "kvdefrag":
             result.metrics = server.scrape(server.metrics_port, "kvdefrag_")

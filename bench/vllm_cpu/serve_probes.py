@@ -10,6 +10,9 @@ into ``$KVDEFRAG_VLLM_RUN_DIR`` as JSON for the benchmark to read:
   nothing else changed);
 * ``threads.json``, each time the last running request finishes: the engine core's
   Python threads, native id to name (for both sides);
+* ``steps.json``, each time the last running request finishes: each engine step, the
+  interval from one ``schedule()`` call to the next while requests were unfinished, with
+  the requests and tokens it scheduled, and the pauses over 50 ms (for both sides);
 * ``scheduler.json``, each time the last running request finishes: the kvdefrag
   scheduler's ``schedule()`` calls, steps sent, the time of each ``apply`` and how much
   of it went to waiting for earlier steps' replies (``settle``);
@@ -41,7 +44,7 @@ from kvdefrag.vllm.worker import DefragWorkerMixin, wait_for_planned_step
 MODE_NAME = "mode.json"
 SCHEDULER_NAME = "scheduler.json"
 THREADS_NAME = "threads.json"
-PAUSES_NAME = "pauses.json"
+STEPS_NAME = "steps.json"
 GAP_S = 0.05
 WAITS_NAME = "worker{rank}_waits.jsonl"
 WAITS_EVERY = 64
@@ -73,44 +76,64 @@ def _write_threads() -> None:
     _write(THREADS_NAME, {str(t.native_id): t.name for t in threading.enumerate()})
 
 
-class _Gaps:
-    """The engine core's pauses: each time more than ``GAP_S`` passed between two
-    ``schedule()`` calls while requests were unfinished, (seconds since the scheduler
-    started, the pause, requests running, requests waiting)."""
+class _StepClock:
+    """The engine core's loop as seen from ``schedule()``: each engine step (schedule,
+    forward pass, outputs) as the interval from one ``schedule()`` call to the next while
+    requests were unfinished, with the batch it scheduled (requests, tokens); and each
+    pause longer than ``GAP_S`` as (seconds since the scheduler started, the pause,
+    requests running, requests waiting)."""
 
     def __init__(self) -> None:
         self.started = time.monotonic()
         self.last: float | None = None
+        self.batch = (0, 0)
+        # (interval s, requests, tokens) of each step.
+        self.steps: list[tuple[float, int, int]] = []
         self.pauses: list[tuple[float, float, int, int]] = []
 
     def schedule(self, scheduler: Any) -> None:
+        """Called as ``schedule()`` begins."""
         now = time.monotonic()
-        if self.last is not None and now - self.last > GAP_S:
-            self.pauses.append(
-                (self.last - self.started, now - self.last, len(scheduler.running),
-                 len(scheduler.waiting))
-            )  # fmt: skip
-        self.last = now if scheduler.has_unfinished_requests() else None
+        if self.last is not None:
+            interval = now - self.last
+            self.steps.append((interval, *self.batch))
+            if interval > GAP_S:
+                self.pauses.append(
+                    (self.last - self.started, interval, len(scheduler.running),
+                     len(scheduler.waiting))
+                )  # fmt: skip
+        self.last = now
+
+    def scheduled(self, output: Any) -> None:
+        """Called with what ``schedule()`` returned."""
+        self.batch = (len(output.num_scheduled_tokens), int(output.total_num_scheduled_tokens))
+
+    def write_when_idle(self) -> None:
+        """Called when the last request finished: the next call starts a new run."""
+        self.last = None
+        _write(STEPS_NAME, {"steps": self.steps, "pauses": self.pauses})
 
 
 class ModeScheduler(Scheduler):  # type: ignore[misc]
     """vLLM's ``Scheduler``; writes ``mode.json`` when it starts and ``threads.json``
-    and ``pauses.json`` whenever no request is left."""
+    and ``steps.json`` whenever no request is left."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         _write_mode(self)
-        self.gaps = _Gaps()
+        self.clock = _StepClock()
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
-        self.gaps.schedule(self)
-        return super().schedule(*args, **kwargs)
+        self.clock.schedule(self)
+        output = super().schedule(*args, **kwargs)
+        self.clock.scheduled(output)
+        return output
 
     def update_from_output(self, *args: Any, **kwargs: Any) -> dict[int, EngineCoreOutputs]:
         outputs = super().update_from_output(*args, **kwargs)
         if not self.has_unfinished_requests():
             _write_threads()
-            _write(PAUSES_NAME, self.gaps.pauses)
+            self.clock.write_when_idle()
         return outputs
 
 
@@ -138,12 +161,14 @@ class ProbedDefragScheduler(DefragScheduler):
                 self.settle_durations_s.append(time.perf_counter() - started)
 
         self.kvdefrag._settle_down_to = timed_settle  # type: ignore[method-assign]
-        self.gaps = _Gaps()
+        self.clock = _StepClock()
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         self.num_schedules += 1
-        self.gaps.schedule(self)
-        return super().schedule(*args, **kwargs)
+        self.clock.schedule(self)
+        output = super().schedule(*args, **kwargs)
+        self.clock.scheduled(output)
+        return output
 
     def update_from_output(self, *args: Any, **kwargs: Any) -> dict[int, EngineCoreOutputs]:
         outputs = super().update_from_output(*args, **kwargs)
@@ -160,7 +185,7 @@ class ProbedDefragScheduler(DefragScheduler):
                 },
             )
             _write_threads()
-            _write(PAUSES_NAME, self.gaps.pauses)
+            self.clock.write_when_idle()
         return outputs
 
 
