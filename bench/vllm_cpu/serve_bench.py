@@ -49,6 +49,7 @@ counted.
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import dataclasses
 import json
@@ -291,11 +292,17 @@ def format_table(title: str, servers: Sequence[ServerRun]) -> str:
     return "\n".join(lines)
 
 
-def decode_batch(servers: Sequence[ServerRun]) -> int:
-    """The most common batch among pure decode steps (one token per request) over every
-    server of both sides: the batch both sides are compared at."""
-    sizes = [int(n) for server in servers for _, n, tokens in server.steps if 0 < n == tokens]
-    return statistics.mode(sizes) if sizes else 0
+def decode_batch(servers: Sequence[ServerRun], min_steps: int = 50) -> int:
+    """The largest batch of pure decode steps (one token per request) that every server
+    ran at least ``min_steps`` times: the batch both sides are compared at (0: none)."""
+    counts = [
+        collections.Counter(int(n) for _, n, tokens in server.steps if 0 < n == tokens)
+        for server in servers
+    ]
+    common = set.intersection(
+        *({n for n, count in c.items() if count >= min_steps} for c in counts)
+    )
+    return max(common, default=0)
 
 
 def step_rows(servers: Sequence[ServerRun]) -> list[tuple[str, ...]]:
