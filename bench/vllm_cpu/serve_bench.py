@@ -22,7 +22,9 @@ process, as ``vllm bench serve --dataset-name random`` does) once to warm up, th
   requests were unfinished, with the batch it scheduled), for both sides: over every step,
   and over the decode steps of the most common batch, where both sides do the same work
   per step, so that what kvdefrag adds inside vLLM's loop shows apart from how many
-  requests the API server got to the engine; and the pauses longer than 50 ms;
+  requests the API server got to the engine; the worker's runner (``execute_model`` to
+  the end of ``sample_tokens``) at that batch, for both sides (plain vLLM's worker is
+  ``serve_probes.TimedCPUWorker``); and the pauses longer than 50 ms;
 * vLLM's preemptions and mean queue time (its ``/metrics``), for both sides; blocks
   moved and placements (kvdefrag's ``/metrics``);
 * what kvdefrag adds per step on each side: the scheduler's time per ``schedule()``
@@ -81,6 +83,7 @@ METRICS = (
     ("mean_tpot_ms", "mean TPOT", "ms"),
     ("median_itl_ms", "median ITL", "ms"),
     ("p99_itl_ms", "p99 ITL", "ms"),
+    ("mean_ttft_ms", "mean TTFT", "ms"),
     ("server_cpu_ms_per_token", "server CPU time per output token", "ms"),
 )
 # Clock ticks of /proc/<pid>/stat's utime and stime.
@@ -132,6 +135,9 @@ class ServerRun:
     # serve_probes' engine steps, warm-up included: (the interval from one schedule() call
     # to the next with requests unfinished, requests scheduled, tokens scheduled).
     steps: list[list[float]] = dataclasses.field(default_factory=list)
+    # serve_probes' rank-0 runner: (execute_model to the end of sample_tokens, requests,
+    # tokens) per step, warm-up included.
+    runner_steps: list[list[float]] = dataclasses.field(default_factory=list)
     # [the model's CPUs, those the API server, engine core and client were moved to]; empty
     # if not pinned.
     pinned: list[list[int]] = dataclasses.field(default_factory=list)
@@ -179,18 +185,24 @@ def metric_sum(servers: Sequence[ServerRun], prefix: str, vllm: bool = False) ->
 
 
 def vllm_rows(servers: Sequence[ServerRun]) -> list[tuple[str, ...]]:
-    """vLLM's own count of preemptions and mean queue time, per side (its ``/metrics``,
-    summed over the side's servers, warm-ups included)."""
+    """vLLM's own count of preemptions, mean queue time and mean time to first token (from
+    the request's arrival in the API server), per side (its ``/metrics``, summed over the
+    side's servers, warm-ups included): with the client's TTFT, where a late first token
+    was held."""
     by_side = {side: [s for s in servers if s.side == side] for side in SIDES}
     preempted = [metric_sum(by_side[side], "vllm:num_preemptions_total", True) for side in SIDES]
-    queued = []
-    for side in SIDES:
-        total = metric_sum(by_side[side], "vllm:request_queue_time_seconds_sum", True)
-        count = metric_sum(by_side[side], "vllm:request_queue_time_seconds_count", True)
-        queued.append(f"{1e3 * total / count:.1f}" if count else "-")
+
+    def mean_ms(side: str, name: str) -> str:
+        total = metric_sum(by_side[side], f"{name}_sum", True)
+        count = metric_sum(by_side[side], f"{name}_count", True)
+        return f"{1e3 * total / count:.1f}" if count else "-"
+
+    queued = [mean_ms(side, "vllm:request_queue_time_seconds") for side in SIDES]
+    first = [mean_ms(side, "vllm:time_to_first_token_seconds") for side in SIDES]
     return [
         ("preemptions (vLLM's /metrics)", *(f"{n:.0f}" for n in preempted), "", ""),
         ("mean time waiting in vLLM's queue, ms", *queued, "", ""),
+        ("mean TTFT as vLLM's API server sees it, ms", *first, "", ""),
     ]
 
 
@@ -312,11 +324,15 @@ def step_rows(servers: Sequence[ServerRun]) -> list[tuple[str, ...]]:
     pairs."""
     batch = decode_batch(servers)
     rows = []
-    for what, batches in (("every step", None), (f"decode steps of {batch} requests", batch)):
+    for what, batches, field in (
+        ("engine step, every step", None, "steps"),
+        (f"engine step, decode steps of {batch} requests", batch, "steps"),
+        (f"worker's runner, decode steps of {batch} requests", batch, "runner_steps"),
+    ):
         intervals = {
             id(server): [
                 interval
-                for interval, n, tokens in server.steps
+                for interval, n, tokens in getattr(server, field)
                 if batches is None or n == tokens == batches
             ]
             for server in servers
@@ -331,7 +347,7 @@ def step_rows(servers: Sequence[ServerRun]) -> list[tuple[str, ...]]:
             plain, defrag = (_median(values) for values in sides)
             spread = f"{min(pairs):.2f}-{max(pairs):.2f}" if pairs else "-"
             rows.append(
-                (f"engine step, {what}, {label}, ms", f"{plain:.2f}", f"{defrag:.2f}",
+                (f"{what}, {label}, ms", f"{plain:.2f}", f"{defrag:.2f}",
                  f"{defrag / plain:.3f}x", spread)
             )  # fmt: skip
     return rows
@@ -440,6 +456,8 @@ def serve_argv(config: Config, side: str, model_dir: Path, port: int) -> list[st
     if side == "kvdefrag":
         prefix = "ProbedDefragAsync" if config.async_scheduling else "ProbedDefrag"
         argv += ["--worker-cls", "serve_probes.ProbedDefragWorker"]
+    else:
+        argv += ["--worker-cls", "serve_probes.TimedCPUWorker"]
     argv += ["--scheduler-cls", f"serve_probes.{prefix}Scheduler"]
     return argv
 
@@ -678,6 +696,9 @@ def run_server(
             steps = json.loads((run_dir / "steps.json").read_text())
             result.pauses, result.steps = steps["pauses"], steps["steps"]
         result.vllm_metrics = server.scrape(server.port, "vllm:")
+        runner = run_dir / "worker0_runner.jsonl"
+        for line in runner.read_text().splitlines() if runner.exists() else ():
+            result.runner_steps += json.loads(line)
         if side == "kvdefrag":
             result.metrics = server.scrape(server.metrics_port, "kvdefrag_")
             result.scheduler = json.loads((run_dir / "scheduler.json").read_text())

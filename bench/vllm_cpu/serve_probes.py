@@ -18,7 +18,10 @@ into ``$KVDEFRAG_VLLM_RUN_DIR`` as JSON for the benchmark to read:
   of it went to waiting for earlier steps' replies (``settle``);
 * ``worker<rank>_waits.jsonl``, a line every ``WAITS_EVERY`` passes: how long each pass
   waited for its step, and how long the pass then took before vLLM's runner started
-  (``ProbedDefragWorker``, on vLLM's CPU worker; the last few passes may be missing).
+  (``ProbedDefragWorker``, on vLLM's CPU worker; the last few passes may be missing);
+* ``worker<rank>_runner.jsonl``, a line every ``WAITS_EVERY`` steps: how long vLLM's
+  runner took, from ``execute_model`` to the end of ``sample_tokens``, and its batch
+  (``TimedCPUWorker``: plain vLLM's worker, and under kvdefrag's pass).
 
 Nothing here is on the per-step path beyond appending a float; the files are written
 between requests or every ``WAITS_EVERY`` passes.
@@ -47,6 +50,7 @@ THREADS_NAME = "threads.json"
 STEPS_NAME = "steps.json"
 GAP_S = 0.05
 WAITS_NAME = "worker{rank}_waits.jsonl"
+RUNNER_NAME = "worker{rank}_runner.jsonl"
 WAITS_EVERY = 64
 
 
@@ -193,17 +197,47 @@ class ProbedDefragAsyncScheduler(ProbedDefragScheduler, DefragAsyncScheduler):  
     """``ProbedDefragScheduler`` on ``DefragAsyncScheduler``."""
 
 
-class _RunnerClock(CPUWorker):  # type: ignore[misc]
-    """vLLM's CPU worker, noting when its runner's half of a step begins."""
+class TimedCPUWorker(CPUWorker):  # type: ignore[misc]
+    """vLLM's CPU worker, timing its runner: from ``execute_model`` to the end of the
+    step's ``sample_tokens``, with the batch (requests, tokens). Written to
+    ``worker<rank>_runner.jsonl`` every ``WAITS_EVERY`` steps. Plain vLLM's worker in the
+    benchmark, and under kvdefrag's pass (``ProbedDefragWorker``)."""
 
     kvdefrag_runner_started: float = 0.0
+    kvdefrag_runner_batch: tuple[int, int] = (0, 0)
 
     def execute_model(self, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
         self.kvdefrag_runner_started = time.perf_counter()
-        return super().execute_model(scheduler_output, *args, **kwargs)
+        if scheduler_output is not None:
+            self.kvdefrag_runner_batch = (
+                len(scheduler_output.num_scheduled_tokens),
+                int(scheduler_output.total_num_scheduled_tokens),
+            )
+        result = super().execute_model(scheduler_output, *args, **kwargs)
+        if result is not None:
+            self._kvdefrag_runner_done()
+        return result
+
+    def sample_tokens(self, *args: Any, **kwargs: Any) -> Any:
+        result = super().sample_tokens(*args, **kwargs)
+        self._kvdefrag_runner_done()
+        return result
+
+    def _kvdefrag_runner_done(self) -> None:
+        steps = self.__dict__.setdefault("kvdefrag_runner_steps", [])
+        steps.append(
+            (time.perf_counter() - self.kvdefrag_runner_started, *self.kvdefrag_runner_batch)
+        )
+        if len(steps) == WAITS_EVERY:
+            path = os.path.join(
+                load_integration_config().run_dir, RUNNER_NAME.format(rank=self.rank)
+            )
+            with open(path, "a") as file:
+                file.write(json.dumps(steps) + "\n")
+            steps.clear()
 
 
-class ProbedDefragWorker(DefragWorkerMixin, _RunnerClock):
+class ProbedDefragWorker(DefragWorkerMixin, TimedCPUWorker):
     """``DefragWorker`` on the CPU that times, per pass, the wait for its step and what
     the pass does before vLLM's runner starts (``kv_lock``, rows following the moves,
     the output translated). vLLM's pass waits for the step again and returns at once."""

