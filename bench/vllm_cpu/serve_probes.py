@@ -118,7 +118,32 @@ class _StepClock:
         _write(STEPS_NAME, {"steps": self.steps, "pauses": self.pauses})
 
 
-class ModeScheduler(Scheduler):  # type: ignore[misc]
+class _Clocked:
+    """Put before a vLLM scheduler class: times the engine's steps (``_StepClock``) and,
+    whenever no request is left, writes ``threads.json``, ``steps.json`` and whatever
+    ``when_idle`` adds."""
+
+    clock: _StepClock
+
+    def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        self.clock.schedule(self)
+        output = super().schedule(*args, **kwargs)  # type: ignore[misc]
+        self.clock.scheduled(output)
+        return output
+
+    def update_from_output(self, *args: Any, **kwargs: Any) -> dict[int, EngineCoreOutputs]:
+        outputs: dict[int, EngineCoreOutputs] = super().update_from_output(*args, **kwargs)  # type: ignore[misc]
+        if not self.has_unfinished_requests():  # type: ignore[attr-defined]
+            self.when_idle()
+            _write_threads()
+            self.clock.write_when_idle()
+        return outputs
+
+    def when_idle(self) -> None:
+        """Called once the last request finished."""
+
+
+class ModeScheduler(_Clocked, Scheduler):  # type: ignore[misc]
     """vLLM's ``Scheduler``; writes ``mode.json`` when it starts and ``threads.json``
     and ``steps.json`` whenever no request is left."""
 
@@ -127,27 +152,14 @@ class ModeScheduler(Scheduler):  # type: ignore[misc]
         _write_mode(self)
         self.clock = _StepClock()
 
-    def schedule(self, *args: Any, **kwargs: Any) -> Any:
-        self.clock.schedule(self)
-        output = super().schedule(*args, **kwargs)
-        self.clock.scheduled(output)
-        return output
-
-    def update_from_output(self, *args: Any, **kwargs: Any) -> dict[int, EngineCoreOutputs]:
-        outputs = super().update_from_output(*args, **kwargs)
-        if not self.has_unfinished_requests():
-            _write_threads()
-            self.clock.write_when_idle()
-        return outputs
-
 
 class ModeAsyncScheduler(ModeScheduler, AsyncScheduler):  # type: ignore[misc]
     """``ModeScheduler`` on vLLM's ``AsyncScheduler``."""
 
 
-class ProbedDefragScheduler(DefragScheduler):
+class ProbedDefragScheduler(_Clocked, DefragScheduler):
     """``DefragScheduler``; writes ``mode.json`` and, whenever no request is left,
-    ``scheduler.json``."""
+    ``scheduler.json``, ``threads.json`` and ``steps.json``."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -169,28 +181,20 @@ class ProbedDefragScheduler(DefragScheduler):
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         self.num_schedules += 1
-        self.clock.schedule(self)
-        output = super().schedule(*args, **kwargs)
-        self.clock.scheduled(output)
-        return output
+        return super().schedule(*args, **kwargs)
 
-    def update_from_output(self, *args: Any, **kwargs: Any) -> dict[int, EngineCoreOutputs]:
-        outputs = super().update_from_output(*args, **kwargs)
-        if not self.has_unfinished_requests():
-            totals = self.kvdefrag.totals
-            _write(
-                SCHEDULER_NAME,
-                {
-                    "num_schedules": self.num_schedules,
-                    "num_steps": totals.num_steps,
-                    "num_preempted": totals.num_preempted,
-                    "step_durations_s": totals.step_durations_s,
-                    "settle_durations_s": self.settle_durations_s,
-                },
-            )
-            _write_threads()
-            self.clock.write_when_idle()
-        return outputs
+    def when_idle(self) -> None:
+        totals = self.kvdefrag.totals
+        _write(
+            SCHEDULER_NAME,
+            {
+                "num_schedules": self.num_schedules,
+                "num_steps": totals.num_steps,
+                "num_preempted": totals.num_preempted,
+                "step_durations_s": totals.step_durations_s,
+                "settle_durations_s": self.settle_durations_s,
+            },
+        )
 
 
 class ProbedDefragAsyncScheduler(ProbedDefragScheduler, DefragAsyncScheduler):  # type: ignore[misc]
