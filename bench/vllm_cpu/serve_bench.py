@@ -20,12 +20,14 @@ process, as ``vllm bench serve --dataset-name random`` does) once to warm up, th
   other, so this follows the wall clock too;
 * the engine step (``serve_probes``: from one ``schedule()`` call to the next while
   requests were unfinished, with the batch it scheduled), for both sides: over every step,
-  and over the decode steps of the most common batch, where both sides do the same work
-  per step, so that what kvdefrag adds inside vLLM's loop shows apart from how many
-  requests the API server got to the engine; the worker's runner (``execute_model`` to
-  the end of ``sample_tokens``) at that batch, for both sides (plain vLLM's worker is
-  ``serve_probes.TimedCPUWorker``); and the pauses longer than 50 ms;
-* vLLM's preemptions and mean queue time (its ``/metrics``), for both sides; blocks
+  and over the decode steps of the largest batch every server ran at least 50 times, where
+  both sides do the same work per step, so that what kvdefrag adds inside vLLM's loop
+  shows apart from how many requests the API server got to the engine; the worker's
+  runner (``execute_model`` to the end of ``sample_tokens``) at that batch, for both sides
+  (plain vLLM's worker is ``serve_probes.TimedCPUWorker``); and the pauses longer than
+  50 ms;
+* vLLM's preemptions, mean queue time and mean TTFT (its ``/metrics``), for both sides,
+  next to the client's mean TTFT; blocks
   moved and placements (kvdefrag's ``/metrics``);
 * what kvdefrag adds per step on each side: the scheduler's time per ``schedule()``
   (``BridgeTotals.step_durations_s``), the service's time to apply a step (moves
@@ -319,9 +321,9 @@ def decode_batch(servers: Sequence[ServerRun], min_steps: int = 50) -> int:
 
 def step_rows(servers: Sequence[ServerRun]) -> list[tuple[str, ...]]:
     """The engine step, inside vLLM's loop (the API server and the client aside): over
-    every step, and over the decode steps of the most common batch, where both sides do the
-    same work per step; p50 and mean per side, kvdefrag/plain and its range over the
-    pairs."""
+    every step, and over the decode steps of ``decode_batch``'s batch, where both sides do
+    the same work per step, with the worker's runner inside those steps; p50 and mean per
+    side, kvdefrag/plain and its range over the pairs."""
     batch = decode_batch(servers)
     rows = []
     for what, batches, field in (
