@@ -44,6 +44,7 @@ from kvdefrag.vllm.worker import (
     translate_scheduler_output,
 )
 
+from support.ports import free_port_block
 from support.public_api import assert_public_names
 
 NUM_BLOCKS = 8
@@ -494,18 +495,9 @@ def _start_ranks(world: _FakeWorld, configs: list[Any]) -> list[Any]:
 
 
 def _free_port_pair() -> int:
-    """A port ``p`` with ``p`` and ``p + 1`` free on the loopback interface."""
-    for _ in range(100):
-        with socket.socket() as first:
-            first.bind(("127.0.0.1", 0))
-            port = first.getsockname()[1]
-            with socket.socket() as second:
-                try:
-                    second.bind(("127.0.0.1", port + 1))
-                except OSError:
-                    continue
-        return int(port)
-    raise AssertionError("no two consecutive free ports")
+    """A port ``p`` with ``p`` and ``p + 1`` free on the loopback interface (below the
+    ephemeral range: ``support.ports``)."""
+    return free_port_block(2)
 
 
 def _scrape(port: int) -> str:
@@ -557,19 +549,9 @@ def test_a_metrics_port_past_the_last_port_for_a_rank_is_named(
 
 
 def _free_ports(count: int) -> int:
-    """A port ``p`` with ``p`` .. ``p + count - 1`` free on the loopback interface."""
-    for _ in range(100):
-        with contextlib.ExitStack() as stack:
-            first = stack.enter_context(socket.socket())
-            first.bind(("127.0.0.1", 0))
-            port = int(first.getsockname()[1])
-            try:
-                for offset in range(1, count):
-                    stack.enter_context(socket.socket()).bind(("127.0.0.1", port + offset))
-            except OSError:
-                continue
-        return port
-    raise AssertionError(f"no {count} consecutive free ports")
+    """A port ``p`` with ``p`` .. ``p + count - 1`` free on the loopback interface (below the
+    ephemeral range: ``support.ports``)."""
+    return free_port_block(count)
 
 
 def _start_dp_ranks(world: _FakeWorld, dp_size: int, world_size: int) -> list[Any]:

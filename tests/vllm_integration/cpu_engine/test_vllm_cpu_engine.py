@@ -21,7 +21,6 @@ import dataclasses
 import importlib.util
 import json
 import os
-import socket
 import subprocess
 import sys
 from functools import cache
@@ -35,6 +34,7 @@ from kvdefrag.vllm.common import RANKS_FILE
 from kvdefrag.vllm.config import TCP_HOST_ENV, TCP_PORT_ENV
 from kvdefrag.vllm.worker import DefragWorkerMixin
 
+from support.ports import free_port_block
 from support.tls import make_certificates, vllm_mtls_settings
 
 pytestmark = pytest.mark.slow
@@ -95,26 +95,16 @@ DP2 = Options(prefix_caching=True, dp=2, metrics=True)
 
 
 def _free_port_pair() -> int:
-    """A port ``p`` with ``p`` and ``p + 1`` free on the loopback interface."""
-    for _ in range(100):
-        with socket.socket() as first, socket.socket() as second:
-            first.bind(("127.0.0.1", 0))
-            port = int(first.getsockname()[1])
-            try:
-                second.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
-        return port
-    raise AssertionError("no two consecutive free ports")
+    """A port ``p`` with ``p`` and ``p + 1`` free on the loopback interface, below the
+    ephemeral range from which vLLM's own sockets draw while the engine starts."""
+    return free_port_block(2)
 
 
 def _tcp_mtls_environment(folder: Path) -> dict[str, str]:
     """The operator's settings for TCP ranks with mutual TLS, certificates made here."""
     folder.mkdir(parents=True, exist_ok=True)
     paths = make_certificates(folder)
-    with socket.socket() as probe:  # a free base port; ranks take base and base + 1
-        probe.bind(("127.0.0.1", 0))
-        base = probe.getsockname()[1]
+    base = free_port_block(2)  # ranks take base and base + 1
     return {
         TCP_HOST_ENV: "127.0.0.1",
         TCP_PORT_ENV: str(base),
