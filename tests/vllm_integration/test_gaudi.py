@@ -56,6 +56,7 @@ class FakeService:
         self.waited: list[tuple[int, int]] = []
         self.kv_calls: list[str] = []  # warmup, release, rebind, in order
         self.rebound: list[Any] = []
+        self.applied = (0, 1)  # (epoch, next_seq): what the last wait found applied
 
     def warmup(self) -> int:
         assert not self.kv_lock.locked(), "warmed up holding kv_lock"
@@ -79,6 +80,7 @@ class FakeService:
     def wait_applied(self, epoch: int, seq: int, timeout_s: float) -> None:
         assert not self.kv_lock.locked(), "waited holding kv_lock"
         self.waited.append((epoch, seq))
+        self.applied = (epoch, seq + 1)
 
 
 def test_the_switch_answers_with_the_service_mapping_and_plans_nothing() -> None:

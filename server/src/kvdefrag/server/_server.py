@@ -269,6 +269,17 @@ class ServerHandle:
         """The server's current epoch."""
         return self._servicer.epoch
 
+    @property
+    def applied(self) -> tuple[int, int]:
+        """``(epoch, next_seq)``: the steps of which epoch are applied, up to which seq
+        (lock-free).
+
+        A Reset publishes its new epoch before the engine publishes the identity mapping
+        (holding ``kv_lock``): a worker that holds ``kv_lock`` and reads the epoch of its
+        step here knows that its step's mapping is the one in force.
+        """
+        return self._servicer.applied
+
     def reset(self, *, prefix_caching: bool | None = None, force: bool = False) -> int:
         """Resets the served engine through the servicer, as the Reset RPC does.
 

@@ -222,6 +222,11 @@ class DefragServicer:
         """The current epoch (lock-free: never waits for a step in flight)."""
         return self._progress.applied[0]
 
+    @property
+    def applied(self) -> tuple[int, int]:
+        """``(epoch, next_seq)`` as published (lock-free)."""
+        return self._progress.applied
+
     def wait_applied(self, epoch: int, seq: int, timeout_s: float) -> None:
         """Returns once step ``seq`` of ``epoch`` has been applied (for an in-process
         reader that must not act before a step it was told of, sent by someone else).
@@ -790,11 +795,16 @@ class DefragServicer:
                 )
             self._reset_version += 1
             try:
-                self._engine.reset(prefix_caching=prefix_caching)
+                # NOTE: the new epoch is published before the engine publishes the
+                # identity mapping (holding kv_lock): a worker's pass that takes kv_lock
+                # after the mapping changed finds its step's epoch gone and fails before
+                # it runs, rather than reading logical ids as physical ones.
                 self._epoch = new_epoch(self._epoch)
                 self._next_seq = 1
                 self._replies.clear()
                 self._seq_applied_in_process = 0
+                self._publish_progress()
+                self._engine.reset(prefix_caching=prefix_caching)
                 if session is not None:
                     session.reset_to = self._epoch
                     self._session = None

@@ -31,10 +31,21 @@ worker warms its V2 runner's kernels with its own ``execute_model`` and ``sample
 from ``compile_or_warm_up_model`` (``v1/worker/gpu_worker.py``, ``warmup_kernels`` in
 ``v1/worker/gpu/warmup.py``), so those come back through this object.
 
+Between its step check and ``kv_lock`` a pass holds nothing: a Reset (forced, or while
+the scheduler's stream is between connections) can take the lock first and publish the
+identity mapping while the KV data stays where the moves put it. So once the lock is held
+the pass checks again that the service is still at the epoch its step names, with that
+step applied (``StepService.applied``: the servicer publishes a Reset's new epoch before
+the engine's identity mapping, and the mapping changes only under ``kv_lock``); otherwise
+it fails with ``EpochMismatch`` before the runner reads or writes anything. A call outside
+any step checks that the epoch is still the one the rank's last pass ran under (its
+persistent rows follow that epoch's moves).
+
 Invariants: between ``begin`` and ``end`` this rank's ``kv_lock`` is held, so no step's
-moves and no Reset change the mapping the runner reads; at most one pass is open; a pass
-left open by a ``sample_tokens`` that never came is closed (with a warning) before the
-next one begins, so a lost call cannot stall the rank's service for good.
+moves and no Reset change the mapping the runner reads; the runner runs only on the
+mapping of the epoch its step (or its rank's last pass) belongs to; at most one pass is
+open; a pass left open by a ``sample_tokens`` that never came is closed (with a warning)
+before the next one begins, so a lost call cannot stall the rank's service for good.
 """
 
 from __future__ import annotations
@@ -44,7 +55,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
-from kvdefrag.common import OutOfOrder, SessionConflict, StepEvents, StepInFlight
+from kvdefrag.common import EpochMismatch, OutOfOrder, SessionConflict, StepEvents, StepInFlight
 from kvdefrag.vllm.common import read_step_stamp
 
 __all__ = ["PassTarget", "RunnerPass", "StepService", "wait_for_planned_step"]
@@ -60,6 +71,12 @@ class StepService(Protocol):
     @property
     def kv_lock(self) -> threading.Lock: ...
 
+    @property
+    def applied(self) -> tuple[int, int]:
+        """``(epoch, next_seq)`` as published (lock-free); a Reset publishes its new epoch
+        before it publishes the identity mapping."""
+        ...
+
     def apply_planned_step(self, epoch: int, seq: int, events: StepEvents) -> bool: ...
 
     def wait_applied(self, epoch: int, seq: int, timeout_s: float) -> None: ...
@@ -70,7 +87,9 @@ class StepService(Protocol):
 _LEFT_TO_THE_CALL = (SessionConflict, OutOfOrder, StepInFlight)
 
 
-def wait_for_planned_step(service: StepService, rank: int, output: Any, timeout_s: float) -> None:
+def wait_for_planned_step(
+    service: StepService, rank: int, output: Any, timeout_s: float
+) -> tuple[int, int] | None:
     """Returns once this rank's service has applied the step planned with ``output``.
 
     The scheduler sends each step without waiting for its reply and stamps the output
@@ -83,6 +102,9 @@ def wait_for_planned_step(service: StepService, rank: int, output: Any, timeout_
     waits for the call. Call it before taking ``kv_lock`` (applying the step may need the
     lock to move KV data). An unstamped output waits for nothing.
 
+    Returns:
+        ``(epoch, seq)`` of the step waited for; None for an unstamped output.
+
     Raises:
         EpochMismatch, EngineUnhealthy, ServiceUnavailable: As
             ``ServerHandle.wait_applied`` (the step will not be applied here).
@@ -91,15 +113,16 @@ def wait_for_planned_step(service: StepService, rank: int, output: Any, timeout_
     """
     stamp = read_step_stamp(output)
     if stamp is None:
-        return
+        return None
     epoch, seq = stamp.for_rank(rank)
     if stamp.events is not None:
         try:
             service.apply_planned_step(epoch, seq, stamp.events)
-            return
+            return epoch, seq
         except _LEFT_TO_THE_CALL:
             pass
     service.wait_applied(epoch, seq, timeout_s)
+    return epoch, seq
 
 
 class PassTarget(Protocol):
@@ -137,6 +160,7 @@ class RunnerPass:
         self._lock = service.kv_lock
         self._is_open = False
         self._is_idle = False  # an idle call holds the lock; calls inside it run in it
+        self._epoch = 0  # the epoch of the last pass run (0: none yet)
         self.num_passes = 0
         self.num_idle = 0
         self.num_unclosed = 0
@@ -155,6 +179,8 @@ class RunnerPass:
         Raises:
             EpochMismatch, EngineUnhealthy, ServiceUnavailable: As
                 ``ServerHandle.wait_applied`` (the step will not be applied here).
+            EpochMismatch: The service was reset after the step was found applied; the
+                runner did not run.
         """
         if self._is_idle:  # a warm-up stepping the runner through the worker
             self._target.begin(output)
@@ -167,8 +193,8 @@ class RunnerPass:
                 self._rank,
             )
             self._close()
-        wait_for_planned_step(self._service, self._rank, output, self._step_wait_s)
-        self._open(output)
+        step = wait_for_planned_step(self._service, self._rank, output, self._step_wait_s)
+        self._open(output, step)
         self.num_passes += 1
         try:
             result = run()
@@ -203,6 +229,8 @@ class RunnerPass:
         Raises:
             RuntimeError: Called between a step's ``execute_model`` and its
                 ``sample_tokens``.
+            EpochMismatch: The service was reset since the rank's last pass; ``run`` did
+                not run.
         """
         if self._is_idle:
             return run()
@@ -211,7 +239,7 @@ class RunnerPass:
                 f"kvdefrag: rank {self._rank} was asked to run a dummy batch or a warm-up "
                 "between a step's execute_model and its sample_tokens"
             )
-        self._open(None)
+        self._open(None, None)
         self._is_idle = True
         self.num_idle += 1
         try:
@@ -220,15 +248,42 @@ class RunnerPass:
             self._is_idle = False
             self._close()
 
-    def _open(self, output: Any) -> None:
+    def _open(self, output: Any, step: tuple[int, int] | None) -> None:
         self._lock.acquire()
         self._is_open = True
         try:
+            self._check_mapping(step)
             self._target.begin(output)
         except BaseException:
             self._is_open = False
             self._lock.release()
             raise
+
+    def _check_mapping(self, step: tuple[int, int] | None) -> None:
+        """Refuses to run on a mapping other than the one ``step`` left (or, outside any
+        step, other than the last pass's epoch); call it holding ``kv_lock``.
+
+        Raises:
+            EpochMismatch: The service is at another epoch, or ``step`` is not applied.
+        """
+        current_epoch, next_seq = self._service.applied
+        if step is None:
+            if self._epoch and current_epoch != self._epoch:
+                raise EpochMismatch(
+                    f"rank {self._rank}: a call outside any step (a dummy batch, a "
+                    f"warm-up) finds the service at epoch {current_epoch}, not at epoch "
+                    f"{self._epoch} its rows follow (it was reset); nothing ran; restart vLLM"
+                )
+            return
+        epoch, seq = step
+        if current_epoch != epoch or next_seq <= seq:
+            raise EpochMismatch(
+                f"rank {self._rank}: the pass for step seq {seq} of epoch {epoch} finds the "
+                f"service at epoch {current_epoch} (next seq {next_seq}): it was reset after "
+                "the step was applied, so the block ids no longer name where the KV data "
+                "is; nothing ran; restart vLLM"
+            )
+        self._epoch = epoch
 
     def _close(self) -> None:
         try:
