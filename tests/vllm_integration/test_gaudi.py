@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from kvdefrag.client import DefragClient
-from kvdefrag.common import InvalidArgument, StepEvents
+from kvdefrag.common import EpochMismatch, InvalidArgument, StepEvents
 from kvdefrag.server import EngineConfig, ServerHandle
-from kvdefrag.vllm import gaudi
+from kvdefrag.vllm import _pass, gaudi
 from kvdefrag.vllm.common import StepStamp, attach_step_stamp
 from kvdefrag.vllm.config import RUN_DIR_ENV
 from kvdefrag.vllm.errors import UnsupportedByKvdefrag
@@ -535,3 +535,39 @@ def test_gaudi_exports_are_pinned() -> None:
             "hpu_async_scheduler_base",
         },
     )
+
+
+def test_a_reset_between_a_passs_step_check_and_kv_lock_fails_the_pass_before_it_resolves(
+    serve: Serve, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The switch resolves in ``sample_tokens`` with the mapping in force: a Reset that
+    takes ``kv_lock`` after the pass found its step applied would make it resolve logical
+    ids as physical ones. Held deterministically in that window, the pass fails before
+    the runner runs, and so does a later dummy batch."""
+    built, handle, kv = served_worker(serve, 16)
+    real_wait = _pass.wait_for_planned_step
+
+    def wait_then_reset(*args: Any) -> Any:
+        step = real_wait(*args)
+        handle.reset(force=True)  # in the window: takes kv_lock, publishes the identity
+        return step
+
+    with DefragClient(handle.address, timeout_s=10) as client:
+        run_workload(client, kv, new_blocks={"a": [1, 2, 3], "b": [9, 10]})
+        first = SimpleNamespace()
+        attach_step_stamp(first, StepStamp(((client.epoch, client.next_seq - 1),)))
+        assert built.execute_model(first) is None and built.sample_tokens(None) == "sampled"
+        run_workload(client, kv, finished=["a"])  # b moves down
+        assert handle.resolve([1]).tolist() != [1]
+        epoch, seq = client.epoch, client.next_seq - 1
+        output = SimpleNamespace()
+        attach_step_stamp(output, StepStamp(((epoch, seq),)))
+        monkeypatch.setattr(_pass, "wait_for_planned_step", wait_then_reset)
+        with pytest.raises(EpochMismatch, match=f"step seq {seq} of epoch {epoch} finds"):
+            built.execute_model(output)
+    assert built.sample_tokens(None) is None  # nothing pending: the runner never got it
+    assert len(built.model_runner.seen) == 1  # the first pass's resolve only
+    assert not handle.kv_lock.locked()
+    with pytest.raises(EpochMismatch, match=f"not at epoch {epoch} its rows follow"):
+        built.execute_dummy_batch()
+    assert len(built.model_runner.seen) == 1

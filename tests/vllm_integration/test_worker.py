@@ -20,9 +20,9 @@ import pytest
 import torch
 
 from kvdefrag.client import DefragClient
-from kvdefrag.common import InvalidArgument, StepEvents
+from kvdefrag.common import EpochMismatch, InvalidArgument, StepEvents
 from kvdefrag.server import Engine, EngineConfig, Move, MoveBatch, make_executor
-from kvdefrag.vllm import _engine_checks
+from kvdefrag.vllm import _engine_checks, _pass
 from kvdefrag.vllm._ranks import connect_ranks
 from kvdefrag.vllm._runner_rows import Remap
 from kvdefrag.vllm.common import (
@@ -1149,3 +1149,46 @@ def test_worker_exports_are_pinned() -> None:
             "wait_for_planned_step",
         },
     )
+
+
+@pytest.mark.parametrize("runner", ["v1", "v2"])
+def test_a_reset_between_a_passs_step_check_and_kv_lock_fails_the_pass_before_it_runs(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, runner: str
+) -> None:
+    """A Reset that takes ``kv_lock`` after the pass found its step applied publishes the
+    identity mapping while the data stays where the step put it: the pass must not run
+    on it. Held deterministically in that window; a later dummy batch is refused too."""
+    monkeypatch.setenv("KVDEFRAG_VLLM_RUN_DIR", str(tmp_path))
+    worker = _Worker(rank=0) if runner == "v1" else _V2Worker(0, _v2_runner([[5, 6]]))
+    worker.initialize_from_config(_kv_cache_config())
+    handle = worker.kvdefrag_handle
+    assert handle is not None
+    ran: list[Any] = []
+    monkeypatch.setattr(_FakeVllmWorker, "execute_model", lambda self, out: ran.append(out))
+    real_wait = _pass.wait_for_planned_step
+
+    def wait_then_reset(*args: Any) -> Any:
+        step = real_wait(*args)
+        handle.reset(force=True)  # in the window: takes kv_lock, publishes the identity
+        return step
+
+    with DefragClient(handle.address, prefix_caching=False) as client:
+        client.step(StepEvents(new_blocks={"a": [1, 2], "b": [3]}))
+        first = _output()
+        attach_step_stamp(first, StepStamp(((client.epoch, client.next_seq - 1),)))
+        assert worker.execute_model(first) is None and worker.sample_tokens(None) == "sampled"
+        client.step(StepEvents(new_blocks={"c": [5, 6]}))  # placed low: 5, 6 -> 4, 5
+        assert handle.resolve([5, 6]).tolist() == [4, 5]
+        output = _output()
+        attach_step_stamp(output, StepStamp(((client.epoch, client.next_seq - 1),)))
+        epoch = client.epoch
+        monkeypatch.setattr(_pass, "wait_for_planned_step", wait_then_reset)
+        with pytest.raises(EpochMismatch, match=f"step seq 2 of epoch {epoch} finds the service"):
+            worker.execute_model(output)
+    assert ran == [first]  # the second pass never reached the runner
+    assert output.scheduled_new_reqs[0].block_ids == ([1, 2],)  # left logical
+    assert not handle.kv_lock.locked()
+    with pytest.raises(EpochMismatch, match=f"not at epoch {epoch} its rows follow"):
+        worker.execute_dummy_batch()
+    assert "execute_dummy_batch" not in worker.calls
+    worker.shutdown()
