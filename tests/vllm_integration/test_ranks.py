@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -281,4 +282,105 @@ def test_a_step_queued_behind_one_a_rank_refused_is_not_sent_there(serve: Serve)
         # Once the queues drained, the next step takes the seq the clients are at.
         assert group.submit(StepEvents(new_blocks={"c": [5]})).result().seq == 2
     finally:
+        group.close()
+
+
+def test_a_step_stamped_after_a_refusal_nobody_took_yet_does_not_reuse_its_seq(
+    serve: Serve,
+) -> None:
+    """The bridge checks the step before the last, then plans and submits the next: a step
+    that fails in between must not lend its seq to the next one, whose output would
+    carry the failed step's seq with other events."""
+    handles = [serve(kv=SignedKv.create(64)) for _ in range(2)]
+    group = RankGroup([DefragClient(handle.address) for handle in handles])
+    try:
+        group.step(StepEvents(new_blocks={"a": [3]}))
+        refused = group.submit(StepEvents(new_blocks={"b": [64]}))  # outside the pool
+        while not refused.done():  # failed, but its result not taken yet
+            time.sleep(0.01)
+        following = group.submit(StepEvents(new_blocks={"c": [5]}))
+        assert [seq for _, seq in refused.stamp.by_rank] == [2, 2]
+        assert [seq for _, seq in following.stamp.by_rank] == [3, 3]
+
+        with pytest.raises(InvalidArgument, match="64"):
+            refused.result()
+        with pytest.raises(DefragError, match=r"step seq 3 was not sent: .* at seq 2"):
+            following.result()
+        for handle in handles:  # "c" was not applied under the refused step's seq
+            assert handle.stats().totals.num_steps == 1
+            assert handle._engine.list_requests() == {"a": [3]}
+    finally:
+        group.close()
+
+
+# --- closing, for the scheduler's shutdown -----------------------------------------------
+TIMEOUT_S = 1.0
+
+
+def test_closing_does_not_wait_for_a_rank_that_stopped_with_a_step_in_flight(
+    serve: Serve, caplog: pytest.LogCaptureFixture
+) -> None:
+    """As vLLM shuts down: the workers' services stop before the scheduler, one while the
+    rank applies a step; closing the group names that rank and does not wait for it (its
+    pending step once took a call and three completions, each up to ``timeout_s``)."""
+    kvs = [SignedKv.create(64), SignedKv.create(64)]
+    held = ScriptedExecutor.for_kv(kvs[1])
+    handles = [serve(kv=kvs[0], threshold=0), serve(kv=kvs[1], threshold=0, executor=held)]
+    group = RankGroup([DefragClient(h.address, timeout_s=TIMEOUT_S) for h in handles])
+    try:
+        held.hold()
+        in_flight = group.submit(StepEvents(new_blocks={"a": [40, 41]}, fresh=[]))  # moves
+        assert held.entered.wait(10)
+        handles[1].stop(grace_s=0)  # the step's call is cancelled; no socket any more
+
+        started = time.monotonic()
+        with caplog.at_level(logging.WARNING, logger="kvdefrag.vllm._ranks"):
+            reply = group.close([in_flight])
+        elapsed_s = time.monotonic() - started
+
+        assert elapsed_s < 2 * TIMEOUT_S, elapsed_s
+        assert reply is not None and reply.seq == 1  # rank 0's, checked
+        gone = [r.getMessage() for r in caplog.records if "is gone" in r.getMessage()]
+        assert len(gone) == 1, caplog.text
+        assert gone[0].startswith(f"rank 1 at {handles[1].address} is gone: UNAVAILABLE")
+        assert not is_session_open(handles[0].address)  # closed, not left open
+    finally:
+        held.release()
+        group.close()
+
+
+def test_closing_waits_for_a_rank_that_serves_and_checks_its_reply(serve: Serve) -> None:
+    kvs = [SignedKv.create(64), SignedKv.create(64)]
+    slow = ScriptedExecutor.for_kv(kvs[1])
+    slow.stall_next(0.6)  # longer than a few looks at whether it still serves
+    handles = [
+        serve(kv=kvs[0], threshold=0),
+        serve(kv=kvs[1], threshold=100, executor=slow),  # never compacts: another digest
+    ]
+    group = RankGroup([DefragClient(h.address, timeout_s=5.0) for h in handles])
+    in_flight = group.submit(StepEvents(new_blocks={"a": [40, 41]}, fresh=[]))
+    with pytest.raises(RanksDiverged, match=r"rank 1: digest .* differs from rank 0's"):
+        group.close([in_flight])
+    assert in_flight.done()
+    assert not any(is_session_open(h.address) for h in handles)
+
+
+def test_closing_gives_up_on_a_rank_that_serves_but_never_answers(
+    serve: Serve, caplog: pytest.LogCaptureFixture
+) -> None:
+    held = ScriptedExecutor.for_kv(kv := SignedKv.create(64))
+    handle = serve(kv=kv, threshold=0, executor=held)
+    group = RankGroup([DefragClient(handle.address, timeout_s=TIMEOUT_S)])
+    try:
+        held.hold()
+        in_flight = group.submit(StepEvents(new_blocks={"a": [40, 41]}, fresh=[]))
+        assert held.entered.wait(10)
+        started = time.monotonic()
+        with caplog.at_level(logging.WARNING, logger="kvdefrag.vllm._ranks"):
+            assert group.close([in_flight]) is None
+        assert time.monotonic() - started < 2 * TIMEOUT_S
+        assert f"rank 0 at {handle.address} did not answer" in caplog.text
+        assert "is gone" not in caplog.text
+    finally:
+        held.release()
         group.close()

@@ -355,6 +355,36 @@ class DefragClient:
             is_idempotent=is_idempotent,
         )
 
+    def probe_connection(self, timeout_s: float) -> str | None:
+        """Says why nobody serves the address now, if that is so, without waiting for it.
+
+        One ``GetStats`` call on this client's channel, without gRPC's wait-for-ready and
+        without a retry, so it may run while another thread sends a step. A connection
+        that fails (no socket file, connection refused, a server stopping) fails the call
+        at once.
+
+        Args:
+            timeout_s: Deadline of the call.
+
+        Returns:
+            gRPC's reason when the connection failed; None when the server answered
+            (its stats, or any kvdefrag error) or did not answer within ``timeout_s``
+            (busy, or a peer that drops packets: nothing known).
+
+        Raises:
+            InvalidArgument: ``timeout_s`` is not a duration.
+        """
+        timeout_s = check_duration("timeout_s", timeout_s)
+        self._check_open()
+        try:
+            self._stub.GetStats(
+                _convert.get_stats_request(), timeout=timeout_s, wait_for_ready=False
+            )
+        except grpc.RpcError as err:
+            if _convert.is_connection_failure(err):
+                return _convert.describe(err)
+        return None
+
     def stats(self) -> ServiceStats:
         """Fetches the server's statistics and session state (``GetStats``)."""
         return _convert.service_stats(
@@ -459,9 +489,25 @@ class DefragClient:
             raise DefragError(f"DefragClient for {self.address} is closed")
 
     # --- lifetime ---------------------------------------------------------------------
-    def close(self) -> None:
-        """Ends the session and closes the channel (idempotent)."""
-        self._close(cancel=False)
+    def close(self, *, wait_s: float | None = None) -> None:
+        """Ends the session and closes the channel (idempotent).
+
+        Args:
+            wait_s: How long to wait for a step another thread is sending; None: until it
+                ends. Past that the channel is closed under it: its call is cancelled, it
+                fails in that thread, and nobody waits for it (its outcome stays unknown).
+        """
+        if wait_s is None:
+            self._close(cancel=False)
+            return
+        if not self._lock.acquire(timeout=check_duration("wait_s", wait_s, allow_zero=True)):
+            self._is_closed = True
+            self._channel.close()
+            return
+        try:
+            self._close(cancel=False)
+        finally:
+            self._lock.release()
 
     def _close(self, *, cancel: bool) -> None:
         with self._lock:

@@ -76,6 +76,13 @@ def is_transport_failure(err: grpc.RpcError) -> bool:
     return code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
 
 
+def is_connection_failure(err: grpc.RpcError) -> bool:
+    """True when a call failed to reach the server at all (``UNAVAILABLE`` without a
+    kvdefrag error: no socket, connection refused, a server stopping), not a timeout."""
+    code, _, name = _status(err)
+    return name not in WIRE_ERRORS and code == grpc.StatusCode.UNAVAILABLE
+
+
 def defrag_error(err: grpc.RpcError, context: str = "") -> errors.DefragError:
     """Maps a failed call to the kvdefrag error it stands for (raise it ``from err``).
 

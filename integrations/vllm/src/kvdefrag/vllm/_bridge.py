@@ -229,6 +229,20 @@ class SchedulerBridge:
         """
         self._settle_down_to(0)
 
+    def close(self) -> None:
+        """For the scheduler's shutdown: checks the steps in flight within one timeout and
+        closes the ranks' clients, never waiting for a rank whose service is gone
+        (``RankGroup.close``).
+
+        Raises:
+            RanksDiverged, DefragError: As ``RankGroup.close``.
+        """
+        steps = list(self._in_flight)
+        self._in_flight.clear()
+        reply = self.ranks.close(steps)
+        if reply is not None:
+            self.totals.last_reply = reply
+
     def _settle_down_to(self, depth: int) -> None:
         """Checks the replies of the oldest steps in flight: every one already answered,
         and more, waiting for them in order, until at most ``depth`` remain."""

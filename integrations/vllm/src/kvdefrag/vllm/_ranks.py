@@ -12,9 +12,13 @@ across ranks instead.
 
 from __future__ import annotations
 
+import concurrent.futures
 import hmac
+import logging
 import secrets
-from collections.abc import Callable, Sequence
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import grpc
@@ -38,6 +42,10 @@ from kvdefrag.vllm.errors import StartupRefused
 # How many times a rank's pending step is resent (each within the client's timeout_s)
 # before the scheduler gives up on that rank.
 MAX_COMPLETION_ATTEMPTS = 3
+# While closing, how often the group looks again whether a rank it waits for still serves.
+CLOSE_POLL_S = 0.2
+
+_LOGGER = logging.getLogger(__name__)
 
 
 class RanksDiverged(DefragError):
@@ -164,6 +172,9 @@ class RankGroup:
         # Per rank: the seq the last submitted step was stamped with, and its future.
         self._last_seqs = [client.next_seq - 1 for client in self.clients]
         self._last_sent: list[Future[StepReply] | None] = [None] * len(self.clients)
+        self._last_step: InFlightStep | None = None
+        # Set by ``close``: from then on no rank's pending step is resent.
+        self._is_closing = threading.Event()
         self._senders = [
             ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"kvdefrag-rank{rank}")
             for rank in range(len(self.clients))
@@ -214,26 +225,41 @@ class RankGroup:
             events,
         )
         futures = [
-            sender.submit(_rank_step, rank, client, events, seq)
+            sender.submit(_rank_step, rank, client, events, seq, self._is_closing)
             for rank, (sender, client, seq) in enumerate(
                 zip(self._senders, self.clients, self._last_seqs, strict=True)
             )
         ]
         self._last_sent = list(futures)
-        return InFlightStep(
-            stamp, futures, lambda: self._checked(stamp, [f.result() for f in futures])
+        self._last_step = InFlightStep(
+            stamp,
+            futures,
+            lambda: self._checked(stamp, {rank: f.result() for rank, f in enumerate(futures)}),
         )
+        return self._last_step
 
     def _next_seq(self, rank: int) -> int:
-        """The seq rank ``rank``'s next step gets: its client's when nothing is queued for
-        it (a step that failed there used none), else one past the last one queued."""
-        last = self._last_sent[rank]
-        if last is None or last.done():
+        """The seq rank ``rank``'s next step gets: its client's once the last step is done
+        there and its outcome was taken (``result()``: a step refused there used no seq),
+        else one past the last one stamped.
+
+        NOTE: a step that failed while nobody has taken its result yet (it failed after
+        the bridge's last look at it) must not lend its seq to the next one: the output
+        planned with the failed step carries that seq too, with other events, so a
+        worker could find the seq applied and run that output on the next step's
+        mapping. The next step, one seq further, is not sent there (``_rank_step``).
+        """
+        last = self._last_step
+        if last is None or (last.is_taken and last.futures[rank].done()):
             return self.clients[rank].next_seq
         return self._last_seqs[rank] + 1
 
-    def _checked(self, stamp: StepStamp, replies: list[StepReply]) -> StepReply:
-        for rank, (reply, epoch) in enumerate(zip(replies, self.epochs, strict=True)):
+    def _checked(self, stamp: StepStamp, replies: Mapping[int, StepReply]) -> StepReply:
+        """Checks the replies of ``replies``' ranks to one step (the first rank's is the
+        reference) and returns the first one."""
+        first = replies[min(replies)]
+        for rank, reply in sorted(replies.items()):
+            epoch = self.epochs[rank]
             if reply.seq != stamp.by_rank[rank][1]:
                 raise RanksDiverged(
                     f"rank {rank}: answered seq {reply.seq} for the step stamped seq "
@@ -244,19 +270,121 @@ class RankGroup:
                     f"rank {rank}: epoch changed from {epoch} to {reply.epoch} (its service "
                     "restarted or was reset); restart vLLM to start every rank over"
                 )
-            if reply.digest != replies[0].digest:
+            if reply.digest != first.digest:
                 raise RanksDiverged(
-                    f"rank {rank}: digest {reply.digest:#x} differs from rank 0's "
-                    f"{replies[0].digest:#x} after seq {reply.seq}; restart vLLM"
+                    f"rank {rank}: digest {reply.digest:#x} differs from rank {min(replies)}'s "
+                    f"{first.digest:#x} after seq {reply.seq}; restart vLLM"
                 )
-        return replies[0]
+        return first
 
-    def close(self) -> None:
-        """Waits for the steps still being sent, then closes every client and thread."""
+    def close(self, steps: Sequence[InFlightStep] = ()) -> StepReply | None:
+        """Checks the replies to ``steps`` within one timeout, then closes every client and
+        thread: the scheduler's shutdown.
+
+        From the call on no rank's pending step is resent (a step being sent gets its one
+        try). The group waits once, for every rank at once, at most the longest
+        ``timeout_s`` of its clients, and not for a rank whose service is gone (its address
+        refuses connections or names no socket): vLLM stops the workers, and so their
+        services, before the scheduler. A warning names each rank gone ("rank 1 at
+        unix:... is gone: ...") or silent until the deadline; their steps are left
+        unchecked and their clients closed under any step still being sent.
+
+        Args:
+            steps: The steps in flight, in submission order.
+
+        Returns:
+            The last step's first reply among the ranks that answered it, or None.
+
+        Raises:
+            RanksDiverged, DefragError: The ranks that answered disagree, or one refused a
+                step (the first such error, in submission order); every client and
+                thread is closed all the same.
+        """
+        if self._is_closing.is_set():
+            self._close_clients()
+            return None
+        self._is_closing.set()
+        timeout_s = max(client.timeout_s for client in self.clients)
+        deadline = time.monotonic() + timeout_s
+        gone: dict[int, str] = {}
+        while True:
+            busy = {
+                rank: last
+                for rank, last in enumerate(self._last_sent)
+                if last is not None and not last.done() and rank not in gone
+            }
+            remaining_s = deadline - time.monotonic()
+            if not busy or remaining_s <= 0:
+                break
+            for rank in busy:
+                reason = self.clients[rank].probe_connection(min(CLOSE_POLL_S, remaining_s))
+                if reason is not None:
+                    gone[rank] = reason
+            waited = [last for rank, last in busy.items() if rank not in gone]
+            remaining_s = deadline - time.monotonic()
+            concurrent.futures.wait(waited, timeout=max(min(CLOSE_POLL_S, remaining_s), 0.0))
+        silent: dict[int, str] = {}
+        try:
+            return self._checked_at_close(steps, gone, silent, timeout_s)
+        finally:
+            for rank, reason in sorted(gone.items()):
+                _LOGGER.warning(
+                    "rank %d at %s is gone: %s; shutting down without its replies",
+                    rank,
+                    self.clients[rank].address,
+                    reason,
+                )
+            for rank, reason in sorted(silent.items()):
+                _LOGGER.warning(
+                    "rank %d at %s did not answer by the shutdown's deadline: %s; shutting "
+                    "down without its replies",
+                    rank,
+                    self.clients[rank].address,
+                    reason,
+                )
+            self._close_clients()
+
+    def _checked_at_close(
+        self,
+        steps: Sequence[InFlightStep],
+        gone: dict[int, str],
+        silent: dict[int, str],
+        timeout_s: float,
+    ) -> StepReply | None:
+        """``_checked`` for every step, over the ranks that answered; a rank without an
+        answer joins ``gone`` (its service refuses connections) or ``silent``."""
+        reply = None
+        for step in steps:
+            step.is_taken = True
+            replies: dict[int, StepReply] = {}
+            for rank, future in enumerate(step.futures):
+                if rank in gone or rank in silent:
+                    continue
+                if not future.done():
+                    silent[rank] = f"no answer within {timeout_s} s"
+                    continue
+                err = future.exception()
+                if err is None:
+                    replies[rank] = future.result()
+                    continue
+                if not isinstance(err, ServiceUnavailable):
+                    raise err
+                reason = self.clients[rank].probe_connection(CLOSE_POLL_S)
+                if reason is not None:
+                    gone[rank] = reason
+                else:
+                    silent[rank] = str(err)
+            if replies:
+                reply = self._checked(step.stamp, replies)
+        return reply
+
+    def _close_clients(self) -> None:
+        """Closes every client and thread, waiting for nothing: a step still being sent
+        to a rank has its call cancelled, and the steps queued behind it are dropped."""
         for sender in self._senders:
-            sender.shutdown(wait=True)
-        for client in self.clients:
-            client.close()
+            sender.shutdown(wait=False, cancel_futures=True)
+        for client, last in zip(self.clients, self._last_sent, strict=True):
+            client.close(wait_s=None if last is None or last.done() else 0.0)
 
 
 class InFlightStep:
@@ -266,19 +394,24 @@ class InFlightStep:
         self, stamp: StepStamp, futures: Sequence[Future[StepReply]], wait: Callable[[], StepReply]
     ) -> None:
         self.stamp = stamp
-        self._futures = futures
+        self.futures = futures
+        # Whether the caller asked for the outcome (``result()``), a failure included.
+        self.is_taken = False
         self._wait = wait
 
     def done(self) -> bool:
         """True once every rank answered (or failed): ``result()`` will not wait."""
-        return all(future.done() for future in self._futures)
+        return all(future.done() for future in self.futures)
 
     def result(self) -> StepReply:
         """Waits for every rank's reply; raises as ``RankGroup.step`` does."""
+        self.is_taken = True
         return self._wait()
 
 
-def _rank_step(rank: int, client: DefragClient, events: StepEvents, seq: int) -> StepReply:
+def _rank_step(
+    rank: int, client: DefragClient, events: StepEvents, seq: int, is_closing: threading.Event
+) -> StepReply:
     """One rank's step, stamped ``seq``; a rank at another epoch is a divergence of the group.
 
     NOTE: a rank's service that restarted, or was reset by force, refuses the step with
@@ -296,7 +429,7 @@ def _rank_step(rank: int, client: DefragClient, events: StepEvents, seq: int) ->
             f"{client.next_seq}, so an earlier step failed there (its error comes first)"
         )
     try:
-        return step_through_timeouts(client, events)
+        return step_through_timeouts(client, events, is_closing)
     except EpochMismatch as err:
         raise RanksDiverged(
             f"rank {rank}: its service is at another epoch (it restarted or was reset by "
@@ -304,27 +437,32 @@ def _rank_step(rank: int, client: DefragClient, events: StepEvents, seq: int) ->
         ) from err
 
 
-def step_through_timeouts(client: DefragClient, events: StepEvents) -> StepReply:
+def step_through_timeouts(
+    client: DefragClient, events: StepEvents, is_closing: threading.Event | None = None
+) -> StepReply:
     """One rank's step under the client's pending-step contract.
 
     A step without a reply in time may have been applied (and its KV moved) on that rank,
     so it is completed, never resent as a new step: ``complete_pending_step()`` until it
-    answers, at most ``MAX_COMPLETION_ATTEMPTS`` times.
+    answers, at most ``MAX_COMPLETION_ATTEMPTS`` times, and not once ``is_closing`` is set.
 
     Args:
         client: The rank's client.
         events: The step's events, shared by every rank (they are only read).
+        is_closing: Set when the scheduler shuts down (``RankGroup.close``).
     """
     try:
         return client.step(events)
-    except StepOutcomeUnknown:
-        for attempt in range(MAX_COMPLETION_ATTEMPTS):
-            try:
-                reply = client.complete_pending_step()
-            except StepOutcomeUnknown:
-                if attempt + 1 == MAX_COMPLETION_ATTEMPTS:
-                    raise
-                continue
-            assert reply is not None, "the pending step vanished"
-            return reply
-        raise
+    except StepOutcomeUnknown as err:
+        unknown = err
+    for _ in range(MAX_COMPLETION_ATTEMPTS):
+        if is_closing is not None and is_closing.is_set():
+            break
+        try:
+            reply = client.complete_pending_step()
+        except StepOutcomeUnknown as err:
+            unknown = err
+            continue
+        assert reply is not None, "the pending step vanished"
+        return reply
+    raise unknown

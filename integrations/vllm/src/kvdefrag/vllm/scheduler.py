@@ -244,11 +244,16 @@ class DefragScheduler(Scheduler):  # type: ignore[misc]
                 pool.touch(blocks)
 
     def shutdown(self) -> None:
-        """Waits for the steps in flight, closes the rank clients, shuts vLLM's scheduler down."""
+        """Checks the steps in flight and closes the rank clients within one timeout, then
+        shuts vLLM's scheduler down.
+
+        vLLM's ``EngineCore.shutdown`` stops the executor, and so the workers' services,
+        before it shuts the scheduler down: a rank whose service is gone is named in a
+        warning and not waited for (``SchedulerBridge.close``).
+        """
         try:
-            self.kvdefrag.settle()
+            self.kvdefrag.close()
         finally:
-            self.kvdefrag.ranks.close()
             super().shutdown()
 
 
