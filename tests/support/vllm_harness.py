@@ -42,6 +42,7 @@ from vllm.v1.structured_output import StructuredOutputManager
 from kvdefrag.server import EngineConfig, ServerHandle, ServiceConfig, serve_in_process
 from kvdefrag.vllm.common import (
     PublishedRank,
+    engine_id,
     publish_ranks,
     published_ranks,
     rank_address,
@@ -66,6 +67,15 @@ NUM_BLOCKS = 96  # small: preemption happens
 # preempted; async runs without it use ``NUM_BLOCKS`` and preempt.
 ASYNC_NUM_BLOCKS = 400
 _MASK = (1 << 62) - 1
+INSTANCE_ID = "kvdefrag-harness"
+"""vLLM's id (``VllmConfig.instance_id``) of every engine ``make_scheduler`` builds, so that
+the ranks a test publishes for it (``harness_engine_id``) are the ones it finds."""
+
+
+def harness_engine_id(parallel_config: Any = None) -> str:
+    """The engine id (``common.engine_id``) of a scheduler ``make_scheduler`` builds with
+    ``parallel_config`` (vLLM's default when None: no data parallelism)."""
+    return engine_id(SimpleNamespace(instance_id=INSTANCE_ID, parallel_config=parallel_config))
 
 
 def _signature(token_ids: tuple[int, ...]) -> int:
@@ -157,6 +167,7 @@ def make_scheduler(
         device_config=DeviceConfig(device="cpu"),
         **({} if parallel_config is None else {"parallel_config": parallel_config}),
     )
+    vllm_config.instance_id = INSTANCE_ID
     vllm_config.cache_config.num_gpu_blocks = num_blocks
     spec = FullAttentionSpec(
         block_size=BLOCK_SIZE, num_kv_heads=1, head_size=8, dtype=torch.float32
@@ -207,6 +218,7 @@ def serve_two_ranks(
     publish_ranks(
         run_dir,
         [PublishedRank(rank_address(run_dir, rank), secrets[rank]) for rank in range(2)],
+        engine_id=harness_engine_id(),
     )
     yield served
     for handle, _ in served:
@@ -217,14 +229,14 @@ class TwoRankScheduler(DefragScheduler):
     """Two ranks (as under TP=2) without a TP=2 config on a CPU-only machine."""
 
     def kvdefrag_ranks(self) -> list[PublishedRank]:
-        return published_ranks(os.environ[RUN_DIR_ENV], 2)
+        return published_ranks(os.environ[RUN_DIR_ENV], 2, engine_id=engine_id(self.vllm_config))
 
 
 class TwoRankAsyncScheduler(DefragAsyncScheduler):
     """``DefragAsyncScheduler`` on two ranks."""
 
     def kvdefrag_ranks(self) -> list[PublishedRank]:
-        return published_ranks(os.environ[RUN_DIR_ENV], 2)
+        return published_ranks(os.environ[RUN_DIR_ENV], 2, engine_id=engine_id(self.vllm_config))
 
 
 @dataclasses.dataclass

@@ -47,6 +47,7 @@ from support.vllm_harness import (
     BLOCK_SIZE,
     V2SignedRunner,
     Workload,
+    harness_engine_id,
     runner_output,
     serve_rank,
 )
@@ -66,6 +67,7 @@ def serve_stages(run_dir: str, num_blocks: int, num_stages: int) -> Iterator[lis
     publish_ranks(
         run_dir,
         [PublishedRank(rank_address(run_dir, rank), secrets[rank]) for rank in range(num_stages)],
+        engine_id=harness_engine_id(),
     )
     yield served
     for handle, _ in served:

@@ -20,11 +20,13 @@ import pytest
 from kvdefrag.vllm.common import (
     RANKS_FILE,
     PublishedRank,
+    RanksOfAnotherEngine,
     StepStamp,
     UnsafeRunDir,
     attach_step_stamp,
     copy_destinations,
     data_parallel_rank,
+    engine_id,
     engine_run_dir,
     ensure_run_dir,
     first_fresh_block_index,
@@ -40,6 +42,7 @@ from support.public_api import assert_public_names
 from support.vllm_output import NewRequestData, cached, output
 
 SECRETS = [bytes([rank]) * 32 for rank in range(2)]
+ENGINE_ID = "1765139000000000000_dp0"
 NOBODY = 65534  # another user: the tests run as root, so they can hand files to it
 
 
@@ -50,8 +53,8 @@ def test_published_ranks_round_trip_in_rank_order(tmp_path: Path) -> None:
         PublishedRank("10.0.0.7:50100", SECRETS[0]),
         PublishedRank("10.0.0.8:50100", SECRETS[1]),
     ]
-    publish_ranks(run_dir, ranks)
-    assert published_ranks(run_dir, 2) == ranks
+    publish_ranks(run_dir, ranks, engine_id=ENGINE_ID)
+    assert published_ranks(run_dir, 2, engine_id=ENGINE_ID) == ranks
     assert os.stat(run_dir).st_mode & 0o777 == 0o700
     assert os.listdir(run_dir) == [RANKS_FILE]  # no partial file left behind
     assert os.stat(os.path.join(run_dir, RANKS_FILE)).st_mode & 0o777 == 0o600  # secrets
@@ -60,7 +63,7 @@ def test_published_ranks_round_trip_in_rank_order(tmp_path: Path) -> None:
 
 def test_missing_addresses_say_which_worker_class_publishes_them(tmp_path: Path) -> None:
     with pytest.raises(StartupRefused, match=re.escape("kvdefrag.vllm.worker.DefragWorker")):
-        published_ranks(os.fspath(tmp_path), 1)
+        published_ranks(os.fspath(tmp_path), 1, engine_id=ENGINE_ID)
 
 
 def _write_ranks(run_dir: Path, document: object) -> None:
@@ -70,18 +73,62 @@ def _write_ranks(run_dir: Path, document: object) -> None:
 
 
 def test_addresses_for_another_world_size_are_refused(tmp_path: Path) -> None:
-    _write_ranks(tmp_path, {"addresses": ["unix:/a.sock"], "secrets": [SECRETS[0].hex()]})
+    _write_ranks(
+        tmp_path,
+        {"engine_id": ENGINE_ID, "addresses": ["unix:/a.sock"], "secrets": [SECRETS[0].hex()]},
+    )
     with pytest.raises(StartupRefused, match="lists 1 rank addresses, the engine has 2 ranks"):
-        published_ranks(os.fspath(tmp_path), 2)
+        published_ranks(os.fspath(tmp_path), 2, engine_id=ENGINE_ID)
 
 
 @pytest.mark.parametrize("secrets", [None, ["00"], ["zz" * 32], [SECRETS[0].hex(), "1"]])
 def test_ranks_without_a_secret_for_every_rank_are_refused(
     tmp_path: Path, secrets: list[str] | None
 ) -> None:
-    _write_ranks(tmp_path, {"addresses": ["unix:/a.sock", "unix:/b.sock"], "secrets": secrets})
+    addresses = ["unix:/a.sock", "unix:/b.sock"]
+    _write_ranks(tmp_path, {"engine_id": ENGINE_ID, "addresses": addresses, "secrets": secrets})
     with pytest.raises(StartupRefused, match="no identity secret for every rank"):
-        published_ranks(os.fspath(tmp_path), 2)
+        published_ranks(os.fspath(tmp_path), 2, engine_id=ENGINE_ID)
+
+
+@pytest.mark.parametrize("found", ["1765139000000000001_dp0", None])
+def test_a_ranks_file_of_another_engine_is_refused_naming_both(
+    tmp_path: Path, found: str | None
+) -> None:
+    """Another engine's (or an older kvdefrag's, naming none): its addresses would prove
+    their secrets, so the engine id is what tells them apart."""
+    other = {} if found is None else {"engine_id": found}
+    secrets = [secret.hex() for secret in SECRETS]
+    _write_ranks(tmp_path, {**other, "addresses": ["unix:/a", "unix:/b"], "secrets": secrets})
+    with pytest.raises(RanksOfAnotherEngine) as raised:
+        published_ranks(os.fspath(tmp_path), 2, engine_id=ENGINE_ID)
+    assert (raised.value.expected_engine_id, raised.value.found_engine_id) == (ENGINE_ID, found)
+    named = "no engine" if found is None else f"engine {found!r}"
+    assert f"{tmp_path / RANKS_FILE} holds the ranks of {named}, not of this engine" in str(
+        raised.value
+    )
+    assert repr(ENGINE_ID) in str(raised.value)
+    assert isinstance(raised.value, StartupRefused)
+
+
+def _vllm_config(instance_id: object, dp_index: int = 0) -> SimpleNamespace:
+    return SimpleNamespace(
+        instance_id=instance_id, parallel_config=SimpleNamespace(data_parallel_index=dp_index)
+    )
+
+
+def test_the_engine_id_is_vllms_instance_id_and_the_dp_index() -> None:
+    assert engine_id(_vllm_config("1765139000000000000")) == "1765139000000000000_dp0"
+    # the DP engines of one vllm serve share the instance id
+    assert engine_id(_vllm_config("1765139000000000000", 1)) == "1765139000000000000_dp1"
+    # under Ray data parallelism vLLM adds the DP rank itself
+    assert engine_id(_vllm_config("1765139000000000000_dp1", 1)) == "1765139000000000000_dp1_dp1"
+
+
+@pytest.mark.parametrize("instance_id", [None, ""])
+def test_a_config_without_an_instance_id_is_refused(instance_id: object) -> None:
+    with pytest.raises(StartupRefused, match=re.escape("VllmConfig.instance_id")):
+        engine_id(_vllm_config(instance_id))
 
 
 def test_every_directory_made_for_the_run_is_private_whatever_the_umask(tmp_path: Path) -> None:
@@ -99,12 +146,16 @@ def test_every_directory_made_for_the_run_is_private_whatever_the_umask(tmp_path
 def test_a_run_dir_of_another_user_is_refused_on_both_sides(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     run_dir.mkdir(mode=0o700)
-    publish_ranks(os.fspath(run_dir), [PublishedRank("unix:/a.sock", SECRETS[0])])
+    publish_ranks(
+        os.fspath(run_dir), [PublishedRank("unix:/a.sock", SECRETS[0])], engine_id=ENGINE_ID
+    )
     os.chown(run_dir, NOBODY, NOBODY)
     for use in (
         lambda: ensure_run_dir(os.fspath(run_dir)),
-        lambda: publish_ranks(os.fspath(run_dir), [PublishedRank("unix:/a.sock", SECRETS[0])]),
-        lambda: published_ranks(os.fspath(run_dir), 1),
+        lambda: publish_ranks(
+            os.fspath(run_dir), [PublishedRank("unix:/a.sock", SECRETS[0])], engine_id=ENGINE_ID
+        ),
+        lambda: published_ranks(os.fspath(run_dir), 1, engine_id=ENGINE_ID),
     ):
         with pytest.raises(UnsafeRunDir, match=f"belongs to uid {NOBODY}.*XDG_RUNTIME_DIR"):
             use()
@@ -118,7 +169,7 @@ def test_a_run_dir_group_or_others_may_reach_is_refused(tmp_path: Path, mode: in
     with pytest.raises(UnsafeRunDir, match=re.escape(f"mode {mode:04o}") + ".*chmod 700"):
         ensure_run_dir(os.fspath(run_dir))
     with pytest.raises(UnsafeRunDir, match="chmod 700"):
-        published_ranks(os.fspath(run_dir), 1)
+        published_ranks(os.fspath(run_dir), 1, engine_id=ENGINE_ID)
 
 
 def test_a_symlinked_run_dir_is_refused(tmp_path: Path) -> None:
@@ -141,12 +192,16 @@ def test_publishing_never_writes_through_a_planted_link(
     monkeypatch.setattr("kvdefrag.vllm._run_dir.secrets.token_hex", lambda _: next(names))
     for name in (f".{RANKS_FILE}.aaaa", f".{RANKS_FILE}.bbbb", RANKS_FILE):
         (run_dir / name).symlink_to(precious)
-    publish_ranks(os.fspath(run_dir), [PublishedRank("unix:/a.sock", SECRETS[0])])
+    publish_ranks(
+        os.fspath(run_dir), [PublishedRank("unix:/a.sock", SECRETS[0])], engine_id=ENGINE_ID
+    )
     assert precious.read_text() == "root's file"
     # the planted links are left as they were; ranks.json is a new file, not the link
     assert (run_dir / f".{RANKS_FILE}.aaaa").is_symlink()
     assert not (run_dir / RANKS_FILE).is_symlink()
-    assert published_ranks(os.fspath(run_dir), 1) == [PublishedRank("unix:/a.sock", SECRETS[0])]
+    assert published_ranks(os.fspath(run_dir), 1, engine_id=ENGINE_ID) == [
+        PublishedRank("unix:/a.sock", SECRETS[0])
+    ]
 
 
 def test_a_ranks_file_that_is_a_link_or_not_private_is_refused(tmp_path: Path) -> None:
@@ -157,16 +212,18 @@ def test_a_ranks_file_that_is_a_link_or_not_private_is_refused(tmp_path: Path) -
     elsewhere.chmod(0o600)
     (run_dir / RANKS_FILE).symlink_to(elsewhere)
     with pytest.raises(UnsafeRunDir, match="is a symlink"):
-        published_ranks(os.fspath(run_dir), 1)
+        published_ranks(os.fspath(run_dir), 1, engine_id=ENGINE_ID)
     (run_dir / RANKS_FILE).unlink()
-    publish_ranks(os.fspath(run_dir), [PublishedRank("unix:/a.sock", SECRETS[0])])
+    publish_ranks(
+        os.fspath(run_dir), [PublishedRank("unix:/a.sock", SECRETS[0])], engine_id=ENGINE_ID
+    )
     (run_dir / RANKS_FILE).chmod(0o644)
     with pytest.raises(UnsafeRunDir, match="mode 0644: group or others may reach it"):
-        published_ranks(os.fspath(run_dir), 1)
+        published_ranks(os.fspath(run_dir), 1, engine_id=ENGINE_ID)
     (run_dir / RANKS_FILE).chmod(0o600)
     os.chown(run_dir / RANKS_FILE, NOBODY, NOBODY)
     with pytest.raises(UnsafeRunDir, match=f"belongs to uid {NOBODY}"):
-        published_ranks(os.fspath(run_dir), 1)
+        published_ranks(os.fspath(run_dir), 1, engine_id=ENGINE_ID)
 
 
 def test_a_ranks_file_nested_past_the_parsers_depth_is_refused_by_name(tmp_path: Path) -> None:
@@ -174,7 +231,7 @@ def test_a_ranks_file_nested_past_the_parsers_depth_is_refused_by_name(tmp_path:
     path.write_text("[" * 100_000 + "]" * 100_000)  # json would raise RecursionError
     path.chmod(0o600)
     with pytest.raises(StartupRefused, match=re.escape(f"{path} is not a rank list")) as caught:
-        published_ranks(os.fspath(tmp_path), 1)
+        published_ranks(os.fspath(tmp_path), 1, engine_id=ENGINE_ID)
     assert "remove it and restart vLLM" in str(caught.value)
 
 
@@ -184,9 +241,11 @@ def test_a_ranks_file_that_is_a_directory_is_refused_by_name_on_both_sides(
     (tmp_path / RANKS_FILE).mkdir(mode=0o700)
     message = f"{tmp_path / RANKS_FILE} is not a regular file"
     with pytest.raises(UnsafeRunDir, match=re.escape(message)):
-        published_ranks(os.fspath(tmp_path), 1)
+        published_ranks(os.fspath(tmp_path), 1, engine_id=ENGINE_ID)
     with pytest.raises(UnsafeRunDir, match=re.escape(f"{tmp_path / RANKS_FILE} is a directory")):
-        publish_ranks(os.fspath(tmp_path), [PublishedRank("unix:/a.sock", SECRETS[0])])
+        publish_ranks(
+            os.fspath(tmp_path), [PublishedRank("unix:/a.sock", SECRETS[0])], engine_id=ENGINE_ID
+        )
     assert sorted(path.name for path in tmp_path.iterdir()) == [RANKS_FILE]  # nothing left
 
 
@@ -289,12 +348,14 @@ def test_common_exports_are_pinned() -> None:
             "RANKS_FILE",
             "ClientTls",
             "PublishedRank",
+            "RanksOfAnotherEngine",
             "StepStamp",
             "UnsafeRunDir",
             "attach_step_stamp",
             "client_tls",
             "copy_destinations",
             "data_parallel_rank",
+            "engine_id",
             "engine_run_dir",
             "ensure_run_dir",
             "first_fresh_block_index",

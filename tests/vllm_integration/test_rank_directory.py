@@ -1,12 +1,14 @@
 """Where the scheduler finds the ranks (``_rank_directory``): ``ranks.json`` for vLLM's own
-processes, Ray's key-value store under Ray, wherever Ray placed rank 0; without Ray or vLLM
-(a dictionary stands in for Ray's store, as ``ray.experimental.internal_kv`` answers)."""
+processes, Ray's key-value store under Ray, wherever Ray placed rank 0, both under the
+engine's id; without Ray or vLLM (a dictionary stands in for Ray's store, as
+``ray.experimental.internal_kv`` answers)."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -20,7 +22,12 @@ from kvdefrag.vllm._rank_directory import (
     RayRankDirectory,
     rank_directory,
 )
-from kvdefrag.vllm.common import RANKS_FILE, PublishedRank, engine_run_dir
+from kvdefrag.vllm.common import (
+    RANKS_FILE,
+    PublishedRank,
+    RanksOfAnotherEngine,
+    engine_id,
+)
 from kvdefrag.vllm.errors import StartupRefused
 
 RANKS = [
@@ -57,19 +64,43 @@ class FakeClock:
         self.now_s += duration_s
 
 
-def parallel(backend: object, dp_index: int = 0) -> SimpleNamespace:
-    return SimpleNamespace(
+def config(backend: object, dp_index: int = 0, instance_id: str = "engine-a") -> SimpleNamespace:
+    """What the rank directory reads of a ``VllmConfig``: the engine's id and its layout."""
+    parallel = SimpleNamespace(
         distributed_executor_backend=backend, data_parallel_index=dp_index, world_size=2
     )
+    return SimpleNamespace(instance_id=instance_id, parallel_config=parallel)
+
+
+ENGINE_ID = engine_id(config("ray"))
 
 
 @pytest.mark.parametrize("backend", [None, "uni", "mp", "external_launcher"])
 def test_vllms_own_processes_meet_in_ranks_json(backend: object, tmp_path: Path) -> None:
-    directory = rank_directory(parallel(backend), os.fspath(tmp_path))
+    directory = rank_directory(config(backend), os.fspath(tmp_path))
     assert isinstance(directory, FileRankDirectory)
     directory.publish(RANKS)
     assert (tmp_path / RANKS_FILE).is_file()
-    assert rank_directory(parallel(backend), os.fspath(tmp_path)).ranks(2) == RANKS
+    assert rank_directory(config(backend), os.fspath(tmp_path)).ranks(2) == RANKS
+
+
+def test_ranks_json_of_another_engine_sharing_the_run_dir_is_refused_naming_both(
+    tmp_path: Path,
+) -> None:
+    """Two engines given one run directory (their ranks on TCP, so no socket collides):
+    the second one's rank 0 replaces the first's record before the first's scheduler reads
+    it, which refuses it by name instead of stepping the other engine's ranks."""
+    others = [PublishedRank(rank.address + "0", rank.secret[::-1]) for rank in RANKS]
+    rank_directory(config("mp", instance_id="engine-a"), os.fspath(tmp_path)).publish(RANKS)
+    rank_directory(config("mp", instance_id="engine-b"), os.fspath(tmp_path)).publish(others)
+    directory = rank_directory(config("mp", instance_id="engine-a"), os.fspath(tmp_path))
+    with pytest.raises(RanksOfAnotherEngine) as raised:
+        directory.ranks(2)
+    assert raised.value.expected_engine_id == "engine-a_dp0"
+    assert raised.value.found_engine_id == "engine-b_dp0"
+    message = str(raised.value)
+    assert "'engine-b_dp0'" in message and "'engine-a_dp0'" in message
+    assert str(tmp_path / RANKS_FILE) in message
 
 
 class RayLikeExecutor:
@@ -85,32 +116,79 @@ def test_under_ray_the_scheduler_finds_rank_0_on_another_node(
     store = DictStore()
     run_dir = tmp_path / "engine"
     run_dir.mkdir(mode=0o700)  # rank 0's worker made it, on its node
-    rank0 = rank_directory(parallel(backend), os.fspath(run_dir), store)
+    rank0 = rank_directory(config(backend), os.fspath(run_dir), store)
     assert isinstance(rank0, RayRankDirectory)
     rank0.publish(RANKS)
     assert (run_dir / RANKS_FILE).is_file()  # for the operator, on that node
     # the engine core's node: the same setting, nothing there
     os.remove(run_dir / RANKS_FILE)
-    engine_core = rank_directory(parallel(backend), os.fspath(run_dir), store)
+    engine_core = rank_directory(config(backend), os.fspath(run_dir), store)
+    assert engine_core.ranks(2) == RANKS
+
+
+def test_two_engines_with_one_run_dir_path_on_two_nodes_keep_their_own_records(
+    tmp_path: Path,
+) -> None:
+    """Replicas started from one manifest: the same run directory path, each on its own
+    node (here, each rank 0's file goes to a folder of its own; the path they name is one).
+    Each engine's scheduler gets its own engine's ranks."""
+    store = DictStore()
+    others = [PublishedRank(rank.address + "0", rank.secret[::-1]) for rank in RANKS]
+    same_path = os.fspath(tmp_path / "node-a")
+    (tmp_path / "node-a").mkdir(mode=0o700)
+    rank_directory(config("ray", instance_id="engine-a"), same_path, store).publish(RANKS)
+    rank_directory(config("ray", instance_id="engine-b"), same_path, store).publish(others)
+    assert len(store.values) == 2
+    assert rank_directory(config("ray", instance_id="engine-a"), same_path, store).ranks(2) == RANKS
+    assert (
+        rank_directory(config("ray", instance_id="engine-b"), same_path, store).ranks(2) == others
+    )
+
+
+def test_one_engine_whose_nodes_give_different_run_dirs_finds_its_ranks(tmp_path: Path) -> None:
+    """Each host with its own run directory (a per-host path, or a variable vLLM does not
+    carry to Ray's workers): rank 0's node and the engine core's node name different
+    paths, and the scheduler still finds rank 0's record."""
+    store = DictStore()
+    (tmp_path / "on-rank-0s-node").mkdir(mode=0o700)
+    rank0 = rank_directory(config("ray"), os.fspath(tmp_path / "on-rank-0s-node"), store)
+    rank0.publish(RANKS)
+    engine_core = rank_directory(config("ray"), os.fspath(tmp_path / "on-the-core-node"), store)
     assert engine_core.ranks(2) == RANKS
 
 
 def test_each_engine_and_dp_engine_has_its_own_key(tmp_path: Path) -> None:
+    """The DP engines of one ``vllm serve`` share vLLM's instance id (unless vLLM adds their
+    DP rank itself, as under Ray data parallelism): the DP index keeps them apart, whatever
+    run directory each names."""
     store = DictStore()
     others = [PublishedRank(rank.address + "0", rank.secret[::-1]) for rank in RANKS]
-    for folder in ("a", "a/dp1", "b"):
-        (tmp_path / folder).mkdir(mode=0o700)  # each engine's rank 0 made its own
+    thirds = [PublishedRank(rank.address + "1", rank.secret[::-1]) for rank in RANKS]
+    (tmp_path / "run").mkdir(mode=0o700)
+    run_dir = os.fspath(tmp_path / "run")
 
-    def directory(base: str, dp_index: int) -> RayRankDirectory | FileRankDirectory:
-        config = parallel("ray", dp_index)
-        return rank_directory(config, engine_run_dir(config, os.fspath(tmp_path / base)), store)
+    def directory(instance_id: str, dp_index: int) -> RayRankDirectory | FileRankDirectory:
+        return rank_directory(config("ray", dp_index, instance_id), run_dir, store)
 
     directory("a", 0).publish(RANKS)
     directory("a", 1).publish(others)
-    directory("b", 0).publish(others)
+    directory("b", 0).publish(thirds)
     assert len(store.values) == 3
     assert directory("a", 0).ranks(2) == RANKS
     assert directory("a", 1).ranks(2) == others
+    assert directory("b", 0).ranks(2) == thirds
+
+
+def test_a_record_under_this_engines_key_naming_another_engine_is_refused(
+    tmp_path: Path,
+) -> None:
+    store = DictStore()
+    directory = RayRankDirectory(ENGINE_ID, os.fspath(tmp_path), store)
+    other = RayRankDirectory("engine-b_dp0", os.fspath(tmp_path), store)
+    other.publish(RANKS)
+    store.put(directory.key, store.values[other.key])
+    with pytest.raises(RanksOfAnotherEngine, match="holds the ranks of engine 'engine-b_dp0'"):
+        directory.ranks(2)
 
 
 def test_the_scheduler_waits_for_rank_0s_record(tmp_path: Path) -> None:
@@ -119,11 +197,13 @@ def test_the_scheduler_waits_for_rank_0s_record(tmp_path: Path) -> None:
 
     def get_published_at_the_third_read(key: bytes) -> bytes | None:
         if store.num_gets == 2:
-            RayRankDirectory(os.fspath(tmp_path), store).publish(RANKS)
+            RayRankDirectory(ENGINE_ID, os.fspath(tmp_path), store).publish(RANKS)
         return real_get(key)
 
     store.get = get_published_at_the_third_read  # type: ignore[method-assign]
-    directory = RayRankDirectory(os.fspath(tmp_path), store, clock=clock, sleep=clock.sleep)
+    directory = RayRankDirectory(
+        ENGINE_ID, os.fspath(tmp_path), store, clock=clock, sleep=clock.sleep
+    )
     assert directory.ranks(2) == RANKS
     assert 0 < clock.now_s < RANKS_WAIT_S
 
@@ -131,32 +211,81 @@ def test_the_scheduler_waits_for_rank_0s_record(tmp_path: Path) -> None:
 def test_no_record_in_time_names_what_was_awaited_and_the_fix(tmp_path: Path) -> None:
     store, clock = DictStore(), FakeClock()
     directory = RayRankDirectory(
-        os.fspath(tmp_path / "engine"), store, wait_s=5.0, clock=clock, sleep=clock.sleep
+        ENGINE_ID, os.fspath(tmp_path / "engine"), store, wait_s=5.0, clock=clock, sleep=clock.sleep
     )
     with pytest.raises(StartupRefused) as raised:
         directory.ranks(2)
     message = str(raised.value)
     assert f"namespace {RAY_KV_NAMESPACE!r}" in message
-    assert repr(f"ranks:{tmp_path / 'engine'}") in message
+    assert repr(f"ranks:{ENGINE_ID}") in message
     assert "--worker-cls kvdefrag.vllm.worker.DefragWorker" in message
     assert "VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY=KVDEFRAG_" in message
     assert clock.now_s >= 5.0
     assert store.values == {}  # nothing written by the reader
 
 
+class BlockingStore(DictStore):
+    """A store whose reads do not answer until ``answer`` is set (a GCS that is down)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.answer = threading.Event()
+
+    def get(self, key: bytes) -> bytes | None:
+        self.num_gets += 1
+        self.answer.wait()
+        return self.values.get(key)
+
+
+def test_a_store_that_does_not_answer_ends_the_wait_on_time_naming_it(tmp_path: Path) -> None:
+    store = BlockingStore()
+    directory = RayRankDirectory(ENGINE_ID, os.fspath(tmp_path), store, wait_s=0.5)
+    outcome: list[BaseException | list[PublishedRank]] = []
+    reader = threading.Thread(target=lambda: outcome.append(_ranks_or_error(directory)))
+    try:
+        reader.start()
+        reader.join(timeout=60)  # generous: the wait is 0.5 s
+        assert not reader.is_alive(), "the scheduler still waits on the store's read"
+    finally:
+        store.answer.set()
+        reader.join()
+    [error] = outcome
+    assert isinstance(error, StartupRefused)
+    message = str(error)
+    assert f"key {f'ranks:{ENGINE_ID}'!r}) did not answer within the 0.5 s wait" in message
+    assert "GCS reachable from the engine core" in message
+    assert store.num_gets == 1
+
+
+def _ranks_or_error(directory: RayRankDirectory) -> BaseException | list[PublishedRank]:
+    try:
+        return directory.ranks(2)
+    except BaseException as err:
+        return err
+
+
 @pytest.mark.parametrize(
     ("value", "message"),
     [
         (b"not json", "is not a rank list written by kvdefrag's rank 0"),
-        (b'{"addresses": ["a:1"], "secrets": ["00"]}', "lists 1 rank addresses"),
-        (b'{"addresses": ["a:1", "b:1"], "secrets": ["00", "00"]}', "no identity secret"),
+        (b'{"addresses": ["a:1", "b:1"], "secrets": []}', "holds the ranks of no engine"),
+        (
+            b'{"engine_id": "' + ENGINE_ID.encode() + b'", "addresses": ["a:1"], '
+            b'"secrets": ["00"]}',
+            "lists 1 rank addresses",
+        ),
+        (
+            b'{"engine_id": "' + ENGINE_ID.encode() + b'", "addresses": ["a:1", "b:1"], '
+            b'"secrets": ["00", "00"]}',
+            "no identity secret",
+        ),
     ],
 )
 def test_a_record_that_is_not_this_engines_ranks_is_refused(
     value: bytes, message: str, tmp_path: Path
 ) -> None:
     store = DictStore()
-    directory = RayRankDirectory(os.fspath(tmp_path), store)
+    directory = RayRankDirectory(ENGINE_ID, os.fspath(tmp_path), store)
     store.put(directory.key, value)
     with pytest.raises(StartupRefused, match=message):
         directory.ranks(2)
@@ -174,7 +303,7 @@ def test_importing_the_rank_directory_imports_neither_ray_nor_vllm() -> None:
 def test_ray_missing_is_named_when_its_store_is_needed(tmp_path: Path) -> None:
     if _has_ray():
         pytest.skip("Ray is installed here")
-    directory = RayRankDirectory(os.fspath(tmp_path))
+    directory = RayRankDirectory(ENGINE_ID, os.fspath(tmp_path))
     with pytest.raises(StartupRefused, match="Ray is not installed"):
         directory.ranks(2)
 

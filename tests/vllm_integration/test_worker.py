@@ -30,6 +30,7 @@ from kvdefrag.vllm.common import (
     StepStamp,
     UnsafeRunDir,
     attach_step_stamp,
+    engine_id,
     published_ranks,
 )
 from kvdefrag.vllm.errors import BadSetting, StartupRefused, UnsupportedByKvdefrag
@@ -109,6 +110,10 @@ class _FakeRunner:
         self.input_batch = SimpleNamespace(block_table=SimpleNamespace(block_tables=[]))
 
 
+INSTANCE_ID = "1765139000000000000"
+"""vLLM's id for the engine every fake worker here belongs to (``VllmConfig.instance_id``)."""
+
+
 class _FakeVllmWorker:
     """What the mixin uses of vLLM's Worker: ranks, configs, model_runner, hooks."""
 
@@ -119,6 +124,9 @@ class _FakeVllmWorker:
         # (_FakeWorld: ranks in threads of this process). ``data_parallel_index`` is the
         # engine's DP rank, as vLLM sets it in every DP engine.
         self.parallel_config = SimpleNamespace(world_size=world_size, data_parallel_index=dp_rank)
+        self.vllm_config = SimpleNamespace(
+            instance_id=INSTANCE_ID, parallel_config=self.parallel_config
+        )
         self.cache_config = type("CacheConfig", (), {"block_size": BLOCK_SIZE})()
         self.model_runner = _FakeRunner()
         self.calls: list[str] = []
@@ -423,9 +431,8 @@ def test_rank_0_never_writes_through_a_link_planted_in_the_run_dir(
         assert precious.read_text() == "root's file"
         ranks_file = run_dir / RANKS_FILE
         assert ranks_file.is_file() and not ranks_file.is_symlink()
-        assert [rank.address for rank in published_ranks(str(run_dir), 1)] == [
-            f"unix:{run_dir}/rank0.sock"
-        ]
+        ranks = published_ranks(str(run_dir), 1, engine_id=engine_id(worker.vllm_config))
+        assert [rank.address for rank in ranks] == [f"unix:{run_dir}/rank0.sock"]
     finally:
         worker.shutdown()
 
@@ -525,7 +532,9 @@ def test_every_rank_serves_its_metrics_on_base_port_plus_local_rank_labelled_by_
             series = [line for line in text.splitlines() if line.startswith("kvdefrag_")]
             assert series and all(f'rank="{rank}"' in line for line in series)
         # rank 0 published both ranks, and each proves the secret it published
-        published = published_ranks(str(tmp_path / "run"), 2)
+        published = published_ranks(
+            str(tmp_path / "run"), 2, engine_id=engine_id(workers[0].vllm_config)
+        )
         assert [rank.address for rank in published] == [
             f"unix:{tmp_path}/run/rank{rank}.sock" for rank in range(2)
         ]
@@ -597,7 +606,9 @@ def test_data_parallel_engines_serve_apart_each_publishing_only_its_own_ranks(
     assert all(isinstance(worker, _Worker) for worker in workers), workers
     try:
         for dp_rank, engine_dir in enumerate([run_dir, run_dir / "dp1"]):
-            published = published_ranks(str(engine_dir), 2)
+            engine = engine_id(workers[dp_rank * 2].vllm_config)
+            assert engine == f"{INSTANCE_ID}_dp{dp_rank}"
+            published = published_ranks(str(engine_dir), 2, engine_id=engine)
             assert [rank.address for rank in published] == [
                 f"unix:{engine_dir}/rank{rank}.sock" for rank in range(2)
             ]
@@ -634,7 +645,8 @@ def test_independent_data_parallel_engines_on_one_host_never_share_a_socket_or_p
             engine.init_device()
             engine.initialize_from_config(_kv_cache_config())
         for dp_rank, engine_dir in enumerate([run_dir, run_dir / "dp1"]):
-            [published] = published_ranks(str(engine_dir), 1)
+            engine = engine_id(engines[dp_rank].vllm_config)
+            [published] = published_ranks(str(engine_dir), 1, engine_id=engine)
             assert published.address == f"unix:{engine_dir}/rank0.sock"
             assert engines[dp_rank].kvdefrag_handle.metrics_port == base + dp_rank
             assert f'dp_rank="{dp_rank}",rank="0"' in _scrape(base + dp_rank)
@@ -1086,7 +1098,10 @@ class _V2Worker(_Worker):
         super().__init__(rank)
         self.model_runner = runner
         self.vllm_config = SimpleNamespace(
-            use_v2_model_runner=True, scheduler_config=SimpleNamespace(async_scheduling=False)
+            instance_id=INSTANCE_ID,
+            parallel_config=self.parallel_config,
+            use_v2_model_runner=True,
+            scheduler_config=SimpleNamespace(async_scheduling=False),
         )
 
 

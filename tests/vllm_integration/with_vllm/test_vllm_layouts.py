@@ -29,6 +29,7 @@ from support.vllm_harness import (
     NUM_BLOCKS,
     V2VllmConfig,
     Workload,
+    harness_engine_id,
     make_scheduler,
     model_config,
     serve_rank,
@@ -193,7 +194,11 @@ def test_each_dp_engines_scheduler_steps_only_its_own_ranks(model_dir: str, run_
             secret = os.urandom(32)
             handle, _ = serve_rank(f"{engine_dir}/rank0.sock", NUM_BLOCKS, secret)
             served.append(handle)
-            publish_ranks(engine_dir, [PublishedRank(rank_address(engine_dir, 0), secret)])
+            publish_ranks(
+                engine_dir,
+                [PublishedRank(rank_address(engine_dir, 0), secret)],
+                engine_id=harness_engine_id(parallel),
+            )
             schedulers.append(
                 make_scheduler(
                     DefragScheduler,

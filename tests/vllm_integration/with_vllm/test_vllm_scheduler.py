@@ -37,6 +37,7 @@ from support.vllm_harness import (
     TwoRankAsyncScheduler,
     TwoRankScheduler,
     Workload,
+    harness_engine_id,
     make_scheduler,
     run_loop,
     serve_two_ranks,
@@ -544,11 +545,12 @@ def _serve_without_secret(socket_path: str) -> ServerHandle:
     )
 
 
-def _write_ranks_file(path: str, addresses: list[str]) -> None:
+def _write_ranks_file(path: str, addresses: list[str], engine_id: str | None = None) -> None:
+    """A rank list for the engine ``make_scheduler`` builds (for ``engine_id`` when given)."""
     with open(path, "w") as file:
-        json.dump(
-            {"addresses": addresses, "secrets": [os.urandom(32).hex() for _ in addresses]}, file
-        )
+        engine = harness_engine_id() if engine_id is None else engine_id
+        secrets = [os.urandom(32).hex() for _ in addresses]
+        json.dump({"engine_id": engine, "addresses": addresses, "secrets": secrets}, file)
     os.chmod(path, 0o600)
 
 
@@ -567,6 +569,25 @@ def test_the_scheduler_refuses_an_address_this_engines_rank_does_not_serve(
         assert impostor.stats().totals.num_steps == 0
     finally:
         impostor.stop(0)
+
+
+def test_the_scheduler_refuses_the_ranks_of_another_engine_naming_both(
+    model_dir: str, run_dir: str
+) -> None:
+    # another engine sharing the run directory wrote its ranks last: refused by its
+    # engine id before any of its addresses is tried
+    other = _serve_without_secret(f"{run_dir}/rank0.sock")
+    try:
+        _write_ranks_file(f"{run_dir}/ranks.json", [other.address], "another-engine_dp0")
+        with pytest.raises(Exception) as info:
+            make_scheduler(DefragScheduler, model_dir, num_blocks=NUM_BLOCKS, prefix_caching=False)
+        assert type(info.value).__name__ == "RanksOfAnotherEngine"
+        message = str(info.value)
+        assert "holds the ranks of engine 'another-engine_dp0'" in message
+        assert f"not of this engine ({harness_engine_id()!r})" in message
+        assert other.stats().totals.num_steps == 0
+    finally:
+        other.stop(0)
 
 
 def test_the_scheduler_refuses_a_ranks_file_that_is_a_link(

@@ -13,6 +13,9 @@ alone:
   Ray executor also to Ray's key-value store (``_rank_directory``); the scheduler, built
   after the KV caches exist, reads that file on rank 0's host (or, under Ray, the store,
   wherever Ray placed rank 0) and checks each rank's proof before it trusts the address.
+  The record names the engine it was written for (``engine_id``: vLLM's id for the engine,
+  with its DP index) and is read only by that engine: one of another engine is refused
+  (``RanksOfAnotherEngine``).
   The run directory comes from ``KVDEFRAG_VLLM_RUN_DIR`` (set it once for ``vllm serve``;
   every process of the engine inherits it): it must be this user's and unreachable by group
   and others (created 0700 if missing), and no file in it is written or read through a
@@ -53,12 +56,14 @@ __all__ = [
     "RANKS_FILE",
     "ClientTls",
     "PublishedRank",
+    "RanksOfAnotherEngine",
     "StepStamp",
     "UnsafeRunDir",
     "attach_step_stamp",
     "client_tls",
     "copy_destinations",
     "data_parallel_rank",
+    "engine_id",
     "engine_run_dir",
     "ensure_run_dir",
     "first_fresh_block_index",
@@ -90,6 +95,31 @@ def data_parallel_rank(parallel_config: object) -> int:
     if index is None:
         index = getattr(parallel_config, "data_parallel_rank", 0)
     return int(index or 0)
+
+
+def engine_id(vllm_config: object) -> str:
+    """The id this engine's rank record is published and found under, the same on the
+    scheduler side and every worker, and no other engine's: ``<instance id>_dp<k>``.
+
+    The instance id is vLLM's id for the engine (``VllmConfig.instance_id``), drawn once
+    when vLLM builds the configuration; the engine core and every worker it starts get that
+    configuration, so they read the same id wherever Ray places them. The data-parallel
+    engines of one ``vllm serve`` share it unless vLLM adds their DP rank itself (it does
+    under Ray data parallelism), so the DP index (``data_parallel_rank``) follows it, as
+    vLLM's own CPU encoder-cache connector names an engine.
+
+    Raises:
+        StartupRefused: The configuration has no instance id (not vLLM's).
+    """
+    instance_id = getattr(vllm_config, "instance_id", None)
+    if not isinstance(instance_id, str) or not instance_id:
+        raise StartupRefused(
+            f"kvdefrag: this engine's configuration has no instance id ({instance_id!r}): "
+            "kvdefrag finds the engine's ranks under the id vLLM gives every engine "
+            "(VllmConfig.instance_id); use the vLLM version kvdefrag supports"
+        )
+    dp_rank = data_parallel_rank(getattr(vllm_config, "parallel_config", None))
+    return f"{instance_id}_dp{dp_rank}"
 
 
 def engine_run_dir(parallel_config: object, run_dir: str) -> str:
@@ -161,21 +191,49 @@ class PublishedRank:
     secret: bytes = dataclasses.field(repr=False)
 
 
-def publish_ranks(run_dir: str, ranks: Sequence[PublishedRank]) -> None:
-    """Writes ``ranks.json`` (0600) atomically: the scheduler never reads half a file.
+class RanksOfAnotherEngine(StartupRefused):
+    """The rank record the scheduler found was published for another engine.
+
+    It names another engine id than this engine's (``engine_id``), or none (an older
+    kvdefrag's record): left by an earlier run, or written by another engine sharing the
+    run directory. Its addresses are never tried.
+
+    Attributes:
+        expected_engine_id: This engine's id.
+        found_engine_id: The id the record names; None when it names none.
+    """
+
+    def __init__(self, where: str, expected_engine_id: str, found_engine_id: str | None) -> None:
+        found = "no engine" if found_engine_id is None else f"engine {found_engine_id!r}"
+        super().__init__(
+            f"kvdefrag: {where} holds the ranks of {found}, not of this engine "
+            f"({expected_engine_id!r}): left by an earlier run whose workers were not "
+            f"kvdefrag's this time, or written by another engine sharing {RUN_DIR_ENV}? Give "
+            "every engine its own run directory, run the workers with --worker-cls "
+            "kvdefrag.vllm.worker.DefragWorker, and restart vLLM"
+        )
+        self.expected_engine_id = expected_engine_id
+        self.found_engine_id = found_engine_id
+
+
+def publish_ranks(run_dir: str, ranks: Sequence[PublishedRank], *, engine_id: str) -> None:
+    """Writes ``ranks.json`` (0600) atomically, for engine ``engine_id``: the scheduler
+    never reads half a file.
 
     Raises:
         UnsafeRunDir: The run directory is not private (see ``ensure_run_dir``).
     """
-    write_private_file(run_dir, RANKS_FILE, _encoded_ranks(ranks))
+    write_private_file(run_dir, RANKS_FILE, _encoded_ranks(ranks, engine_id))
 
 
-def published_ranks(run_dir: str, world_size: int) -> list[PublishedRank]:
-    """Every rank's address and secret as the workers published them, rank 0 first.
+def published_ranks(run_dir: str, world_size: int, *, engine_id: str) -> list[PublishedRank]:
+    """Every rank's address and secret as engine ``engine_id``'s workers published them,
+    rank 0 first.
 
     Raises:
         UnsafeRunDir: The run directory or ``ranks.json`` is not private, or ``ranks.json``
             is a symlink.
+        RanksOfAnotherEngine: ``ranks.json`` was published for another engine.
         StartupRefused: No ``ranks.json`` (the workers are not kvdefrag's), one for another
             number of ranks, or one without a valid secret for every rank.
     """
@@ -188,22 +246,26 @@ def published_ranks(run_dir: str, world_size: int) -> list[PublishedRank]:
             "are bound; run the workers with --worker-cls "
             f"kvdefrag.vllm.worker.DefragWorker and the same {RUN_DIR_ENV}"
         ) from None
-    return _decoded_ranks(data, world_size, path)
+    return _decoded_ranks(data, world_size, path, engine_id)
 
 
-def _encoded_ranks(ranks: Sequence[PublishedRank]) -> bytes:
-    """The rank list as rank 0 publishes it (``ranks.json``, or Ray's key-value store)."""
+def _encoded_ranks(ranks: Sequence[PublishedRank], engine_id: str) -> bytes:
+    """Engine ``engine_id``'s rank list as rank 0 publishes it (``ranks.json``, or Ray's
+    key-value store)."""
     document = {
+        "engine_id": engine_id,
         "addresses": [rank.address for rank in ranks],
         "secrets": [rank.secret.hex() for rank in ranks],
     }
     return json.dumps(document).encode()
 
 
-def _decoded_ranks(data: bytes, world_size: int, where: str) -> list[PublishedRank]:
-    """``_encoded_ranks``'s rank list, checked; ``where`` names it in the messages.
+def _decoded_ranks(data: bytes, world_size: int, where: str, engine_id: str) -> list[PublishedRank]:
+    """``_encoded_ranks``'s rank list, checked to be engine ``engine_id``'s; ``where`` names
+    it in the messages.
 
     Raises:
+        RanksOfAnotherEngine: A rank list published for another engine.
         StartupRefused: Not such a list, one for another number of ranks, or one without a
             valid secret for every rank.
     """
@@ -218,6 +280,10 @@ def _decoded_ranks(data: bytes, world_size: int, where: str) -> list[PublishedRa
             f"kvdefrag: {where} is not a rank list written by kvdefrag's rank 0: remove it "
             "and restart vLLM"
         )
+    assert isinstance(document, dict)
+    found = document.get("engine_id")
+    if found != engine_id:
+        raise RanksOfAnotherEngine(where, engine_id, found if isinstance(found, str) else None)
     if len(addresses) != world_size:
         raise StartupRefused(
             f"kvdefrag: {where} lists {len(addresses)} rank addresses, the engine has "

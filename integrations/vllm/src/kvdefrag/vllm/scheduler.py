@@ -160,18 +160,19 @@ class DefragScheduler(Scheduler):  # type: ignore[misc]
     def kvdefrag_ranks(self) -> list[PublishedRank]:
         """Every rank's address and identity secret, as rank 0's worker published them for
         this engine (``_rank_directory.rank_directory``: ``ranks.json`` in its run
-        directory, or Ray's key-value store under Ray, wherever Ray placed rank 0; a
-        data-parallel engine reads its own, so it steps only its own ranks; override to
-        find them elsewhere); each is verified before use.
+        directory, or Ray's key-value store under Ray, wherever Ray placed rank 0; under
+        the engine's id, so a data-parallel engine reads its own and steps only its own
+        ranks; override to find them elsewhere); each is verified before use.
 
         Raises:
             UnsafeRunDir: The run directory or ``ranks.json`` is not private.
+            RanksOfAnotherEngine: The record found names another engine.
             StartupRefused: No record of this engine's ranks (within a bounded wait under
                 Ray), or one not for this engine's ranks.
         """
         parallel_config = self.vllm_config.parallel_config
         run_dir = engine_run_dir(parallel_config, self.kvdefrag_config.run_dir)
-        return rank_directory(parallel_config, run_dir).ranks(parallel_config.world_size)
+        return rank_directory(self.vllm_config, run_dir).ranks(parallel_config.world_size)
 
     def _kvdefrag_is_cached(self, block_id: int) -> bool:
         block = self._kvdefrag_pool[block_id]

@@ -427,8 +427,8 @@ class DefragWorkerMixin:
             )
             ranks = _gather_ranks(mine, int(worker.parallel_config.world_size), failure)
             if rank == 0:
-                parallel_config = getattr(self, "parallel_config", None)
-                rank_directory(parallel_config, self.kvdefrag_run_dir()).publish(ranks)
+                vllm_config = getattr(self, "vllm_config", None)
+                rank_directory(vllm_config, self.kvdefrag_run_dir()).publish(ranks)
         except BaseException:
             if handle is not None:
                 handle.stop(grace_s=0)
