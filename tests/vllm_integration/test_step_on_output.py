@@ -281,3 +281,56 @@ def test_the_scheduler_sends_the_next_step_before_the_last_ones_replies_are_in(
     finally:
         bridge.settle()
         bridge.ranks.close()
+
+
+def test_two_steps_workers_applied_before_their_calls_came_are_not_counted_as_resends(
+    ranks: list[_Rank],
+) -> None:
+    """Two steps unsettled: the worker applies both before the scheduler's calls for
+    either arrive; each call is the step's first copy, not a resend."""
+    rank = ranks[0]
+    with DefragClient(rank.handle.address, timeout_s=10) as client:
+        client.step(STEPS[0])
+        epoch, seq = client.epoch, client.next_seq
+        for offset, events in enumerate(STEPS[1:3]):
+            wait_for_planned_step(
+                rank.handle, 0, _stamped(StepStamp(((epoch, seq + offset),), events)), STEP_WAIT_S
+            )
+        applied = _state(rank.handle)
+        replies = [client.step(events) for events in STEPS[1:3]]
+        assert [(reply.seq, reply.replayed) for reply in replies] == [(seq, True), (seq + 1, True)]
+        assert _state(rank.handle) == applied
+        assert replies[-1].digest == rank.handle._engine.digest
+    assert _sample(rank.registry, "kvdefrag_applied_steps_total", path="in_process") == 2
+    assert _sample(rank.registry, "kvdefrag_replayed_steps_total") == 0
+
+
+@pytest.mark.parametrize("seq", [0, -1])
+def test_a_stamp_that_names_no_step_is_refused_not_taken_as_applied(
+    ranks: list[_Rank], seq: int
+) -> None:
+    handle = ranks[0].handle
+    with DefragClient(handle.address) as client:
+        client.step(STEPS[0])
+        before = _state(handle)
+        for events in (None, STEPS[1]):
+            output = _stamped(StepStamp(((client.epoch, seq),), events))
+            with pytest.raises(InvalidArgument, match=f"seq {seq} is not a step number"):
+                wait_for_planned_step(handle, 0, output, STEP_WAIT_S)
+        assert _state(handle) == before
+
+
+def test_a_worker_whose_service_stops_gets_service_unavailable(ranks: list[_Rank]) -> None:
+    """While the service stops, a pass that would apply its step in process is told so
+    with the public error, as its wait is."""
+    handle = ranks[0].handle
+    with DefragClient(handle.address, timeout_s=2) as client:
+        client.step(STEPS[0])
+        stamp = StepStamp(((client.epoch, client.next_seq),), STEPS[1])
+        before = _state(handle)
+        # NOTE: the first thing a stop does; the writer's stream is ended only after it
+        # (begin_shutdown), so a pass in between still finds the session open.
+        handle._servicer._is_stopping.set()
+        with pytest.raises(ServiceUnavailable, match="the server is shutting down"):
+            wait_for_planned_step(handle, 0, _stamped(stamp), STEP_WAIT_S)
+        assert _state(handle) == before

@@ -5,7 +5,8 @@ engine applies it, so steps are applied one at a time and in ``seq`` order)::
 
     epoch     random non-zero uint64, new at start and at every Reset
     next_seq  the seq the next applied step must carry (1 at the start of an epoch)
-    replies   the last ``replay_cache_size`` StepResponses, by seq (exactly-once replay)
+    ledger    the last ``replay_cache_size`` steps applied, by seq, with their events,
+              path and result (exactly-once replay: ``_step_ledger``)
     session   the open stream session (one writer), or None
 
 The read RPCs (Resolve, GetStats, GetRequest, ListRequests) never take that lock: they
@@ -28,7 +29,6 @@ it into a gRPC status, and the class name travels in the trailing metadata
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import functools
@@ -51,6 +51,7 @@ from kvdefrag.common import (
     NotFound,
     OutOfOrder,
     PoolStats,
+    ServiceUnavailable,
     SessionConflict,
     StalePageToken,
     StepEvents,
@@ -61,6 +62,12 @@ from kvdefrag.server import _convert
 from kvdefrag.server._engine import Engine, StepResult
 from kvdefrag.server._limits import Handshakes
 from kvdefrag.server._progress import StepProgress
+from kvdefrag.server._step_ledger import (
+    APPLIED_BY_RPC,
+    APPLIED_IN_PROCESS,
+    AppliedStep,
+    StepLedger,
+)
 from kvdefrag.server._validate import check_client_name, check_request_id
 from kvdefrag.server.config import ServiceConfig
 
@@ -130,6 +137,19 @@ def check_message_limit(engine: Engine, config: ServiceConfig) -> None:
         )
 
 
+def _check_step_number(what: str, seq: int) -> None:
+    """Refuses a seq that names no step (an epoch's steps count from 1): below 1, it would
+    read as applied long ago.
+
+    Raises:
+        InvalidArgument: ``seq`` is not an integer of at least 1.
+    """
+    if isinstance(seq, bool) or not isinstance(seq, int) or seq < 1:
+        raise InvalidArgument(
+            f"{what}: seq {seq!r} is not a step number (an epoch's steps count from 1)"
+        )
+
+
 class ServiceMetrics(Protocol):
     """What the servicer reports to the metrics layer."""
 
@@ -140,12 +160,6 @@ class ServiceMetrics(Protocol):
     def record_step_wait(self, duration_s: float) -> None: ...
 
     def record_applied(self, path: str) -> None: ...
-
-
-APPLIED_BY_RPC = "rpc"
-APPLIED_IN_PROCESS = "in_process"
-"""How a step reached the engine first (``record_applied``): a Step or StepStream call, or
-``apply_planned_step`` in the worker's process."""
 
 
 class _ShuttingDown(Exception):
@@ -163,14 +177,6 @@ class _Session:
     client_name: str
     cancel_stream: Callable[[], object]
     reset_to: int = 0
-
-
-@dataclasses.dataclass(frozen=True)
-class _AppliedStep:
-    """A step of this epoch in the replay cache: its events and the reply it got."""
-
-    events: StepEvents
-    response: Message
 
 
 class DefragServicer:
@@ -199,7 +205,6 @@ class DefragServicer:
     ) -> None:
         check_message_limit(engine, config)
         self._engine = engine
-        self._replay_cache_size = config.replay_cache_size
         self._max_message_bytes = config.max_message_bytes
         self._metrics = metrics
         self._lock = threading.Lock()
@@ -207,9 +212,7 @@ class DefragServicer:
         self._next_seq = 1
         # What wait_applied reads: published under a leaf lock, never the servicer's.
         self._progress = StepProgress(self._epoch, self._next_seq)
-        self._replies: collections.OrderedDict[int, _AppliedStep] = collections.OrderedDict()
-        # The seq a worker applied in process whose stream copy has not come yet (0: none).
-        self._seq_applied_in_process = 0
+        self._ledger = StepLedger(config.replay_cache_size)
         self._session: _Session | None = None
         # Set without the lock: stop() must not wait behind a step that hangs.
         self._is_stopping = threading.Event()
@@ -240,7 +243,9 @@ class DefragServicer:
             EngineUnhealthy: A KV move failed: the step may never be applied.
             ServiceUnavailable: The step was not applied within ``timeout_s``, or the
                 server is stopping; the message names the step and the bound.
+            InvalidArgument: ``seq`` is below 1 (no step has it).
         """
+        _check_step_number("wait_applied", seq)
         started = time.monotonic()
         self._progress.wait_for(
             epoch,
@@ -486,9 +491,12 @@ class DefragServicer:
             SessionConflict: No stream session is open (ended, or a forced reset).
             OutOfOrder: ``seq`` skips ahead of the next seq (an earlier step is missing).
             StepInFlight: Another step held the service past ``LOCK_WAIT_S``.
+            ServiceUnavailable: The server is stopping; nothing changed.
+            InvalidArgument: ``epoch`` is 0 or ``seq`` below 1 (no step has it).
             EngineUnhealthy, InvalidArgument, MessageTooLarge: As a step from the
                 stream; nothing changed.
         """
+        _check_step_number("apply_planned_step", seq)
         started = time.monotonic()
         is_applied_here = False
         current_epoch, next_seq = self._progress.applied
@@ -502,9 +510,17 @@ class DefragServicer:
                         f"step seq {seq}: no stream session is open to apply it for"
                     )
                 is_applied = epoch == self._epoch and seq < self._next_seq
-                if not is_applied and self._admit(seq, epoch, session) is None:
+                try:
+                    admitted = is_applied or self._admit(seq, epoch, session) is None
+                except _ShuttingDown as err:
+                    # NOTE: to a remote client a stopping server is a broken connection
+                    # (no kvdefrag error); the worker in this process gets the public one.
+                    raise ServiceUnavailable(
+                        f"step seq {seq} of epoch {epoch} was not applied: {err}"
+                    ) from None
+                if admitted and not is_applied:
                     self._check_reply_bound(events)
-                    self._reply(seq, events, self._apply(seq, events), path=APPLIED_IN_PROCESS)
+                    self._record(seq, events, self._apply(seq, events), path=APPLIED_IN_PROCESS)
                     is_applied_here = True
         if self._metrics is not None:
             self._metrics.record_step_wait(time.monotonic() - started)
@@ -521,9 +537,9 @@ class DefragServicer:
                 return self._replay(seq, applied, request)
             events = _convert.step_events(request)
             self._check_reply_bound(events)
-            return self._reply(seq, events, self._apply(seq, events))
+            return self._record(seq, events, self._apply(seq, events)).response()
 
-    def _admit(self, seq: int, epoch: int, session: _Session | None) -> _AppliedStep | None:
+    def _admit(self, seq: int, epoch: int, session: _Session | None) -> AppliedStep | None:
         """Whether ``session`` may apply step ``seq`` of ``epoch`` now (0: the current
         epoch); call it holding the servicer lock.
 
@@ -568,15 +584,15 @@ class DefragServicer:
             raise OutOfOrder(f"seq {seq} skips ahead: expected seq {self._next_seq}")
         if seq == self._next_seq:
             return None
-        cached = self._replies.get(seq)
+        cached = self._ledger.get(seq)
         if cached is None:
             raise OutOfOrder(
                 f"seq {seq} was applied and its reply is no longer cached (the last "
-                f"{self._replay_cache_size} are kept); expected seq {self._next_seq}"
+                f"{self._ledger.size} are kept); expected seq {self._next_seq}"
             )
         return cached
 
-    def _replay(self, seq: int, applied: _AppliedStep, request: Message) -> Message:
+    def _replay(self, seq: int, applied: AppliedStep, request: Message) -> Message:
         """Answers a call for the applied step ``seq`` with the reply it got then; call it
         holding the servicer lock.
 
@@ -588,9 +604,7 @@ class DefragServicer:
         Raises:
             OutOfOrder: A resend whose events differ from those applied at ``seq``.
         """
-        if seq == self._seq_applied_in_process:
-            self._seq_applied_in_process = 0
-        else:
+        if not self._ledger.answer_call(applied):
             if _convert.step_events(request) != applied.events:
                 raise OutOfOrder(
                     f"seq {seq} was applied with other events than this resend of it carries "
@@ -599,7 +613,7 @@ class DefragServicer:
                 )
             if self._metrics is not None:
                 self._metrics.record_replay()
-        return _convert.replayed_response(applied.response)
+        return _convert.replayed_response(applied.response())
 
     def _apply(self, seq: int, events: StepEvents) -> StepResult:
         """Applies the admitted step ``seq`` to the engine; call it holding the servicer
@@ -624,22 +638,18 @@ class DefragServicer:
         finally:
             self._progress.end_step()
 
-    def _reply(
+    def _record(
         self, seq: int, events: StepEvents, result: StepResult, *, path: str = APPLIED_BY_RPC
-    ) -> Message:
-        """Makes step ``seq``'s reply, caches it with ``events`` for resends and counts the
-        seq applied (and by which ``path``); call it holding the servicer lock."""
-        response = _convert.step_response(result, seq, self._epoch)
-        self._replies[seq] = _AppliedStep(events, response)
-        while len(self._replies) > self._replay_cache_size:
-            self._replies.popitem(last=False)
+    ) -> AppliedStep:
+        """Records step ``seq`` in the ledger (for resends, by ``path``) and counts it
+        applied; call it holding the servicer lock. Builds no reply: the caller does,
+        when it needs one (``AppliedStep.response``)."""
+        applied = self._ledger.record(seq, self._epoch, events, result, path)
         self._next_seq += 1
-        if path == APPLIED_IN_PROCESS:
-            self._seq_applied_in_process = seq
         if self._metrics is not None:
             self._metrics.record_applied(path)
         self._publish_progress()
-        return response
+        return applied
 
     # --- reads (no servicer lock) -----------------------------------------------------
     def _read(self, read: Callable[[], _T]) -> tuple[int, _T]:
@@ -801,8 +811,7 @@ class DefragServicer:
                 # it runs, rather than reading logical ids as physical ones.
                 self._epoch = new_epoch(self._epoch)
                 self._next_seq = 1
-                self._replies.clear()
-                self._seq_applied_in_process = 0
+                self._ledger.clear()
                 self._publish_progress()
                 self._engine.reset(prefix_caching=prefix_caching)
                 if session is not None:
