@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import copy
 import itertools
+import threading
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -18,6 +20,7 @@ import pytest
 import torch
 
 from kvdefrag.client import DefragClient
+from kvdefrag.common import DefragError, InvalidArgument
 from kvdefrag.server import ServerHandle
 from kvdefrag.vllm._bridge import ParkedBlocks, SchedulerBridge, changes_from_output
 from kvdefrag.vllm._ranks import RankGroup
@@ -343,3 +346,56 @@ def test_a_list_parked_and_returned_between_two_steps_is_in_neither() -> None:
     lists, returned = parked.take()
     assert lists == {}
     assert len(returned) == 1
+
+
+# --- a step that fails while the next one is planned --------------------------------------
+def test_a_step_that_fails_between_the_settle_and_the_next_submit_lends_it_no_seq(
+    serve: Serve, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``apply`` checks the step before the last, plans, then submits: a step that fails
+    in between must not lend its seq to the next, else the output planned with the failed
+    step would find its seq applied (with the next step's events) and run."""
+    handle = serve(num_blocks=NUM_BLOCKS // 2)  # the ledger's ids past 11 are refused
+    bridge = bridge_for([handle])
+    client = bridge.ranks.clients[0]
+    refusal_may_land = threading.Event()
+    client_step = client.step
+
+    def step_held(events: Any) -> Any:
+        if events.new_blocks.get("b"):  # the refused one: after ``apply``'s settle
+            assert refusal_may_land.wait(10)
+        return client_step(events)
+
+    monkeypatch.setattr(client, "step", step_held)
+    submit = bridge.ranks.submit
+
+    def submit_once_it_failed(events: Any) -> Any:
+        refusal_may_land.set()
+        previous = bridge._in_flight[-1]
+        while not previous.done():
+            time.sleep(0.01)
+        return submit(events)
+
+    try:
+        first = output(new=[NewRequestData("a", ([3],), 0)])
+        bridge.apply(first, changes_from_output(first, None), lambda i: False)
+        refused = output(new=[NewRequestData("b", ([20],), 0)])
+        bridge.apply(refused, changes_from_output(refused, None), lambda i: False)
+        monkeypatch.setattr(bridge.ranks, "submit", submit_once_it_failed)
+        following = output(new=[NewRequestData("c", ([5],), 0)])
+        bridge.apply(following, changes_from_output(following, None), lambda i: False)
+
+        refused_stamp, following_stamp = read_step_stamp(refused), read_step_stamp(following)
+        assert refused_stamp is not None and following_stamp is not None
+        assert following_stamp.for_rank(0)[1] == refused_stamp.for_rank(0)[1] + 1
+        # The refused step's output must not run: its seq is never applied, so the
+        # worker's wait for it ends in an error (it found seq 2 applied, with "c").
+        with pytest.raises(DefragError, match="seq 2"):
+            wait_for_planned_step(handle, 0, refused, timeout_s=0.5)
+        with pytest.raises(InvalidArgument, match="20"):
+            bridge.settle()
+        with pytest.raises(DefragError, match="step seq 3 was not sent"):
+            bridge.close()
+        assert handle._engine.list_requests() == {"a": [3]}
+    finally:
+        bridge.close()
