@@ -287,7 +287,8 @@ def _decoded_ranks(data: bytes, world_size: int, where: str, engine_id: str) -> 
     if len(addresses) != world_size:
         raise StartupRefused(
             f"kvdefrag: {where} lists {len(addresses)} rank addresses, the engine has "
-            f"{world_size} ranks: is {RUN_DIR_ENV} shared with another engine?"
+            f"{world_size} ranks: it was not written by this engine's rank 0; remove it and "
+            "restart vLLM"
         )
     decoded = _decoded_secrets(secrets, world_size)
     if decoded is None:
