@@ -167,5 +167,6 @@ def test_the_public_names_are_pinned() -> None:
         },
     )
     assert_public_names(
-        "kvdefrag.vllm.errors", {"BadSetting", "StartupRefused", "UnsupportedByKvdefrag"}
+        "kvdefrag.vllm.errors",
+        {"BadSetting", "PassRefused", "StartupRefused", "UnsupportedByKvdefrag"},
     )

@@ -33,7 +33,7 @@ from kvdefrag.vllm.common import (
     engine_id,
     published_ranks,
 )
-from kvdefrag.vllm.errors import BadSetting, StartupRefused, UnsupportedByKvdefrag
+from kvdefrag.vllm.errors import BadSetting, PassRefused, StartupRefused, UnsupportedByKvdefrag
 from kvdefrag.vllm.worker import (
     BlockIdTranslator,
     DefragWorkerMixin,
@@ -312,6 +312,23 @@ def test_a_warm_up_that_steps_the_runner_through_the_worker_runs_inside_its_pass
     worker.execute_model(_output())  # the next step's pass begins as usual
     assert worker.sample_tokens(None) == "sampled"
     assert not handle.kv_lock.locked()
+    worker.shutdown()
+
+
+def test_a_dummy_batch_between_a_steps_two_halves_is_refused_and_the_pass_goes_on(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KVDEFRAG_VLLM_RUN_DIR", str(tmp_path))
+    worker = _Worker(rank=0)
+    worker.initialize_from_config(_kv_cache_config())
+    monkeypatch.setattr(_FakeVllmWorker, "execute_model", lambda self, out: None)
+    assert worker.execute_model(_output()) is None  # the pass stays open
+    with pytest.raises(PassRefused, match="between a step's execute_model and its sample"):
+        worker.execute_dummy_batch()
+    assert "execute_dummy_batch" not in worker.calls
+    assert worker.sample_tokens(None) == "sampled"
+    handle = worker.kvdefrag_handle
+    assert handle is not None and not handle.kv_lock.locked()
     worker.shutdown()
 
 
@@ -965,7 +982,7 @@ def test_a_translator_that_lost_track_stops_the_pass() -> None:
     service.is_truncated = True
     service.compact(list(range(NUM_BLOCKS)), (2, 4, False))
     with pytest.raises(
-        RuntimeError, match="rows cannot follow the KV data any more: its service compacted"
+        PassRefused, match="rows cannot follow the KV data any more: its service compacted"
     ):
         translator.advance()
 

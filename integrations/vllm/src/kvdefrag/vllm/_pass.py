@@ -57,6 +57,7 @@ from typing import Any, Protocol, TypeVar
 
 from kvdefrag.common import EpochMismatch, OutOfOrder, SessionConflict, StepEvents, StepInFlight
 from kvdefrag.vllm.common import read_step_stamp
+from kvdefrag.vllm.errors import PassRefused
 
 __all__ = ["PassTarget", "RunnerPass", "StepService", "wait_for_planned_step"]
 
@@ -227,7 +228,7 @@ class RunnerPass:
         is, and nothing moves meanwhile. Inside another idle call it runs in that one.
 
         Raises:
-            RuntimeError: Called between a step's ``execute_model`` and its
+            PassRefused: Called between a step's ``execute_model`` and its
                 ``sample_tokens``.
             EpochMismatch: The service was reset since the rank's last pass; ``run`` did
                 not run.
@@ -235,7 +236,7 @@ class RunnerPass:
         if self._is_idle:
             return run()
         if self._is_open:
-            raise RuntimeError(
+            raise PassRefused(
                 f"kvdefrag: rank {self._rank} was asked to run a dummy batch or a warm-up "
                 "between a step's execute_model and its sample_tokens"
             )

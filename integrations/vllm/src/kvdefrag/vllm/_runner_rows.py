@@ -18,7 +18,7 @@ import torch
 
 from kvdefrag.common import NULL_BLOCK_ID
 from kvdefrag.server import MoveBatch
-from kvdefrag.vllm.errors import UnsupportedByKvdefrag
+from kvdefrag.vllm.errors import PassRefused, UnsupportedByKvdefrag
 
 
 class Remap:
@@ -224,7 +224,7 @@ class BlockIdTranslator:
         """Returns ``(resolve, remap)``; ``remap`` is None when no data moved since last time.
 
         Raises:
-            RuntimeError: The service's log no longer reaches the previous pass (more
+            PassRefused: The service's log no longer reaches the previous pass (more
                 compactions than it keeps came in between): the rows cannot follow;
                 restart vLLM.
         """
@@ -234,7 +234,7 @@ class BlockIdTranslator:
         self._patched = np.empty(0, dtype=np.int64)
         found = self._service.moves_since(self._version)
         if found is None:
-            raise RuntimeError(
+            raise PassRefused(
                 "kvdefrag: this worker's rows cannot follow the KV data any more: its "
                 "service compacted more often than it keeps a record of since the "
                 "worker's previous pass; restart vLLM"

@@ -1,7 +1,8 @@
-"""Why kvdefrag refuses to start in a vLLM engine: one base, ``StartupRefused``.
+"""Why kvdefrag refuses to start in a vLLM engine (one base, ``StartupRefused``), or
+refuses a worker's pass once it runs (``PassRefused``).
 
-Every refusal is raised at start-up (a worker's ``init_device`` or binding of its KV
-caches, or the scheduler's construction), before the engine serves a request, and its
+Every refusal at start-up is raised before the engine serves a request (a worker's
+``init_device`` or binding of its KV caches, or the scheduler's construction), and its
 message names what to change. Catch ``StartupRefused`` to tell them from vLLM's own errors.
 
 A leaf module: it imports only ``kvdefrag.common``.
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 from kvdefrag.common import DefragError
 
-__all__ = ["BadSetting", "StartupRefused", "UnsupportedByKvdefrag"]
+__all__ = ["BadSetting", "PassRefused", "StartupRefused", "UnsupportedByKvdefrag"]
 
 
 class StartupRefused(DefragError):
@@ -26,3 +27,9 @@ class UnsupportedByKvdefrag(StartupRefused):
 class BadSetting(StartupRefused):
     """A ``KVDEFRAG_VLLM_*`` variable (or the environment around it) is missing or
     malformed; the message names the variable and a valid value."""
+
+
+class PassRefused(DefragError):
+    """A worker's pass cannot run on block ids it can trust: its rows lost track of the
+    moves, or vLLM called the worker out of the order its steps run in. Nothing ran; the
+    message names the cause (restart vLLM)."""
