@@ -381,10 +381,11 @@ class RankGroup:
     def _close_clients(self) -> None:
         """Closes every client and thread, waiting for nothing: a step still being sent
         to a rank has its call cancelled, and the steps queued behind it are dropped."""
+        is_idle = [last is None or last.done() for last in self._last_sent]
         for sender in self._senders:
             sender.shutdown(wait=False, cancel_futures=True)
-        for client, last in zip(self.clients, self._last_sent, strict=True):
-            client.close(wait_s=None if last is None or last.done() else 0.0)
+        for client, is_rank_idle in zip(self.clients, is_idle, strict=True):
+            client.close(wait_s=None if is_rank_idle else 0.0)
 
 
 class InFlightStep:
