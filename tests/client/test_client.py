@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import queue
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -662,6 +663,44 @@ def test_a_closed_client_refuses_steps(socket_dir: Path, serve: Serve) -> None:
     with pytest.raises(DefragError, match="is closed"):
         client.step(StepEvents())
     assert not pool.handle._engine.list_requests()
+
+
+def test_a_probe_names_a_server_that_stopped_and_closing_need_not_wait_for_a_step(
+    socket_dir: Path, serve: Serve
+) -> None:
+    """What a shutdown needs when the server went first: to know it at once, and to close
+    while another thread still waits to send it a step."""
+    pool = serve_pool(serve, socket_dir / "server.sock")
+    client = DefragClient(pool.handle.address, timeout_s=5)
+    assert client.probe_connection(1.0) is None  # it serves
+    step_and_write(client, pool.signed, new_blocks={"a": list(range(1, 11)), "b": [40]})
+    pool.executor.hold()
+    outcomes: queue.SimpleQueue[object] = queue.SimpleQueue()
+
+    def step_in_another_thread() -> None:
+        try:
+            outcomes.put(client.step(StepEvents(finished=["a"])))
+        except Exception as err:  # handed to the test through the queue
+            outcomes.put(err)
+
+    stepping = threading.Thread(target=step_in_another_thread)
+    stepping.start()
+    try:
+        assert pool.executor.entered.wait(10)
+        pool.handle.stop(grace_s=0)  # the step's call is cancelled; the client reconnects
+
+        reason = client.probe_connection(1.0)
+        assert reason is not None and reason.startswith("UNAVAILABLE: "), reason
+        assert "No such file or directory" in reason
+        started = time.monotonic()
+        client.close(wait_s=0)
+        assert time.monotonic() - started < 1.0  # the step's reconnect (5 s) not waited for
+        stepping.join(10)
+        assert isinstance(outcomes.get(timeout=1), Exception)  # failed there, no reply
+        with pytest.raises(DefragError, match="is closed"):
+            client.step(StepEvents())
+    finally:
+        pool.executor.release()
 
 
 def test_no_server_is_service_unavailable_within_the_deadline(socket_dir: Path) -> None:
