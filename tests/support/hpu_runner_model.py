@@ -85,12 +85,10 @@ from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
 import torch
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
-
-from kvdefrag.server import ServerHandle
-from kvdefrag.vllm.gaudi import DefragHPUWorkerMixin
 
 from support.hpu_buckets import Bucket, decode_buckets, find_decode_bucket
 from support.vllm_harness import (
@@ -103,6 +101,9 @@ from support.vllm_harness import (
 
 _DUMMY_SIGNATURE = 7
 """What a dummy (warm-up or DP) request writes into its slot."""
+
+_MAX_NUM_REQS = 64
+"""Rows in the persistent batch (``max_num_seqs``; more than the tests schedule)."""
 
 
 # -- the runner ------------------------------------------------------------------------------
@@ -135,6 +136,123 @@ class _State:
     num_prompt_tokens: int
     num_computed_tokens: int = 0
     is_dummy: bool = False
+
+
+class HPUInputBatchModel:
+    """The persistent batch's rows as vllm-gaudi keeps them: ``HPUInputBatch``
+    (``input_batch.py``) over vLLM 0.33's ``MultiGroupBlockTable`` (``block_table.py``),
+    one KV-cache group.
+
+    A row is an index into a fixed table, not a request: ``add_request`` puts a request
+    on the given row (or the next one, ``input_batch.py:248-259``) and ``add_row`` resets
+    the row's count and writes the request's ids over its first entries, leaving every
+    entry past them as the row's last occupant left it (``input_batch.py:284``;
+    ``block_table.py:114-129``). ``remove_request`` frees the row without touching its
+    entries (``input_batch.py:371-376``); ``condense`` moves the last rows into the freed
+    ones, and ``move_row`` clears the row it vacates (``input_batch.py:476-540``,
+    ``block_table.py:137-146``); ``swap_states`` swaps two whole rows
+    (``input_batch.py:417-474``, ``block_table.py:148-151``). So whoever reads a row past
+    its count reads a stale id.
+
+    Attributes:
+        table: ``[max_num_reqs, max_num_blocks_per_req]`` logical block ids (the CPU block
+            table, zero-filled at start).
+        num_blocks_per_row: Each row's count.
+        req_ids: The request on each row (None: freed, until ``condense``).
+        req_id_to_index: Each request's row.
+    """
+
+    def __init__(self, max_num_reqs: int, max_num_blocks_per_req: int) -> None:
+        self.table = np.zeros((max_num_reqs, max_num_blocks_per_req), dtype=np.int64)
+        self.num_blocks_per_row = np.zeros(max_num_reqs, dtype=np.int64)
+        self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.req_ids: list[str | None] = []
+        self.req_id_to_index: dict[str, int] = {}
+        self.block_table = SimpleNamespace(clear=self.clear)
+
+    def clear(self) -> None:
+        """``block_table.clear()`` (``MultiGroupBlockTable.clear``,
+        ``block_table.py:184-186, 296-298``): every entry zeroed, the counts kept."""
+        self.table.fill(0)
+
+    @property
+    def num_reqs(self) -> int:
+        """``input_batch.py:761-762``."""
+        return len(self.req_id_to_index)
+
+    def add_request(self, request_id: str, state: _State, req_index: int | None) -> int:
+        """``add_request`` (``input_batch.py:242-284``): the row's count reset and the
+        request's ids written over its first entries (``add_row``); the rest stays."""
+        if req_index is None:
+            req_index = self.num_reqs
+        assert req_index < len(self.table), "more requests than rows"
+        if req_index == len(self.req_ids):
+            self.req_ids.append(request_id)
+        else:
+            self.req_ids[req_index] = request_id
+        self.req_id_to_index[request_id] = req_index
+        self.num_computed_tokens[req_index] = state.num_computed_tokens
+        self.num_blocks_per_row[req_index] = 0
+        self.append_row(state.block_ids, req_index)
+        return req_index
+
+    def append_row(self, block_ids: list[int], row: int) -> None:
+        """``BlockTable.append_row`` (``block_table.py:114-125``)."""
+        start = int(self.num_blocks_per_row[row])
+        self.num_blocks_per_row[row] = start + len(block_ids)
+        self.table[row, start : start + len(block_ids)] = block_ids
+
+    def remove_request(self, request_id: str) -> int | None:
+        """``input_batch.py:371-376``: the row freed, its entries left as they are."""
+        req_index = self.req_id_to_index.pop(request_id, None)
+        if req_index is not None:
+            self.req_ids[req_index] = None
+        return req_index
+
+    def swap_states(self, first: int, second: int) -> None:
+        """``input_batch.py:417-474``: two rows swapped whole (``swap_row``)."""
+        ids = self.req_ids
+        ids[first], ids[second] = ids[second], ids[first]
+        for index in (first, second):
+            request_id = ids[index]
+            assert request_id is not None
+            self.req_id_to_index[request_id] = index
+        for array in (self.table, self.num_blocks_per_row, self.num_computed_tokens):
+            array[[first, second]] = array[[second, first]]
+
+    def condense(self, empty_req_indices: list[int]) -> None:
+        """``input_batch.py:476-540``: the last rows moved into the freed ones (sorted in
+        descending order); ``move_row`` clears the row it vacates (``block_table.py:137-146``).
+        """
+        num_reqs = self.num_reqs
+        if num_reqs == 0:
+            self.req_ids.clear()
+            return
+        last_req_index = num_reqs + len(empty_req_indices) - 1
+        while empty_req_indices:
+            while last_req_index in empty_req_indices:
+                last_req_index -= 1
+            empty_index = empty_req_indices.pop()
+            if empty_index >= last_req_index:
+                break
+            request_id = self.req_ids[last_req_index]
+            assert request_id is not None
+            self.req_ids[empty_index] = request_id
+            self.req_ids[last_req_index] = None
+            self.req_id_to_index[request_id] = empty_index
+            self.num_computed_tokens[empty_index] = self.num_computed_tokens[last_req_index]
+            num_blocks = int(self.num_blocks_per_row[last_req_index])
+            self.table[empty_index, :num_blocks] = self.table[last_req_index, :num_blocks]
+            self.num_blocks_per_row[empty_index] = num_blocks
+            self.table[last_req_index, :num_blocks] = 0
+            self.num_blocks_per_row[last_req_index] = 0
+            last_req_index -= 1
+        del self.req_ids[self.num_reqs :]
+
+    def row_ids(self, request_id: str) -> list[int]:
+        """The request's row up to its count."""
+        row = self.req_id_to_index[request_id]
+        return [int(block_id) for block_id in self.table[row, : self.num_blocks_per_row[row]]]
 
 
 class HPURunnerModel:
@@ -192,7 +310,10 @@ class HPURunnerModel:
         self.skip_resolve = False
         self.skip_draft_resolve = False
         self.requests: dict[str, _State] = {}
-        self.batch_rows: dict[str, list[int]] = {}  # the persistent batch's block table
+        self.input_batch = HPUInputBatchModel(
+            max_num_reqs=_MAX_NUM_REQS,
+            max_num_blocks_per_req=-(-(MAX_MODEL_LEN + num_speculative_tokens) // BLOCK_SIZE) + 1,
+        )
         self.scheduler_output: SchedulerOutput | None = None
         self.warmup_mode = False
         self._in_execute = False
@@ -205,7 +326,13 @@ class HPURunnerModel:
         self.num_sampled_steps = 0
         self.num_unlocked = 0
         self.num_dummy_runs = 0
+        self.num_dummy_stray_writes = 0
+        self.num_dummy_prefill_pads = 0
+        self.num_dummy_decode_pads = 0
+        self.num_null_block_moved = 0
+        self.num_live_on_null_block = 0
         self.num_warmups = 0
+        self._in_dummy_run = False
 
     def _set_kv_caches(self) -> None:
         self.kv_caches = [(self.kv, None, None, None)] + (
@@ -247,11 +374,26 @@ class HPURunnerModel:
         defragmenter.defragment()
 
     def _update_states(self, output: SchedulerOutput) -> None:
+        """``_update_states`` (runner.py:1767-1985): finished requests leave the cached
+        states and their rows; every request in the batch not scheduled this step leaves
+        its row (its state stays, runner.py:1799-1814); new requests and requests not in
+        the batch are put on the lowest freed rows, then the next ones (runner.py:1963-1968),
+        and the batch is condensed (runner.py:1980-1981). A cached request's state gets
+        ``new_block_ids`` appended, or replaced when resumed; a request still in the batch
+        gets them appended to its row (``append_row``, runner.py:1933-1934), resumed or
+        not. Rows stay logical."""
+        batch = self.input_batch
         for request_id in output.finished_req_ids:
             self.requests.pop(request_id, None)
-            self.batch_rows.pop(request_id, None)
-        for request_id in set(self.batch_rows) - set(output.num_scheduled_tokens):
-            del self.batch_rows[request_id]  # unscheduled (or preempted): state kept
+        removed: list[int] = []
+        for request_id in output.finished_req_ids:
+            req_index = batch.remove_request(request_id)
+            if req_index is not None:
+                removed.append(req_index)
+        for request_id in set(batch.req_id_to_index) - set(output.num_scheduled_tokens):
+            req_index = batch.remove_request(request_id)  # unscheduled (or preempted)
+            assert req_index is not None
+            removed.append(req_index)
         to_add: list[str] = []
         for new in output.scheduled_new_reqs:
             prompt = list(new.prompt_token_ids or ())
@@ -276,13 +418,20 @@ class HPURunnerModel:
             else:
                 assert new_ids is not None
                 state.block_ids = list(new_ids[0])
-            row = self.batch_rows.get(request_id)
-            if row is None:
+            req_index = batch.req_id_to_index.get(request_id)
+            if req_index is None:
                 to_add.append(request_id)
-            elif new_ids is not None:
-                row.extend(new_ids[0])  # append_row, resumed or not
+                continue
+            batch.num_computed_tokens[req_index] = state.num_computed_tokens
+            if new_ids is not None:
+                batch.append_row(list(new_ids[0]), req_index)  # resumed or not
+        removed.sort(reverse=True)
         for request_id in to_add:
-            self.batch_rows[request_id] = list(self.requests[request_id].block_ids)
+            batch.add_request(
+                request_id, self.requests[request_id], removed.pop() if removed else None
+            )
+        if removed:
+            batch.condense(removed)
         assert not output.new_block_ids_to_zero and not output.kv_cache_block_copies
 
     # -- sample_tokens -------------------------------------------------------------------
@@ -300,26 +449,26 @@ class HPURunnerModel:
             self.num_sampled_steps += 1
             if not self.kv_lock.locked():
                 self.num_unlocked += 1
-        decodes: list[str] = []
-        prefills: list[str] = []
-        for request_id, num_tokens in output.num_scheduled_tokens.items():
-            state = self.requests[request_id]
-            is_prompt = state.num_computed_tokens < state.num_prompt_tokens or num_tokens > 1
-            (prefills if is_prompt else decodes).append(request_id)
+        num_decodes = self._ensure_decodes_first(output)
+        batch_ids = [str(request_id) for request_id in self.input_batch.req_ids]
+        decodes, prefills = batch_ids[:num_decodes], batch_ids[num_decodes:]
         reads: dict[str, dict[int, int]] = {}
-        if decodes:
-            reads |= self._decode_batch(decodes)
         for request_id in prefills:
             reads[request_id] = self._prefill(
                 request_id, output.num_scheduled_tokens[request_id], warmup=warmup_mode
             )
+        self._pad_prefills_across_dp(1 if prefills else 0)
+        if decodes:
+            reads |= self._decode_batch(decodes, output)
+        else:
+            self._pad_decodes_across_dp()
         sampled: dict[str, list[int]] = {}
         for request_id in decodes + prefills:
             state = self.requests[request_id]
             start = state.num_computed_tokens
             num_tokens = output.num_scheduled_tokens[request_id]
             if self.num_speculative_tokens and not state.is_dummy:
-                self._draft(state, self.batch_rows[request_id], start, num_tokens)
+                self._draft(state, self.input_batch.row_ids(request_id), start, num_tokens)
             state.num_computed_tokens = start + num_tokens
             if start + num_tokens >= len(state.token_ids) and not state.is_dummy:
                 read = reads[request_id]
@@ -327,6 +476,52 @@ class HPURunnerModel:
                 state.token_ids.append(token)
                 sampled[request_id] = [token]
         return runner_output(output, sampled)
+
+    def _is_prompt(self, req_index: int, output: SchedulerOutput) -> bool:
+        """runner.py:2261-2273: a prompt while its computed tokens are short of the
+        prompt, or when more tokens are scheduled than one plus its draft tokens."""
+        request_id = str(self.input_batch.req_ids[req_index])
+        state = self.requests[request_id]
+        spec_tokens = output.scheduled_spec_decode_tokens.get(request_id)
+        num_decode_tokens = 1 if spec_tokens is None else len(spec_tokens) + 1
+        return (
+            state.num_computed_tokens < state.num_prompt_tokens
+            or output.num_scheduled_tokens[request_id] > num_decode_tokens
+        )
+
+    def _ensure_decodes_first(self, output: SchedulerOutput) -> int:
+        """runner.py:4271-4300: the first prompt row swapped with the last decode row
+        until every decode comes first; returns the number of decodes."""
+        batch = self.input_batch
+        num_reqs = batch.num_reqs
+        while True:
+            prompts = [i for i in range(num_reqs) if self._is_prompt(i, output)]
+            decodes = [i for i in range(num_reqs) if not self._is_prompt(i, output)]
+            if not prompts or not decodes or prompts[0] > decodes[-1]:
+                return len(decodes)
+            batch.swap_states(prompts[0], decodes[-1])
+
+    def _pad_prefills_across_dp(self, num_prefill_batches: int) -> None:
+        """``_prepare_prefill_inputs`` (runner.py:3074-3087), which runs whether or not
+        this rank has prompts: as many dummy prefills as the other DP ranks have more
+        prefill batches (``get_dp_padding``, runner.py:2698-2704), each
+        ``_create_dummy_prefill_batch_contents`` (runner.py:3052-3072): 128 tokens, no
+        context, a block list of block 0 only, taken as it is (real prompts' blocks go
+        through ``_resolve_block``, these do not): their KV lands in physical block 0."""
+        for _ in range(self._dp_padding(num_prefill_batches, [0, 1, 2])):
+            self.num_dummy_prefill_pads += 1
+            for position in range(128):
+                self._write(self.kv, 0 * BLOCK_SIZE + position % BLOCK_SIZE, _DUMMY_SIGNATURE)
+
+    def _pad_decodes_across_dp(self) -> None:
+        """``_prepare_decode_inputs`` with no decode on this rank (runner.py:3400-3416):
+        when another DP rank decodes, one dummy decode
+        (``_create_dummy_decode_input_data``, runner.py:3422-3429): context 128 over a
+        zero-filled block table, so its slot is block 0's, resolved."""
+        if self._dp_padding(0, [0, 1]):
+            self.num_dummy_decode_pads += 1
+            block_id = self._resolve_block(0)
+            self._write(self.kv, block_id * BLOCK_SIZE + 128 % BLOCK_SIZE, _DUMMY_SIGNATURE)
 
     # -- resolving ------------------------------------------------------------------------
 
@@ -340,6 +535,7 @@ class HPURunnerModel:
         if int(block_id) == self.pad_block_id:
             self.num_pad_resolved += 1
             self.num_pad_changed += physical != self.pad_block_id
+        self._check_null_block(int(block_id), physical)
         return physical
 
     def _resolve_all_blocks(self, tables: list[list[int]]) -> list[list[int]]:
@@ -347,7 +543,18 @@ class HPURunnerModel:
         if self.skip_resolve or not self.defragmenter:
             return [list(map(int, row)) for row in tables]
         resolved: list[list[int]] = self.defragmenter.resolve_all(tables)
+        for row, physical_row in zip(tables, resolved, strict=True):
+            for block_id, physical in zip(row, physical_row, strict=True):
+                self._check_null_block(int(block_id), int(physical))
         return resolved
+
+    def _check_null_block(self, block_id: int, physical_id: int) -> None:
+        """Counts block 0 resolved elsewhere, and another block resolved onto it: vllm-gaudi
+        writes dummy prefills into physical block 0 unresolved, so it must stay pinned."""
+        if block_id == 0:
+            self.num_null_block_moved += physical_id != 0
+        elif physical_id == 0:
+            self.num_live_on_null_block += 1
 
     def _dp_padding(self, count: int, choices: list[int]) -> int:
         """``get_dp_padding`` (runner.py:1166-1178): up to the largest count across the DP
@@ -382,22 +589,20 @@ class HPURunnerModel:
             return None
         return _signature(tuple(state.token_ids[: position + 1]))
 
-    @staticmethod
-    def _row_entry(row: list[int], index: int) -> int:
-        """The block table's entry: 0 past the row (the CPU table is zero-filled)."""
-        return row[index] if index < len(row) else 0
-
     # -- the input build and the forward --------------------------------------------------
 
     def _prefill(self, request_id: str, num_tokens: int, *, warmup: bool) -> dict[int, int]:
-        """``_extract_prefill_batch_contents`` + ``_form_prefill_batch``: one resolved
-        block list; slots for the new tokens; the context read from its first blocks.
-        Returns the values read, by position."""
+        """``_extract_prefill_batch_contents`` + ``_form_prefill_batch``
+        (runner.py:2642-2662): the row's first ``ceil((computed + scheduled) /
+        block_size)`` entries, each through ``_resolve_block`` (not in warm-up); slots for
+        the new tokens; the context read from its first blocks. Returns the values read,
+        by position."""
         state = self.requests[request_id]
-        row = self.batch_rows[request_id]
+        batch = self.input_batch
+        row = batch.req_id_to_index[request_id]
         start = state.num_computed_tokens
         num_blocks = -(-(start + num_tokens) // BLOCK_SIZE)
-        blocks = [self._row_entry(row, index) for index in range(num_blocks)]
+        blocks = [int(block_id) for block_id in batch.table[row, :num_blocks]]
         if not warmup:
             blocks = [self._resolve_block(block_id) for block_id in blocks]
         for position in range(start, start + num_tokens):
@@ -412,26 +617,46 @@ class HPURunnerModel:
             for position in range(start + num_tokens)
         }
 
-    def _decode_batch(self, request_ids: list[str]) -> dict[str, dict[int, int]]:
-        """``_create_decode_input_data``: the batch padded to its bucket (and across DP)
-        with rows of ``_PAD_BLOCK_ID``, the slot mapping resolved element by element, the
-        padded rows' slots in the pad block, the tables through ``_resolve_all_blocks``,
-        then contiguous-PA attention. Returns the values read, by request and position."""
+    def _decode_batch(
+        self, request_ids: list[str], output: SchedulerOutput
+    ) -> dict[str, dict[int, int]]:
+        """``_create_decode_input_data`` (runner.py:3089-3245), on the batch's first rows:
+        each request's table is its row's first ``ceil((context + 1) / block_size)``
+        entries (runner.py:3101, 3119-3123), and each scheduled token's block is gathered
+        from its row at ``position // block_size`` (runner.py:3192-3195), whatever the
+        row's count: past it, a stale entry. The batch is padded to its bucket (and
+        across DP) with rows of ``_PAD_BLOCK_ID``, the slot mapping resolved element by
+        element, the padded rows' slots in the pad block (runner.py:3202-3204), the tables
+        through ``_resolve_all_blocks`` (runner.py:3237), then contiguous-PA attention.
+        A request with draft tokens scheduled (``scheduled_spec_decode_tokens``) is a
+        decode of ``1 + drafts`` tokens, each with its own slot. Returns the values read,
+        by request and position."""
+        batch = self.input_batch
         states = [self.requests[request_id] for request_id in request_ids]
-        rows = [self.batch_rows[request_id] for request_id in request_ids]
+        rows = [batch.req_id_to_index[request_id] for request_id in request_ids]
         positions = [state.num_computed_tokens for state in states]
+        num_tokens = [output.num_scheduled_tokens[request_id] for request_id in request_ids]
         num_blocks = [position // BLOCK_SIZE + 1 for position in positions]
         batch_sizes = sorted({bucket[0] for bucket in self.decode_buckets})
         padded_batch_size = find_decode_bucket(
             self.decode_buckets, len(request_ids), sum(num_blocks)
         )[0]
         padded_batch_size += self._dp_padding(padded_batch_size, batch_sizes)
-        block_number = [
-            self._row_entry(row, position // BLOCK_SIZE)
-            for row, position in zip(rows, positions, strict=True)
-        ] + [self.pad_block_id] * (padded_batch_size - len(request_ids))
+        token_slots = [
+            (state, row, position + offset)
+            for state, row, position, count in zip(states, rows, positions, num_tokens, strict=True)
+            for offset in range(count)
+        ]
+        gathered = [
+            int(batch.table[row, position // BLOCK_SIZE]) for _, row, position in token_slots
+        ]
+        block_number = gathered + [self.pad_block_id] * (padded_batch_size - len(request_ids))
         block_number = [self._resolve_block(block_id) for block_id in block_number]
-        for state, block_id, position in zip(states, block_number, positions, strict=False):
+        for (state, _, position), logical_id, block_id in zip(
+            token_slots, gathered, block_number, strict=False
+        ):
+            if self._in_dummy_run and logical_id != 0:
+                self.num_dummy_stray_writes += 1
             slot = block_id * BLOCK_SIZE + position % BLOCK_SIZE
             self._write(self.kv, slot, self._sign(state, position) or _DUMMY_SIGNATURE)
         pad_slots = itertools.cycle(range(BLOCK_SIZE))  # runner.py:3202-3204
@@ -439,7 +664,7 @@ class HPURunnerModel:
             self.pad_kv[next(pad_slots), 0] = _DUMMY_SIGNATURE
         tables = self._resolve_all_blocks(
             [
-                [self._row_entry(row, index) for index in range(n)]
+                [int(block_id) for block_id in batch.table[row, :n]]
                 for row, n in zip(rows, num_blocks, strict=True)
             ]
         )
@@ -549,10 +774,17 @@ class HPURunnerModel:
     # -- dummy batches and warm-up --------------------------------------------------------
 
     def _dummy_run(self, max_num_batched_tokens: int) -> None:
-        """runner.py:6366-6376: one decode dummy scenario (1, 1, 1)."""
+        """runner.py:6366-6376: one decode dummy scenario (1, 1, 1): a request whose
+        row is the single block 0, one block's tokens computed, so its one token sits at
+        position ``block_size``, in the row's second entry, which ``add_row`` left as the
+        row's last occupant had it (``num_dummy_stray_writes`` counts such writes)."""
         assert max_num_batched_tokens == 1
         self.num_dummy_runs += 1
-        self._prepare_dummy_scenario((1, 1, 1))
+        self._in_dummy_run = True
+        try:
+            self._prepare_dummy_scenario((1, 1, 1))
+        finally:
+            self._in_dummy_run = False
 
     def _prepare_dummy_scenario(self, decode_cfg: Bucket) -> None:
         """runner.py:5662-5701 under contiguous PA: ``batch_size`` decode requests of one
@@ -701,25 +933,3 @@ class HPUWorkerModel(SignedWorker):
 
     def dummy_batch(self) -> None:
         self.execute_dummy_batch()
-
-
-class HPUModelWorker(DefragHPUWorkerMixin, HPUWorkerModel):
-    """``DefragHPUWorkerMixin`` in front of the model: what ``DefragHPUWorker`` is on
-    Gaudi. With a rank's ``handle`` it installs the switch; without, it runs plain.
-    ``runner`` goes to ``HPURunnerModel`` (the Eagle draft layer and its token count)."""
-
-    def __init__(
-        self,
-        kv: torch.Tensor,
-        num_blocks: int,
-        handle: ServerHandle | None = None,
-        rank: int = 0,
-        **runner: Any,
-    ) -> None:
-        super().__init__(kv, num_blocks, rank, **runner)
-        if handle is not None:
-            self.kvdefrag_attach(handle, num_blocks)
-            self.model_runner.kv_lock = handle.kv_lock
-
-    def rank_service(self) -> ServerHandle | None:
-        return self.kvdefrag_handle
