@@ -35,8 +35,7 @@ from kvdefrag.common import (
 from kvdefrag.common.events import require_step_events
 from kvdefrag.common.identity import identity_proof
 from kvdefrag.v1 import identity_pb2, identity_pb2_grpc
-from kvdefrag.vllm.common import RANKS_FILE, ClientTls, PublishedRank, StepStamp
-from kvdefrag.vllm.config import RUN_DIR_ENV
+from kvdefrag.vllm.common import ClientTls, PublishedRank, StepStamp
 from kvdefrag.vllm.errors import StartupRefused
 
 # How many times a rank's pending step is resent (each within the client's timeout_s)
@@ -59,10 +58,10 @@ class RanksDiverged(DefragError):
 class RankNotVerified(StartupRefused):
     """The service at a published address cannot prove it is this engine's rank.
 
-    It does not hold the secret that rank published with its address in ``ranks.json``:
-    the file is stale (from an earlier run) or shared with another engine, or another
-    process serves the address. Recovery: give the engine a run directory of its own
-    (``KVDEFRAG_VLLM_RUN_DIR``) and restart vLLM.
+    It does not hold the secret that rank published with its address: the record names
+    this engine (a stale or another engine's record is refused before, as
+    ``RanksOfAnotherEngine``), so another process serves the address (a port that rank
+    published and lost). Recovery: restart vLLM, with ports nobody else takes.
     """
 
 
@@ -88,8 +87,8 @@ def verify_rank(
     address = published.address
     what = f"rank {rank}'s published address {address} is not served by this engine's rank {rank}"
     fix = (
-        f"is {RANKS_FILE} stale, or {RUN_DIR_ENV} shared with another engine? Give every "
-        f"engine a run directory of its own and restart vLLM"
+        "the rank record is this engine's, so another process serves that address; "
+        "restart vLLM with ports nobody else takes"
     )
     channel = open_channel(
         address,
