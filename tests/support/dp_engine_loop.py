@@ -11,7 +11,7 @@ Modelled on vLLM 0.33's ``vllm/v1/engine/core.py`` (``core.py:N`` below):
 * ``step_with_batch_queue`` (core.py:708-822; async scheduling, a queue of two): the
   next output is scheduled and sent (``execute_model``, then ``sample_tokens`` when
   tokens were scheduled, both ``non_block``) before the oldest one's result is waited
-  for; the step counts as executed only when it scheduled tokens (core.py:742-743). An
+  for; the step counts as executed only when it scheduled tokens (core.py:740-741). An
   output that schedules nothing still goes to the workers' ``execute_model``.
 * ``step`` (core.py:667-698; sync scheduling): schedule, ``execute_model``,
   ``sample_tokens`` when that returned None, ``update_from_output``.

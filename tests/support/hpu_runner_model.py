@@ -4,8 +4,10 @@ its KV.
 Modelled on vllm-project/vllm-gaudi at commit 091bbadd; ``runner.py:N`` is
 ``vllm_gaudi/v1/worker/hpu_model_runner.py`` line N, ``worker.py:N`` is
 ``vllm_gaudi/v1/worker/hpu_worker.py``, ``eagle.py:N`` is
-``vllm_gaudi/v1/spec_decode/hpu_eagle.py``, ``common.py:N`` / ``exponential.py:N`` are
-``vllm_gaudi/extension/bucketing/``.
+``vllm_gaudi/v1/spec_decode/hpu_eagle.py``, ``input_batch.py:N`` is
+``vllm_gaudi/v1/worker/hpu_input_batch.py``, ``common.py:N`` / ``exponential.py:N`` are
+``vllm_gaudi/extension/bucketing/``; ``block_table.py:N`` is vLLM 0.33's
+``vllm/v1/worker/block_table.py``.
 
 The step is split in two calls, as vLLM 0.33's engine core makes them (``execute_model``,
 then ``sample_tokens`` when it returned None):
@@ -15,19 +17,38 @@ then ``sample_tokens`` when it returned None):
   finished_req_ids)`` then ``defragment()``, skipped in ``warmup_mode``), then
   ``_update_states``, stores the output and returns None; with no token scheduled it
   returns ``EMPTY_MODEL_RUNNER_OUTPUT`` (runner.py:4160-4163). No block id is resolved.
-* ``_update_states``: finished requests leave the cached states and the persistent batch;
-  requests not scheduled this step leave the batch (their state stays); new requests
-  enter both; a cached request's state gets ``new_block_ids`` appended, or replaced when
-  it is in ``resumed_req_ids``, but a request still in the batch gets them APPENDED to its
-  batch row (``block_table.append_row``) even when resumed. Rows stay logical.
+* ``_update_states`` (runner.py:1767-1985): finished requests leave the cached states
+  and the persistent batch; requests not scheduled this step leave the batch (their
+  state stays); new requests enter both; a cached request's state gets ``new_block_ids``
+  appended, or replaced when it is in ``resumed_req_ids``, but a request still in the
+  batch gets them APPENDED to its batch row (``block_table.append_row``) even when
+  resumed. Rows stay logical.
+* The persistent batch (``HPUInputBatchModel``): rows are indices into one table; a
+  request entering the batch takes the lowest freed row (runner.py:1963-1968), and
+  ``add_row`` writes its ids over the row's first entries without clearing the rest
+  (input_batch.py:284, block_table.py:114-129), nor does ``remove_request``
+  (input_batch.py:371-376): past its count, a row holds its earlier requests' ids.
 * ``sample_tokens(grammar_output)`` (runner.py:4303 on) builds the inputs, resolving
   every block id, runs the forward and samples, then runs the Eagle draft (runner.py:4734).
-  A request is a decode when its computed tokens reach its prompt and one token is
-  scheduled (``_is_prompt``, runner.py:2261-2273); decodes run first, as one batch.
+  A request is a prompt while its computed tokens are short of its prompt or when more
+  tokens are scheduled than one plus its draft tokens (``_is_prompt``,
+  runner.py:2261-2273); decodes are swapped to the first rows (``_ensure_decodes_first``,
+  runner.py:4271-4300) and run as one batch.
 * Prefill (``_extract_prefill_batch_contents``, runner.py:2642-2662): the row's first
   ``ceil((computed + scheduled) / block_size)`` ids through ``_resolve_block``
-  (runner.py:1570-1574; skipped with ``warmup``).
-* Decode (``_create_decode_input_data``, runner.py:3089-3245): the batch padded to the
+  (runner.py:1570-1574; skipped with ``warmup``). Across DP, as many dummy prefills as
+  another rank has more prefill batches (``_prepare_prefill_inputs``,
+  runner.py:3074-3087, ``get_dp_padding``, runner.py:2698-2704), whether this rank has
+  prompts or not: 128 tokens on a block list of block 0 that is NOT resolved
+  (``_create_dummy_prefill_batch_contents``, runner.py:3052-3072), so they write into
+  physical block 0.
+* Decode (``_create_decode_input_data``, runner.py:3089-3245): each request's table is
+  its row's first ``ceil((context + 1) / block_size)`` entries (runner.py:3101, 3119-3123)
+  and each scheduled token's block is gathered from its row at ``position //
+  block_size`` (runner.py:3192-3195), past the row's count if the position is; a request
+  with draft tokens scheduled is a decode of ``1 + drafts`` tokens. With no decode here
+  but one on another DP rank, one dummy decode on a zero-filled table (block 0,
+  resolved; runner.py:3411-3429). The batch is padded to the
   decode bucket's batch size (``find_decode_bucket(num_decodes, sum(num_blocks))[0]``),
   plus the DP padding (``get_dp_padding``, runner.py:1166, 3113); padded rows are full of
   ``_PAD_BLOCK_ID`` (= ``num_blocks``, runner.py:6946) and go through
@@ -51,10 +72,14 @@ then ``sample_tokens`` when it returned None):
 * A DP dummy batch (``HPUWorker.execute_dummy_batch``, worker.py:608 →
   ``_dummy_run(1)``, runner.py:6366-6376 → ``_prepare_dummy_scenario``,
   runner.py:5623-5701 → ``_execute_dummy_scenario``, runner.py:5703-5730): one decode
-  request ``"0"`` whose row is block 0 (``_add_dummy_request``, runner.py:5507-5530),
-  ``execute_model(output, warmup_mode=True)``, ``sample_tokens(None)``, then
-  ``execute_model(cleanup, warmup_mode=True)`` finishing it: block 0 resolved, its slot
-  written, outside any scheduled step.
+  request ``"0"`` with ``block_size`` tokens computed whose row is the single block 0
+  (contiguous PA: ``min(1 - 1, num_blocks - 1)``, runner.py:5672-5688;
+  ``_add_dummy_request``, runner.py:5507-5530), ``execute_model(output,
+  warmup_mode=True)``, ``sample_tokens(None)``, then ``execute_model(cleanup,
+  warmup_mode=True)`` finishing it, outside any scheduled step. Its token sits at
+  position ``block_size``: its slot is gathered from the row's SECOND entry, which
+  ``add_row`` left as the row's last occupant had it (``num_dummy_stray_writes`` counts
+  the dummy writes that land anywhere but block 0).
 * Warm-up (``warmup_model``, runner.py:6133-6320): a new ``OnlineDefragmenter`` at its
   start (runner.py:6200) and again at its end (runner.py:6318), the decode buckets' dummy
   scenarios between (block ids ``min(bucket - 1, num_blocks - 1)``, runner.py:5680-5685).
@@ -71,8 +96,13 @@ block the dense layout assigns to a request) is checked, and the token a request
 is a digest of the values its attention read, in position order: a run that reads a
 wrong value samples a different token from there on, so outputs compare across runs.
 Dummy and warm-up requests write their slots but their reads are not checked (their rows
-name block 0 again and again, as vllm-gaudi's do). ``HPUModelWorker`` is the worker with
-``DefragHPUWorkerMixin`` in front.
+name block 0 again and again, as vllm-gaudi's do). Block 0 resolved anywhere but 0, or
+another block resolved onto 0, is counted (``num_null_block_moved``,
+``num_live_on_null_block``). Nothing here knows kvdefrag: ``support.hpu_subject`` puts
+``DefragHPUWorkerMixin`` in front of the worker, and ``support.dp_engine_loop`` drives it
+as vLLM's data-parallel engine loop does, each worker on its own thread. Not modelled:
+vLLM's scheduler scheduling draft tokens (the tests' drafts are never accepted, so no
+decode of more than one token is scheduled).
 """
 
 from __future__ import annotations

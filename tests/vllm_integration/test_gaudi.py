@@ -326,6 +326,54 @@ def test_a_dummy_batch_resolves_with_the_current_mapping_under_kv_lock(
     assert switch is not None and switch.num_update_states == 0  # warm-up mode: no hook
 
 
+class _BlockTable:
+    """vLLM's ``MultiGroupBlockTable`` under vllm-gaudi's ``input_batch``, as far as the
+    mixin goes: ``clear()`` zeroes every row. Row 0 holds a request's blocks 3 and 9: a
+    dummy decode that reuses the row reads its second entry."""
+
+    def __init__(self) -> None:
+        self.rows = np.array([[3, 9], [4, 0]])
+        self.num_clears = 0
+
+    def clear(self) -> None:
+        self.rows.fill(0)
+        self.num_clears += 1
+
+
+def test_a_dummy_batch_runs_on_a_cleared_block_table(worker: tuple[Worker, FakeService]) -> None:
+    """vllm-gaudi's dummy decode gathers its slot from its row's second entry, which the
+    persistent batch leaves stale; the worker clears the rows first, so it names block 0.
+    Scheduled steps leave the rows alone."""
+    built, _ = worker
+    runner = built.model_runner
+    table = _BlockTable()
+    runner.input_batch = SimpleNamespace(block_table=table)  # type: ignore[attr-defined]
+    rows_seen: list[list[list[int]]] = []
+    dummy_run = runner._dummy_run
+
+    def dummy_run_seeing_rows(max_num_batched_tokens: int) -> None:
+        rows_seen.append(table.rows.tolist())
+        dummy_run(max_num_batched_tokens)
+
+    runner._dummy_run = dummy_run_seeing_rows  # type: ignore[method-assign]
+    built.execute_dummy_batch()
+    assert rows_seen == [[[0, 0], [0, 0]]]
+    table.rows[0] = [3, 9]
+    assert built.execute_model(_stamped(4)) is None
+    assert built.sample_tokens(None) == "sampled"
+    assert table.num_clears == 1 and table.rows.tolist() == [[3, 9], [0, 0]]
+
+
+def test_a_dummy_batch_on_a_runner_without_a_block_table_runs_and_says_so_once(
+    worker: tuple[Worker, FakeService], caplog: pytest.LogCaptureFixture
+) -> None:
+    built, _ = worker
+    built.execute_dummy_batch()
+    built.execute_dummy_batch()
+    assert built.model_runner.seen == [(7, True), (7, True)]
+    assert caplog.text.count("no input_batch.block_table.clear()") == 1
+
+
 def test_a_second_warm_up_runs_under_kv_lock_and_puts_the_switch_back(
     worker: tuple[Worker, FakeService],
 ) -> None:

@@ -34,6 +34,7 @@ from kvdefrag.vllm.common import map_block_ids
 from kvdefrag.vllm.gaudi import DefragHPUSwitch
 from kvdefrag.vllm.scheduler import DefragScheduler
 
+from support.dp_engine_loop import LoopCounts, run_dp_engine_loop
 from support.hpu_subject import HPUModelWorker
 from support.vllm_harness import (
     BLOCK_SIZE,
@@ -529,3 +530,117 @@ def test_the_scheduler_side_imports_neither_the_worker_side_nor_the_server() -> 
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
+
+DP_NUM_BLOCKS = 48
+"""A pool small enough that, under async scheduling with the block-free fence, vLLM
+schedules steps with nothing in them while requests run (the fence holds the blocks of
+the step in flight, and the preemption loop stops at a victim whose blocks it holds)."""
+
+DP_SEEDS = range(1, 11)
+
+
+@dataclasses.dataclass
+class _DPRun:
+    """What one run of the DP engine loop left."""
+
+    counts: LoopCounts
+    workers: list[HPUModelWorker]
+
+    @property
+    def num_corrupted(self) -> int:
+        return sum(worker.num_corrupted for worker in self.workers)
+
+
+def _run_dp(
+    model_dir: str,
+    run_dir: str | None,
+    seed: int,
+    *,
+    worker_cls: type[HPUModelWorker] = HPUModelWorker,
+) -> _DPRun:
+    """One workload through vLLM's DP engine loop (``support.dp_engine_loop``: an idle
+    rank's dummy batch for every step that executes nothing, the workers on their own
+    threads), async scheduling, DP padding drawn as another rank's would be. With
+    ``run_dir`` kvdefrag serves two ranks; without, plain vLLM's ``AsyncScheduler``
+    (no block-free fence) on the runner's identity defragmenter."""
+    with contextlib.ExitStack() as stack:
+        if run_dir is None:
+            cls: type[Scheduler] = AsyncScheduler
+            ranks: list[Any] = [
+                (None, torch.zeros(DP_NUM_BLOCKS * BLOCK_SIZE, 1, dtype=torch.int64))
+            ]
+        else:
+            cls = TwoRankAsyncScheduler
+            ranks = stack.enter_context(
+                contextlib.contextmanager(serve_two_ranks)(run_dir, DP_NUM_BLOCKS)
+            )
+        scheduler = make_scheduler(
+            cls, model_dir, num_blocks=DP_NUM_BLOCKS, prefix_caching=False, async_scheduling=True
+        )
+        workers = [
+            worker_cls(kv, DP_NUM_BLOCKS, handle, rank=rank)
+            for rank, (handle, kv) in enumerate(ranks)
+        ]
+        for worker in workers:
+            worker.model_runner.dp_rng = random.Random(seed)  # the same on every TP rank
+        counts = run_dp_engine_loop(
+            scheduler, workers, Workload(seed=seed, num_requests=40), is_async=True, abort_every=37
+        )
+        assert not scheduler.has_requests()
+        if run_dir is not None:
+            scheduler.kvdefrag.settle()
+            scheduler.kvdefrag.ranks.close()
+            for handle, _ in ranks:
+                assert handle.resolve(np.asarray([0], np.int64)).tolist() == [0]
+        return _DPRun(counts, workers)
+
+
+def test_dp_dummy_batches_on_fenced_empty_steps_overwrite_no_live_block(
+    model_dir: str, run_dir: str
+) -> None:
+    """Gaudi, data parallel, async scheduling, kvdefrag on: the fence makes vLLM schedule
+    steps with nothing in them while requests run, and the DP loop runs an idle-rank dummy
+    batch for each. vllm-gaudi's dummy decode reads its row one entry past the block it
+    names; the worker clears the rows first, so that entry is block 0 and no live block
+    is written: every read clean over every seed. Block 0 stays where it is (vllm-gaudi's
+    DP prefill padding writes into physical block 0 without resolving it) and no block
+    is ever resolved onto it."""
+    num_empty_steps = 0
+    for seed in DP_SEEDS:
+        run = _run_dp(model_dir, run_dir, seed)
+        num_empty_steps += run.counts.num_empty_steps
+        assert run.num_corrupted == 0, f"seed {seed}"
+        for worker in run.workers:
+            runner = worker.model_runner
+            assert runner.num_dummy_runs == run.counts.num_dummy_batches > 0
+            assert runner.num_dummy_stray_writes == 0, f"seed {seed}"
+            assert runner.num_dummy_prefill_pads > 0
+            assert runner.num_null_block_moved == runner.num_live_on_null_block == 0
+            assert worker.num_checked > 10_000
+    assert num_empty_steps >= len(DP_SEEDS), "the fence never emptied a step"
+
+
+class _DummyOnStaleRows(HPUModelWorker):
+    """Today's worker before the fix: the dummy batch runs on the rows as they are."""
+
+    def kvdefrag_clear_rows(self) -> None:
+        pass
+
+
+def test_sabotage_dp_dummy_batches_on_stale_rows_overwrite_live_blocks(
+    model_dir: str, run_dir: str
+) -> None:
+    """Without the rows cleared, the dummy decode's slot comes from the stale second entry
+    of the row it reuses: the block of a request left unscheduled by the empty step,
+    whose first slot it overwrites (seeds 1-3 all corrupt)."""
+    runs = [_run_dp(model_dir, run_dir, seed, worker_cls=_DummyOnStaleRows) for seed in (1, 2, 3)]
+    assert all(run.num_corrupted > 0 for run in runs)
+    assert all(run.workers[0].model_runner.num_dummy_stray_writes > 0 for run in runs)
+
+
+def test_plain_vllm_dp_without_the_fence_reads_clean_on_the_same_pool(model_dir: str) -> None:
+    """Plain vLLM (vllm-gaudi's own scheduler has no block-free fence) on the same pool:
+    every read clean, as with kvdefrag."""
+    for seed in (1, 2, 3):
+        run = _run_dp(model_dir, None, seed)
+        assert run.num_corrupted == 0

@@ -28,6 +28,17 @@ at 091bbadd (file:line):
   ``HPUWorker.initialize_from_config`` warms up (L551), and vLLM's engine core calls
   ``compile_or_warm_up_model`` (L552) once more, which warms up again when no graph was
   captured (eager mode, ``VLLM_SKIP_WARMUP``).
+* The dummy decode of ``_dummy_run`` names block 0 for a row of one block and writes its
+  token one block further on, so its slot comes from the row's second entry; the
+  persistent batch (``hpu_input_batch.py``, over vLLM's ``MultiGroupBlockTable``) puts it
+  on a freed row without clearing it, so that entry is whatever the row's last request
+  had there. vLLM's data-parallel engine loop runs a dummy batch for every step that
+  schedules nothing, and the block-free fence kvdefrag's async scheduler turns on makes
+  such steps while requests run (their rows freed, their blocks live): the worker
+  clears the block table before each dummy batch (``kvdefrag_clear_rows``), so that entry
+  names block 0. Block 0 (vLLM's null block) never moves and nothing is placed on it,
+  which vllm-gaudi's data-parallel prefill padding needs too: it writes its dummy prompts
+  into physical block 0 without resolving it.
 * ``HPUWorker.sleep`` (L642-687), at every level, sets ``model_runner.defragmenter = None``
   and discards the KV caches (``model_runner.kv_caches = []``); ``wake_up`` with the
   ``kv_cache`` tag (the default; L689-735) re-allocates them (``initialize_kv_cache``:
@@ -319,6 +330,7 @@ class DefragHPUWorkerMixin(DefragWorkerMixin):
     kvdefrag_kv_ptr: int = 0
     kvdefrag_num_blocks: int = 0
     kvdefrag_kv_released: bool = False
+    kvdefrag_warned_no_rows: bool = False
 
     def kvdefrag_pass_target(self, handle: Any, num_blocks: int) -> PassTarget:
         """Installs the switch; the pass marks it (no translator, no row remap)."""
@@ -365,6 +377,42 @@ class DefragHPUWorkerMixin(DefragWorkerMixin):
             "drafter that reads KV cache blocks without resolving them; use an Eagle, "
             "n-gram or Medusa method, or serve without kvdefrag"
         )
+
+    def execute_dummy_batch(self, *args: Any, **kwargs: Any) -> Any:
+        """An idle data-parallel rank's dummy batch (``DefragWorkerMixin``'s: holding
+        ``kv_lock``), run on a cleared block table (``kvdefrag_clear_rows``).
+
+        vllm-gaudi's dummy decode names block 0 for a row of one block but writes its
+        token one block further on, so its slot comes from the row's second entry,
+        which the persistent batch leaves as the row's last request had it. When that
+        request is still running (kvdefrag's block-free fence makes vLLM run steps that
+        schedule nothing while requests run, and an idle rank runs a dummy batch for
+        each), its block would be overwritten; cleared, the entry names block 0, the
+        null block, which nobody reads."""
+        if self.kvdefrag_switch is not None:
+            self.kvdefrag_clear_rows()
+        parent: Any = super()
+        return parent.execute_dummy_batch(*args, **kwargs)
+
+    def kvdefrag_clear_rows(self) -> None:
+        """Zeroes the runner's persistent block table (vLLM's
+        ``MultiGroupBlockTable.clear``), so a dummy batch reads no stale entry.
+
+        Safe between steps: the dummy batch schedules only its own request, so
+        vllm-gaudi's ``_update_states`` takes every other request off its row, and each
+        is written back whole (``add_row``) when it is next scheduled; no row is read in
+        between. A runner without that table is left as it is (logged once)."""
+        runner: Any = getattr(self, "model_runner", None)
+        block_table = getattr(getattr(runner, "input_batch", None), "block_table", None)
+        clear = getattr(block_table, "clear", None)
+        if clear is not None:
+            clear()
+        elif not self.kvdefrag_warned_no_rows:
+            self.kvdefrag_warned_no_rows = True
+            logger.warning(
+                "kvdefrag: the HPU runner has no input_batch.block_table.clear(); its "
+                "data-parallel dummy batches run on the rows as they are"
+            )
 
     def kvdefrag_install(self) -> None:
         """Puts the switch on ``model_runner.defragmenter`` (nothing before attach)."""
