@@ -545,6 +545,7 @@ class _DPRun:
 
     counts: LoopCounts
     workers: list[HPUModelWorker]
+    num_moves: int = 0
 
     @property
     def num_corrupted(self) -> int:
@@ -587,12 +588,13 @@ def _run_dp(
             scheduler, workers, Workload(seed=seed, num_requests=40), is_async=True, abort_every=37
         )
         assert not scheduler.has_requests()
-        if run_dir is not None:
-            scheduler.kvdefrag.settle()
-            scheduler.kvdefrag.ranks.close()
-            for handle, _ in ranks:
-                assert handle.resolve(np.asarray([0], np.int64)).tolist() == [0]
-        return _DPRun(counts, workers)
+        if run_dir is None:
+            return _DPRun(counts, workers)
+        scheduler.kvdefrag.settle()
+        scheduler.kvdefrag.ranks.close()
+        for handle, _ in ranks:
+            assert handle.resolve(np.asarray([0], np.int64)).tolist() == [0]
+        return _DPRun(counts, workers, ranks[0][0].stats().totals.num_moves)
 
 
 def test_dp_dummy_batches_on_fenced_empty_steps_overwrite_no_live_block(
@@ -610,6 +612,7 @@ def test_dp_dummy_batches_on_fenced_empty_steps_overwrite_no_live_block(
         run = _run_dp(model_dir, run_dir, seed)
         num_empty_steps += run.counts.num_empty_steps
         assert run.num_corrupted == 0, f"seed {seed}"
+        assert run.num_moves > 0, f"seed {seed}: kvdefrag never moved a block"
         for worker in run.workers:
             runner = worker.model_runner
             assert runner.num_dummy_runs == run.counts.num_dummy_batches > 0
