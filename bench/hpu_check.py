@@ -46,7 +46,7 @@ import torch
 from kvdefrag.common import StepEvents
 from kvdefrag.server import Move
 from kvdefrag.server.config import DEFAULT_PAD_BUCKETS
-from kvdefrag.vllm.worker import bind_vllm_kv_caches
+from kvdefrag.vllm._worker.kv_binding import bind_vllm_kv_caches
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 2_048
@@ -264,8 +264,8 @@ def check_split_order(device: torch.device, num_blocks: int = 256) -> int:
 
     from kvdefrag.client import DefragClient
     from kvdefrag.server import EngineConfig, ServiceConfig, serve_in_process
-    from kvdefrag.vllm.common import StepStamp, attach_step_stamp
     from kvdefrag.vllm.config import RUN_DIR_ENV
+    from kvdefrag.vllm.contract import StepStamp, attach_step_stamp
     from kvdefrag.vllm.gaudi import DefragHPUWorkerMixin
 
     layers = gaudi_layers(

@@ -16,7 +16,7 @@ Each step runs ``schedule()``, then a stand-in for the model (one sampled token 
 request whose scheduled tokens reach its end; ``ignore_eos``, so a request ends at its
 ``max_tokens``), then ``update_from_output()``. What the scheduler side would send for
 that step is what kvdefrag's own scheduler-side code makes of the output:
-``kvdefrag.vllm._bridge.changes_from_output`` then ``BlockLedger.plan`` (as
+``kvdefrag.vllm._scheduler.bridge.changes_from_output`` then ``BlockLedger.plan`` (as
 ``DefragScheduler.schedule`` does, without a service). Every step is written, empty ones
 too (decode still reads its bucket then), in ``kvdefrag.client.record``'s trace format,
 gzipped; the ledger is audited against vLLM's KV cache manager every 50 steps.
@@ -46,8 +46,8 @@ from vllm.v1.request import Request
 from vllm_engineless import build_scheduler
 
 from kvdefrag.client.record import StepRecorder
-from kvdefrag.vllm._bridge import ParkedBlocks, changes_from_output
-from kvdefrag.vllm._ledger import BlockLedger
+from kvdefrag.vllm._scheduler.bridge import ParkedBlocks, changes_from_output
+from kvdefrag.vllm._scheduler.ledger import BlockLedger
 
 NUM_BLOCKS = 2_048
 BLOCK_SIZE = 128

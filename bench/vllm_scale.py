@@ -97,15 +97,15 @@ from vllm_engineless import build_scheduler
 
 from kvdefrag.common.identity import IDENTITY_SECRET_BYTES
 from kvdefrag.server import ServerHandle, ServiceConfig, serve_in_process
-from kvdefrag.vllm.common import PublishedRank
-from kvdefrag.vllm.config import RUN_DIR_ENV
-from kvdefrag.vllm.scheduler import DefragAsyncScheduler, DefragScheduler
-from kvdefrag.vllm.worker import (
+from kvdefrag.vllm._discovery import PublishedRank
+from kvdefrag.vllm._worker.passes import wait_for_planned_step
+from kvdefrag.vllm._worker.translation import (
     BlockIdTranslator,
     remap_v1_runner_rows,
     translate_scheduler_output,
-    wait_for_planned_step,
 )
+from kvdefrag.vllm.config import RUN_DIR_ENV
+from kvdefrag.vllm.scheduler import DefragAsyncScheduler, DefragScheduler
 
 BLOCK_SIZE = 16
 MAX_MODEL_LEN = 8192

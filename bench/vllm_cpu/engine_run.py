@@ -301,7 +301,7 @@ def run(mode: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def engine_dirs(run_dir: str, dp: int) -> list[str]:
-    """Each DP engine's run directory (``kvdefrag.vllm.common.engine_run_dir``)."""
+    """Each DP engine's run directory (``kvdefrag.vllm.contract.engine_run_dir``)."""
     return [run_dir] + [os.path.join(run_dir, f"dp{k}") for k in range(1, dp)]
 
 

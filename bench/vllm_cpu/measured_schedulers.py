@@ -28,8 +28,8 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutputs
 
-from kvdefrag.vllm.common import engine_run_dir
 from kvdefrag.vllm.config import load_integration_config
+from kvdefrag.vllm.contract import engine_run_dir
 from kvdefrag.vllm.scheduler import DefragAsyncScheduler, DefragScheduler
 
 REPORT_NAME = "scheduler.json"

@@ -40,9 +40,10 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutputs
 from vllm.v1.worker.cpu_worker import CPUWorker
 
+from kvdefrag.vllm._worker.passes import wait_for_planned_step
 from kvdefrag.vllm.config import load_integration_config
 from kvdefrag.vllm.scheduler import DefragAsyncScheduler, DefragScheduler
-from kvdefrag.vllm.worker import DefragWorkerMixin, wait_for_planned_step
+from kvdefrag.vllm.worker import DefragWorkerMixin
 
 MODE_NAME = "mode.json"
 SCHEDULER_NAME = "scheduler.json"

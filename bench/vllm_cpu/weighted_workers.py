@@ -11,8 +11,9 @@ import torch
 from vllm.model_executor.model_loader.dummy_loader import DummyModelLoader
 from vllm.v1.worker.cpu_worker import CPUWorker
 
-from kvdefrag.vllm.common import read_step_stamp
-from kvdefrag.vllm.worker import DefragWorkerMixin, wait_for_planned_step
+from kvdefrag.vllm._worker.passes import wait_for_planned_step
+from kvdefrag.vllm.contract import read_step_stamp
+from kvdefrag.vllm.worker import DefragWorkerMixin
 
 # Standard deviations (times 1/sqrt(fan_in)) that make the attention path dominate the
 # residual stream: the next token depends on the whole context, hence on every KV block.

@@ -20,7 +20,7 @@ from kvdefrag.client import DefragClient
 from kvdefrag.common import InvalidArgument, StepEvents
 from kvdefrag.server import Engine, load_config, serve_in_process
 from kvdefrag.server.config import EngineConfig
-from kvdefrag.vllm.worker import bind_vllm_kv_caches
+from kvdefrag.vllm._worker.kv_binding import bind_vllm_kv_caches
 
 from support.kv import KvCaches, SignedKv, make_kv_caches
 from support.server import Serve

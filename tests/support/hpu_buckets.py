@@ -1,6 +1,6 @@
 """vllm-gaudi's decode buckets under contiguous paged attention, modelled for the HPU
 runner model (vllm-project/vllm-gaudi at 091bbadd: ``vllm_gaudi/extension/bucketing/
-exponential.py`` and ``common.py``; lines cited per function).
+exponential.py`` and ``py``; lines cited per function).
 
 A restatement of its own, apart from ``kvdefrag.server.buckets.exponential_decode_buckets``
 (the product's): ``tests/vllm_integration/test_gaudi_buckets.py`` checks that the two

@@ -40,22 +40,14 @@ from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
 from kvdefrag.server import EngineConfig, ServerHandle, ServiceConfig, serve_in_process
-from kvdefrag.vllm.common import (
-    PublishedRank,
-    engine_id,
-    publish_ranks,
-    published_ranks,
-    rank_address,
-)
+from kvdefrag.vllm._discovery import PublishedRank, publish_ranks, published_ranks, rank_address
+from kvdefrag.vllm._worker.passes import wait_for_planned_step
+from kvdefrag.vllm._worker.translation import BlockIdTranslator, translate_scheduler_output
 from kvdefrag.vllm.config import RUN_DIR_ENV
+from kvdefrag.vllm.contract import engine_id
+from kvdefrag.vllm.refusals import check_v2_runner
 from kvdefrag.vllm.scheduler import DefragAsyncScheduler, DefragScheduler
-from kvdefrag.vllm.worker import (
-    BlockIdTranslator,
-    DefragWorkerMixin,
-    check_v2_runner,
-    translate_scheduler_output,
-    wait_for_planned_step,
-)
+from kvdefrag.vllm.worker import DefragWorkerMixin
 
 BLOCK_SIZE = 16
 MAX_MODEL_LEN = 1024
@@ -73,7 +65,7 @@ the ranks a test publishes for it (``harness_engine_id``) are the ones it finds.
 
 
 def harness_engine_id(parallel_config: Any = None) -> str:
-    """The engine id (``common.engine_id``) of a scheduler ``make_scheduler`` builds with
+    """The engine id (``contract.engine_id``) of a scheduler ``make_scheduler`` builds with
     ``parallel_config`` (vLLM's default when None: no data parallelism)."""
     return engine_id(SimpleNamespace(instance_id=INSTANCE_ID, parallel_config=parallel_config))
 

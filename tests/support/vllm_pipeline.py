@@ -40,7 +40,7 @@ from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import RequestStatus
 
 from kvdefrag.server import ServerHandle
-from kvdefrag.vllm.common import PublishedRank, publish_ranks, rank_address
+from kvdefrag.vllm._discovery import PublishedRank, publish_ranks, rank_address
 from kvdefrag.vllm.worker import DefragWorkerMixin
 
 from support.vllm_harness import (

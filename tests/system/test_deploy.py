@@ -32,8 +32,8 @@ from kvdefrag.server import Engine
 from kvdefrag.server.__main__ import parse_args
 from kvdefrag.server.config import ENV_PREFIX, load_config, option_names
 from kvdefrag.server.metrics import Metrics
-from kvdefrag.vllm import common
 from kvdefrag.vllm import config as vllm_config
+from kvdefrag.vllm import contract as common
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"

@@ -166,7 +166,12 @@ def defined_names(module: Path) -> set[str]:
         if isinstance(node, ast.ClassDef | ast.FunctionDef):
             names.add(node.name)
         if isinstance(node, ast.Assign):
-            names.update(target.id for target in node.targets if isinstance(target, ast.Name))
+            targets = {target.id for target in node.targets if isinstance(target, ast.Name)}
+            names.update(targets)
+            if "__all__" in targets and isinstance(node.value, ast.List):
+                names.update(
+                    item.value for item in node.value.elts if isinstance(item, ast.Constant)
+                )
         if isinstance(node, ast.FunctionDef) and node.name == "__getattr__":
             names.update(
                 const.value

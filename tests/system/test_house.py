@@ -5,6 +5,10 @@ graph must have no loop, and no arrow that runs back up the layers::
 
     kvdefrag.common, kvdefrag.v1   <-   kvdefrag.client, kvdefrag.server
                                    <-   kvdefrag.vllm, kvdefrag.tools
+
+Inside ``kvdefrag.vllm`` the scheduler side (in vLLM's engine-core process) and the worker
+side (in each rank's process) share only a few modules, and the scheduler side reaches
+nothing of the worker side or of the server.
 """
 
 from __future__ import annotations
@@ -110,6 +114,65 @@ def test_no_module_imports_itself_through_others(graph: dict[str, set[str]]) -> 
 def test_the_leaves_of_the_server_import_nothing_of_it(graph: dict[str, set[str]]) -> None:
     assert {dep for dep in graph["kvdefrag.server._moves"] if dep.startswith("kvdefrag.")} == set()
     assert graph["kvdefrag.server._move_log"] == {"kvdefrag.server._moves"}
+
+
+# The vLLM integration's rooms: each side's modules, and what both share.
+SCHEDULER_SIDE = ("kvdefrag.vllm.scheduler", "kvdefrag.vllm._scheduler")
+WORKER_SIDE = ("kvdefrag.vllm.worker", "kvdefrag.vllm._worker")
+SHARED = (
+    "kvdefrag.vllm.config",
+    "kvdefrag.vllm.contract",
+    "kvdefrag.vllm.errors",
+    "kvdefrag.vllm.output_blocks",
+    "kvdefrag.vllm.refusals",
+    "kvdefrag.vllm._discovery",
+    "kvdefrag.vllm._run_dir",
+)
+
+
+def _in(module: str, rooms: tuple[str, ...]) -> bool:
+    return any(module == room or module.startswith(f"{room}.") for room in rooms)
+
+
+def _reached(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen: set[str] = set()
+    todo = [start]
+    while todo:
+        for dep in graph[todo.pop()] - seen:
+            seen.add(dep)
+            todo.append(dep)
+    return seen
+
+
+def test_the_vllm_integrations_rooms_cover_it(graph: dict[str, set[str]]) -> None:
+    vllm_modules = {name for name in graph if name.startswith("kvdefrag.vllm.")}
+    rooms = SCHEDULER_SIDE + WORKER_SIDE + SHARED + ("kvdefrag.vllm.gaudi",)
+    assert {name for name in vllm_modules if not _in(name, rooms)} == set()
+
+
+def test_the_scheduler_side_reaches_neither_the_worker_side_nor_the_server(
+    graph: dict[str, set[str]],
+) -> None:
+    for name in (name for name in graph if _in(name, SCHEDULER_SIDE)):
+        reached = _reached(graph, name)
+        assert not {dep for dep in reached if _in(dep, WORKER_SIDE)}, name
+        assert not {dep for dep in reached if dep.startswith("kvdefrag.server")}, name
+
+
+def test_what_both_sides_share_reaches_neither_side_nor_the_server(
+    graph: dict[str, set[str]],
+) -> None:
+    for name in (name for name in graph if _in(name, SHARED)):
+        reached = _reached(graph, name)
+        assert not {dep for dep in reached if _in(dep, SCHEDULER_SIDE + WORKER_SIDE)}, name
+        assert not {dep for dep in reached if dep.startswith("kvdefrag.server")}, name
+
+
+def test_the_worker_side_reaches_nothing_of_the_scheduler_side(
+    graph: dict[str, set[str]],
+) -> None:
+    for name in (name for name in graph if _in(name, WORKER_SIDE)):
+        assert not {dep for dep in _reached(graph, name) if _in(dep, SCHEDULER_SIDE)}, name
 
 
 def test_the_drawing_sees_an_upward_arrow_and_a_loop(tmp_path: pathlib.Path) -> None:

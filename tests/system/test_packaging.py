@@ -148,7 +148,7 @@ def test_each_module_ships_in_one_wheel_and_the_tools_wheel_declares_matplotlib(
     assert not [path for path in contents["server"] if "demo" in path]
     assert "kvdefrag/server/cli.py" not in contents["server"]
     assert {
-        "kvdefrag/vllm/common.py",
+        "kvdefrag/vllm/contract.py",
         "kvdefrag/vllm/scheduler.py",
         "kvdefrag/vllm/worker.py",
     } <= set(contents["vllm"])

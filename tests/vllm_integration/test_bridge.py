@@ -22,14 +22,12 @@ import torch
 from kvdefrag.client import DefragClient
 from kvdefrag.common import DefragError, InvalidArgument
 from kvdefrag.server import ServerHandle
-from kvdefrag.vllm._bridge import ParkedBlocks, SchedulerBridge, changes_from_output
-from kvdefrag.vllm._ranks import RankGroup
-from kvdefrag.vllm.common import StepStamp, first_fresh_block_index, read_step_stamp
-from kvdefrag.vllm.worker import (
-    BlockIdTranslator,
-    translate_scheduler_output,
-    wait_for_planned_step,
-)
+from kvdefrag.vllm._scheduler.bridge import ParkedBlocks, SchedulerBridge, changes_from_output
+from kvdefrag.vllm._scheduler.ranks import RankGroup
+from kvdefrag.vllm._worker.passes import wait_for_planned_step
+from kvdefrag.vllm._worker.translation import BlockIdTranslator, translate_scheduler_output
+from kvdefrag.vllm.contract import StepStamp, read_step_stamp
+from kvdefrag.vllm.output_blocks import first_fresh_block_index
 
 from support.kv import SignedKv
 from support.server import Serve

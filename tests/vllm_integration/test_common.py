@@ -17,26 +17,25 @@ from typing import Any, NamedTuple
 
 import pytest
 
-from kvdefrag.vllm.common import (
+from kvdefrag.vllm._discovery import (
     RANKS_FILE,
     PublishedRank,
     RanksOfAnotherEngine,
+    ensure_run_dir,
+    publish_ranks,
+    published_ranks,
+)
+from kvdefrag.vllm.contract import (
     StepStamp,
-    UnsafeRunDir,
     attach_step_stamp,
-    copy_destinations,
     data_parallel_rank,
     engine_id,
     engine_run_dir,
-    ensure_run_dir,
-    first_fresh_block_index,
-    map_block_ids,
-    publish_ranks,
-    published_ranks,
     rank_port_offset,
     read_step_stamp,
 )
-from kvdefrag.vllm.errors import StartupRefused
+from kvdefrag.vllm.errors import StartupRefused, UnsafeRunDir
+from kvdefrag.vllm.output_blocks import copy_destinations, first_fresh_block_index, map_block_ids
 
 from support.public_api import assert_public_names
 from support.vllm_output import NewRequestData, cached, output
@@ -343,30 +342,20 @@ def test_the_first_fresh_block_is_the_first_without_a_computed_token(
 
 def test_common_exports_are_pinned() -> None:
     assert_public_names(
-        "kvdefrag.vllm.common",
+        "kvdefrag.vllm.contract",
         {
-            "RANKS_FILE",
-            "ClientTls",
-            "PublishedRank",
-            "RanksOfAnotherEngine",
             "StepStamp",
-            "UnsafeRunDir",
             "attach_step_stamp",
-            "client_tls",
-            "copy_destinations",
             "data_parallel_rank",
             "engine_id",
             "engine_run_dir",
-            "ensure_run_dir",
-            "first_fresh_block_index",
-            "map_block_ids",
-            "publish_ranks",
-            "published_ranks",
-            "rank_address",
             "rank_port_offset",
             "read_step_stamp",
-            "uses_v2_model_runner",
         },
+    )
+    assert_public_names(
+        "kvdefrag.vllm.output_blocks",
+        {"copy_destinations", "first_fresh_block_index", "map_block_ids"},
     )
 
 

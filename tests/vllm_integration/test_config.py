@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvdefrag.vllm.common import client_tls
+from kvdefrag.vllm._scheduler.ranks import client_tls
 from kvdefrag.vllm.config import (
     AUDIT_EVERY_ENV,
     CLIENT_TLS_ENV,
@@ -135,9 +135,9 @@ def test_an_unset_or_relative_run_dir_is_refused_and_under_ray_says_how_ray_copi
 
 def test_every_refusal_at_start_up_is_one_type() -> None:
     from kvdefrag.common import DefragError
-    from kvdefrag.vllm._gaudi_scheduler import GaudiSchedulerMismatch
-    from kvdefrag.vllm._ranks import RankNotVerified
     from kvdefrag.vllm._run_dir import UnsafeRunDir
+    from kvdefrag.vllm._scheduler.gaudi import GaudiSchedulerMismatch
+    from kvdefrag.vllm._scheduler.ranks import RankNotVerified
 
     for refusal in (
         BadSetting,
@@ -168,5 +168,5 @@ def test_the_public_names_are_pinned() -> None:
     )
     assert_public_names(
         "kvdefrag.vllm.errors",
-        {"BadSetting", "PassRefused", "StartupRefused", "UnsupportedByKvdefrag"},
+        {"BadSetting", "PassRefused", "StartupRefused", "UnsafeRunDir", "UnsupportedByKvdefrag"},
     )

@@ -1,4 +1,4 @@
-"""What kvdefrag refuses from vLLM's configuration alone (``_engine_checks``), without vLLM."""
+"""What kvdefrag refuses from vLLM's configuration alone (``refusals``), without vLLM."""
 
 from __future__ import annotations
 
@@ -9,13 +9,13 @@ from typing import Any
 
 import pytest
 
-from kvdefrag.vllm import _engine_checks
-from kvdefrag.vllm._engine_checks import (
+from kvdefrag.vllm import refusals as _engine_checks
+from kvdefrag.vllm.errors import UnsupportedByKvdefrag
+from kvdefrag.vllm.refusals import (
     RAY_V2_ENV,
     check_engine_config,
     uses_legacy_ray_executor,
 )
-from kvdefrag.vllm.errors import UnsupportedByKvdefrag
 
 
 def engine_config(**parallel: Any) -> SimpleNamespace:
@@ -113,7 +113,7 @@ def test_without_the_legacy_executor_the_switch_means_nothing(
 
 def test_importing_the_checks_imports_no_vllm() -> None:
     code = (
-        "import sys, kvdefrag.vllm._engine_checks, kvdefrag.vllm.common\n"
+        "import sys, kvdefrag.vllm.refusals, kvdefrag.vllm.contract\n"
         "assert not [name for name in sys.modules if name.split('.')[0] == 'vllm']\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

@@ -20,9 +20,10 @@ import torch
 from kvdefrag.client import DefragClient
 from kvdefrag.common import EpochMismatch, InvalidArgument, StepEvents
 from kvdefrag.server import EngineConfig, ServerHandle
-from kvdefrag.vllm import _pass, gaudi
-from kvdefrag.vllm.common import StepStamp, attach_step_stamp
+from kvdefrag.vllm import gaudi
+from kvdefrag.vllm._worker import passes as _pass
 from kvdefrag.vllm.config import RUN_DIR_ENV
+from kvdefrag.vllm.contract import StepStamp, attach_step_stamp
 from kvdefrag.vllm.errors import UnsupportedByKvdefrag
 from kvdefrag.vllm.gaudi import (
     DefragHPUSwitch,

@@ -14,7 +14,7 @@ import pytest
 from kvdefrag.common import InvalidArgument
 from kvdefrag.server import EngineConfig
 from kvdefrag.server.buckets import exponential_decode_buckets
-from kvdefrag.vllm._gaudi_buckets import runner_decode_buckets
+from kvdefrag.vllm._worker.gaudi_buckets import runner_decode_buckets
 
 from support.hpu_buckets import decode_buckets
 

@@ -17,8 +17,8 @@ import torch
 from kvdefrag.client import DefragClient
 from kvdefrag.common import StepEvents
 from kvdefrag.server import load_config, serve_in_process
+from kvdefrag.vllm._worker.kv_binding import bind_vllm_kv_caches
 from kvdefrag.vllm.errors import UnsupportedByKvdefrag
-from kvdefrag.vllm.worker import bind_vllm_kv_caches
 
 from support.gaudi_kv import gaudi_tensors, make_gaudi_kv_caches
 from support.kv import SignedKv

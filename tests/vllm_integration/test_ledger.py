@@ -5,7 +5,12 @@ from __future__ import annotations
 import pytest
 
 from kvdefrag.common import StepEvents
-from kvdefrag.vllm._ledger import DEFERRED_PREFIX, BlockLedger, LedgerDiverged, StepChanges
+from kvdefrag.vllm._scheduler.ledger import (
+    DEFERRED_PREFIX,
+    BlockLedger,
+    LedgerDiverged,
+    StepChanges,
+)
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 32

@@ -1,4 +1,4 @@
-"""A worker's pass (``kvdefrag.vllm._pass``) against a real service, under stress.
+"""A worker's pass (``kvdefrag.vllm._worker.passes``) against a real service, under stress.
 
 The deterministic cases (a Reset held between a pass's step check and its ``kv_lock``,
 on each runner) are in ``test_worker.py`` and ``test_gaudi.py``; here nothing is held:
@@ -22,8 +22,8 @@ import pytest
 from kvdefrag.client import DefragClient
 from kvdefrag.common import DefragError, EpochMismatch, StepEvents
 from kvdefrag.server import ServerHandle
-from kvdefrag.vllm._pass import RunnerPass
-from kvdefrag.vllm.common import StepStamp, attach_step_stamp
+from kvdefrag.vllm._worker.passes import RunnerPass
+from kvdefrag.vllm.contract import StepStamp, attach_step_stamp
 
 from support.kv import SignedKv
 from support.server import Serve

@@ -1,4 +1,4 @@
-"""Where the scheduler finds the ranks (``_rank_directory``): ``ranks.json`` for vLLM's own
+"""Where the scheduler finds the ranks (``_discovery``): ``ranks.json`` for vLLM's own
 processes, Ray's key-value store under Ray, wherever Ray placed rank 0, both under the
 engine's id; without Ray or vLLM (a dictionary stands in for Ray's store, as
 ``ray.experimental.internal_kv`` answers)."""
@@ -15,19 +15,17 @@ from types import SimpleNamespace
 import pytest
 
 from kvdefrag.common.identity import IDENTITY_SECRET_BYTES
-from kvdefrag.vllm._rank_directory import (
+from kvdefrag.vllm._discovery import (
+    RANKS_FILE,
     RANKS_WAIT_S,
     RAY_KV_NAMESPACE,
     FileRankDirectory,
+    PublishedRank,
+    RanksOfAnotherEngine,
     RayRankDirectory,
     rank_directory,
 )
-from kvdefrag.vllm.common import (
-    RANKS_FILE,
-    PublishedRank,
-    RanksOfAnotherEngine,
-    engine_id,
-)
+from kvdefrag.vllm.contract import engine_id
 from kvdefrag.vllm.errors import StartupRefused
 
 RANKS = [
@@ -293,7 +291,7 @@ def test_a_record_that_is_not_this_engines_ranks_is_refused(
 
 def test_importing_the_rank_directory_imports_neither_ray_nor_vllm() -> None:
     code = (
-        "import sys, kvdefrag.vllm._rank_directory\n"
+        "import sys, kvdefrag.vllm._discovery\n"
         "print(sorted(m for m in ('ray', 'vllm') if m in sys.modules))"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -22,14 +22,14 @@ from kvdefrag.common import events as events_module
 from kvdefrag.v1 import defrag_pb2 as pb
 from kvdefrag.v1 import defrag_pb2_grpc as pb_grpc
 from kvdefrag.v1 import identity_pb2, identity_pb2_grpc
-from kvdefrag.vllm._ranks import (
+from kvdefrag.vllm._discovery import PublishedRank
+from kvdefrag.vllm._scheduler.ranks import (
     RankGroup,
     RankNotVerified,
     RanksDiverged,
     connect_ranks,
     verify_rank,
 )
-from kvdefrag.vllm.common import PublishedRank
 
 from support.doubles import ScriptedExecutor
 from support.kv import SignedKv
@@ -338,7 +338,7 @@ def test_closing_does_not_wait_for_a_rank_that_stopped_with_a_step_in_flight(
         handles[1].stop(grace_s=0)  # the step's call is cancelled; no socket any more
 
         started = time.monotonic()
-        with caplog.at_level(logging.WARNING, logger="kvdefrag.vllm._ranks"):
+        with caplog.at_level(logging.WARNING, logger="kvdefrag.vllm._scheduler.ranks"):
             reply = group.close(in_flight)
         elapsed_s = time.monotonic() - started
 
@@ -380,7 +380,7 @@ def test_closing_gives_up_on_a_rank_that_serves_but_never_answers(
         in_flight = group.submit(StepEvents(new_blocks={"a": [40, 41]}, fresh=[]))
         assert held.entered.wait(10)
         started = time.monotonic()
-        with caplog.at_level(logging.WARNING, logger="kvdefrag.vllm._ranks"):
+        with caplog.at_level(logging.WARNING, logger="kvdefrag.vllm._scheduler.ranks"):
             assert group.close([in_flight]) is None
         assert time.monotonic() - started < 2 * TIMEOUT_S
         assert f"rank 0 at {handle.address} did not answer" in caplog.text

@@ -22,10 +22,10 @@ from prometheus_client import CollectorRegistry
 from kvdefrag.client import DefragClient
 from kvdefrag.common import EpochMismatch, InvalidArgument, ServiceUnavailable, StepEvents
 from kvdefrag.server import ServerHandle
-from kvdefrag.vllm._bridge import SchedulerBridge, changes_from_output
-from kvdefrag.vllm._pass import wait_for_planned_step
-from kvdefrag.vllm._ranks import RankGroup
-from kvdefrag.vllm.common import StepStamp, attach_step_stamp, read_step_stamp
+from kvdefrag.vllm._scheduler.bridge import SchedulerBridge, changes_from_output
+from kvdefrag.vllm._scheduler.ranks import RankGroup
+from kvdefrag.vllm._worker.passes import wait_for_planned_step
+from kvdefrag.vllm.contract import StepStamp, attach_step_stamp, read_step_stamp
 
 from support.kv import SignedKv
 from support.proxy import SocketProxy

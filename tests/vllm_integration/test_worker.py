@@ -21,32 +21,29 @@ import torch
 
 from kvdefrag.client import DefragClient
 from kvdefrag.common import EpochMismatch, InvalidArgument, StepEvents
-from kvdefrag.server import Engine, EngineConfig, Move, MoveBatch, make_executor
-from kvdefrag.vllm import _engine_checks, _pass
-from kvdefrag.vllm._ranks import connect_ranks
-from kvdefrag.vllm._runner_rows import Remap
-from kvdefrag.vllm.common import (
-    RANKS_FILE,
-    StepStamp,
-    UnsafeRunDir,
-    attach_step_stamp,
-    engine_id,
-    published_ranks,
-)
-from kvdefrag.vllm.errors import BadSetting, PassRefused, StartupRefused, UnsupportedByKvdefrag
-from kvdefrag.vllm.worker import (
+from kvdefrag.server import Move, make_executor
+from kvdefrag.vllm import refusals as _engine_checks
+from kvdefrag.vllm._discovery import RANKS_FILE, published_ranks
+from kvdefrag.vllm._scheduler.ranks import connect_ranks
+from kvdefrag.vllm._worker import passes as _pass
+from kvdefrag.vllm._worker.kv_binding import bind_vllm_kv_caches
+from kvdefrag.vllm._worker.translation import (
     BlockIdTranslator,
-    DefragWorkerMixin,
-    bind_vllm_kv_caches,
-    check_drafter,
-    check_v2_runner,
-    remap_v1_runner_rows,
-    remap_v2_runner_rows,
-    translate_scheduler_output,
 )
+from kvdefrag.vllm.contract import StepStamp, attach_step_stamp, engine_id
+from kvdefrag.vllm.errors import (
+    BadSetting,
+    PassRefused,
+    StartupRefused,
+    UnsafeRunDir,
+    UnsupportedByKvdefrag,
+)
+from kvdefrag.vllm.refusals import check_drafter
+from kvdefrag.vllm.worker import DefragWorkerMixin
 
 from support.ports import free_port_block
 from support.public_api import assert_public_names
+from support.runners import FakeMoveHistory, block_naming_output, v2_runner
 
 NUM_BLOCKS = 8
 BLOCK_SIZE = 4
@@ -191,7 +188,7 @@ def test_the_mixin_serves_the_rank_holds_kv_lock_and_stops_on_shutdown(
         return scheduler_output
 
     monkeypatch.setattr(_FakeVllmWorker, "execute_model", lambda self, out: execute(out))
-    output = _output()
+    output = block_naming_output()
     assert worker.execute_model(output) is output
     assert held == [True]
     # translated: the client's step placed req-0's fresh 5, 6 at the bottom (1, 2), and
@@ -218,7 +215,7 @@ def test_a_step_that_bypasses_the_worker_is_refused_by_the_runner(
         _FakeVllmWorker, "execute_model", lambda self, out: self.model_runner.execute_model(out)
     )
     worker.initialize_from_config(_kv_cache_config())
-    output = _output()
+    output = block_naming_output()
     with pytest.raises(UnsupportedByKvdefrag, match="calls the runner directly"):
         worker.model_runner.execute_model(output)
     assert ran == []
@@ -252,7 +249,7 @@ def test_a_pass_holds_kv_lock_from_execute_model_through_sample_tokens(
     )
     with DefragClient(handle.address, prefix_caching=False) as client:
         client.step(StepEvents(new_blocks={"a": [1, 2, 3], "b": [6, 7]}))
-        output = _output()
+        output = block_naming_output()
         attach_step_stamp(output, StepStamp(((client.epoch, client.next_seq - 1),)))
         assert worker.execute_model(output) is None
         assert handle.kv_lock.locked()
@@ -296,7 +293,7 @@ def test_a_warm_up_that_steps_the_runner_through_the_worker_runs_inside_its_pass
         return "sampled"
 
     def warm_up(self: Any) -> None:
-        self.execute_model(_output())
+        self.execute_model(block_naming_output())
         self.sample_tokens(None)
         self.execute_dummy_batch()
 
@@ -309,7 +306,7 @@ def test_a_warm_up_that_steps_the_runner_through_the_worker_runs_inside_its_pass
     assert not handle.kv_lock.locked()
     step = worker.kvdefrag_pass
     assert step is not None and step.num_unclosed == 0 and step.num_idle == 1
-    worker.execute_model(_output())  # the next step's pass begins as usual
+    worker.execute_model(block_naming_output())  # the next step's pass begins as usual
     assert worker.sample_tokens(None) == "sampled"
     assert not handle.kv_lock.locked()
     worker.shutdown()
@@ -322,7 +319,7 @@ def test_a_dummy_batch_between_a_steps_two_halves_is_refused_and_the_pass_goes_o
     worker = _Worker(rank=0)
     worker.initialize_from_config(_kv_cache_config())
     monkeypatch.setattr(_FakeVllmWorker, "execute_model", lambda self, out: None)
-    assert worker.execute_model(_output()) is None  # the pass stays open
+    assert worker.execute_model(block_naming_output()) is None  # the pass stays open
     with pytest.raises(PassRefused, match="between a step's execute_model and its sample"):
         worker.execute_dummy_batch()
     assert "execute_dummy_batch" not in worker.calls
@@ -346,7 +343,7 @@ def test_a_failing_execute_model_ends_its_pass(
 
     monkeypatch.setattr(_FakeVllmWorker, "execute_model", fail)
     with pytest.raises(ValueError, match="the forward failed"):
-        worker.execute_model(_output())
+        worker.execute_model(block_naming_output())
     assert not handle.kv_lock.locked()
     worker.shutdown()
 
@@ -377,7 +374,7 @@ def test_the_mixin_refuses_a_hybrid_model_and_an_unset_run_dir(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("KVDEFRAG_VLLM_RUN_DIR", str(tmp_path))
-    with pytest.raises(UnsupportedByKvdefrag, match="2 KV cache groups"):
+    with pytest.raises(UnsupportedByKvdefrag, match="serves one KV-cache group; this model has 2"):
         _Worker(rank=0).initialize_from_config(_kv_cache_config(num_groups=2))
     monkeypatch.delenv("KVDEFRAG_VLLM_RUN_DIR")
     with pytest.raises(BadSetting, match="KVDEFRAG_VLLM_RUN_DIR"):
@@ -773,7 +770,10 @@ def test_a_rank_that_cannot_start_fails_every_rank_at_once_naming_it(
     with contextlib.ExitStack() as stack:
         if cause == "hybrid model":
             configs[1] = _kv_cache_config(2)  # rank 1 fails before it serves
-            reason = "rank 1: UnsupportedByKvdefrag: kvdefrag: 2 KV cache groups"
+            reason = (
+                "rank 1: UnsupportedByKvdefrag: kvdefrag serves one KV-cache group; "
+                "this model has 2"
+            )
         else:
             base = _free_port_pair()
             taken = stack.enter_context(socket.socket())
@@ -790,322 +790,6 @@ def test_a_rank_that_cannot_start_fails_every_rank_at_once_naming_it(
     assert results[1].__cause__ is not None  # the rank's own error, chained
     # rank 0 stopped the service it had started, and published nothing
     assert sorted(os.listdir(run_dir)) == []
-
-
-def _output() -> Any:
-    """The parts of a vLLM 0.33 SchedulerOutput that name blocks, in logical ids."""
-    return SimpleNamespace(
-        scheduled_new_reqs=[SimpleNamespace(req_id="a", block_ids=([1, 2],))],
-        scheduled_cached_reqs=SimpleNamespace(
-            req_ids=["b", "c"], new_block_ids=[None, ([3],)], resumed_req_ids=set()
-        ),
-        new_block_ids_to_zero=[3],
-        kv_cache_block_copies=[(1, 4)],
-    )
-
-
-def test_the_workers_translation_names_every_block_at_its_place() -> None:
-    mapping = np.array([0, 5, 6, 7, 1, 2, 3, 4])
-    output = _output()
-    translate_scheduler_output(output, mapping)
-    assert output.scheduled_new_reqs[0].block_ids == ([5, 6],)
-    assert output.scheduled_cached_reqs.new_block_ids == [None, ([7],)]
-    assert output.new_block_ids_to_zero == [7]
-    assert output.kv_cache_block_copies == [(5, 1)]
-
-
-def _v1_runner(rows: list[list[int]]) -> Any:
-    """The two copies of every row vLLM 0.33's V1 runner keeps (requests, block table)."""
-    table = np.zeros((4, 6), dtype=np.int32)
-    for index, row in enumerate(rows):
-        table[index, : len(row)] = row
-    block_table = SimpleNamespace(
-        block_table=SimpleNamespace(np=table),
-        num_blocks_per_row=np.array([len(row) for row in rows] + [0] * (4 - len(rows))),
-    )
-    return SimpleNamespace(
-        requests={
-            f"r{index}": SimpleNamespace(block_ids=(list(row),)) for index, row in enumerate(rows)
-        },
-        input_batch=SimpleNamespace(block_table=SimpleNamespace(block_tables=[block_table])),
-    )
-
-
-class FakeMoveLog:
-    """A rank's service as the translator reads it: a mapping and a log of compactions."""
-
-    def __init__(self) -> None:
-        self.mapping = np.arange(NUM_BLOCKS)
-        self.batches: list[MoveBatch] = []
-        self.num_resolved = 0
-        self.is_truncated = False
-
-    def resolve(self, logical_ids: Any) -> Any:
-        self.num_resolved += len(logical_ids)
-        return self.mapping[logical_ids]
-
-    def moves_since(self, version: int | None) -> tuple[int, list[MoveBatch]] | None:
-        now = len(self.batches)
-        if version is None:
-            return now, []
-        if self.is_truncated:
-            return None
-        return now, self.batches[version:]
-
-    def compact(self, mapping: list[int], *moves: tuple[int, int, bool]) -> None:
-        self.mapping = np.array(mapping)
-        self.batches.append(
-            MoveBatch([m[0] for m in moves], [m[1] for m in moves], [m[2] for m in moves])
-        )
-
-
-def test_the_runners_rows_follow_the_blocks_that_moved() -> None:
-    service = FakeMoveLog()
-    translator = BlockIdTranslator(service, NUM_BLOCKS)
-    assert translator.advance()[1] is None
-    runner = _v1_runner([[1, 2, 3], [4]])
-    # the engine swapped the data of physical 1 and 6, and moved 4 to 5 (5 was free)
-    service.compact([0, 6, 2, 3, 5, 4, 1, 7], (1, 6, True), (4, 5, False))
-    resolve, remap = translator.advance()
-    assert remap is not None and resolve(np.array([1, 4])).tolist() == [6, 5]
-    assert sorted(remap.old_ids.tolist()) == [1, 4, 6]
-    remap_v1_runner_rows(runner, remap)
-    assert runner.requests["r0"].block_ids == ([6, 2, 3],)
-    assert runner.requests["r1"].block_ids == ([5],)
-    table = runner.input_batch.block_table.block_tables[0].block_table.np
-    assert table[0, :3].tolist() == [6, 2, 3] and table[1, :1].tolist() == [5]
-    assert table[2:].sum() == 0  # unused rows and the null block stay 0
-    assert translator.advance()[1] is None
-    service.compact([0, 6, 2, 3, 5, 4, 7, 1], (6, 7, True))  # the next pass's own moves
-    _, remap = translator.advance()
-    assert remap is not None and np.flatnonzero(remap.is_moved).tolist() == [6, 7]
-    assert remap[np.arange(NUM_BLOCKS)].tolist() == [0, 1, 2, 3, 4, 5, 7, 6]
-
-
-def test_the_lists_of_requests_in_the_batch_follow_their_rows_and_the_others_are_scanned() -> None:
-    runner = _v1_runner([[1, 2, 3], [4, 6]])
-    runner.input_batch.req_ids = ["r0", "r1", None, None]
-    runner.requests["out"] = SimpleNamespace(block_ids=([6, 2],))  # preempted: not in the batch
-    table = runner.input_batch.block_table.block_tables[0].block_table.np
-    table[1, 2] = 1  # a stale entry past row 1's length (2): rewritten, but no list holds it
-    # swapped the data of physical 1 and 6, moved 4 to 5
-    remap = Remap(np.array([0, 6, 2, 3, 5, 4, 1, 7]), np.array([1, 4, 6]))
-
-    assert remap_v1_runner_rows(runner, remap) == 4  # the entries naming 1, 4 or 6
-
-    assert runner.requests["r0"].block_ids == ([6, 2, 3],)
-    assert runner.requests["r1"].block_ids == ([5, 1],)
-    assert runner.requests["out"].block_ids == ([1, 2],)
-    assert table[0, :3].tolist() == [6, 2, 3] and table[1, :3].tolist() == [5, 1, 6]
-
-
-def test_rows_are_rewritten_only_where_they_name_a_block_live_before_its_step() -> None:
-    """Prefix caching, every free block cached: a shared block that moves is rewritten in
-    each row naming it, a finished request's row is left as it is, and a fresh block
-    swapped down in the step that allocated it (every later step here) costs the rows
-    nothing: the pass has no remap at all."""
-    num_blocks = 16
-    kv = [(torch.zeros(num_blocks * BLOCK_SIZE, 2), None)]
-    engine = Engine(kv, BLOCK_SIZE, EngineConfig(threshold=0, prefix_caching=True))
-    engine.step(StepEvents(new_blocks={"r": list(range(1, num_blocks))}, fresh=[]))
-    engine.step(StepEvents(finished=["r"]))
-    truth = {"c": [1], "a": [2, 4], "b": [3, 4]}  # 4: a prefix both share
-    engine.step(StepEvents(new_blocks=truth, fresh=[]))
-    translator = BlockIdTranslator(engine, num_blocks)
-    runner = _v1_runner(list(truth.values()))
-    runner.input_batch.req_ids = [*truth, None]
-    runner.requests = {rid: SimpleNamespace(block_ids=(list(ids),)) for rid, ids in truth.items()}
-    block_table = runner.input_batch.block_table.block_tables[0]
-
-    def rows() -> dict[str, list[int]]:
-        return {
-            rid: block_table.block_table.np[index, : block_table.num_blocks_per_row[index]].tolist()
-            for index, rid in enumerate(runner.input_batch.req_ids)
-            if rid is not None
-        }
-
-    def execute(**events: Any) -> int | None:
-        """A step, then the worker's pass: rows follow, then the runner's own updates."""
-        engine.step(StepEvents(**events))
-        resolve, remap = translator.advance()
-        num_rewritten = None if remap is None else remap_v1_runner_rows(runner, remap)
-        for rid in events.get("finished", []):
-            index = runner.input_batch.req_ids.index(rid)
-            runner.input_batch.req_ids[index] = None
-            block_table.num_blocks_per_row[index] = 0
-            del runner.requests[rid], truth[rid]
-        for rid, logical_ids in events.get("new_blocks", {}).items():
-            index = runner.input_batch.req_ids.index(rid)
-            start = block_table.num_blocks_per_row[index]
-            physical_ids = resolve(np.array(logical_ids)).tolist()
-            block_table.block_table.np[index, start : start + len(physical_ids)] = physical_ids
-            block_table.num_blocks_per_row[index] += len(physical_ids)
-            runner.requests[rid].block_ids[0].extend(physical_ids)
-            truth[rid] += logical_ids
-        expected = {rid: engine.resolve(ids).tolist() for rid, ids in truth.items()}
-        assert rows() == expected
-        assert {rid: state.block_ids[0] for rid, state in runner.requests.items()} == expected
-        return num_rewritten
-
-    assert execute(finished=["c"]) == 2  # the shared block: 4 -> 1, in a's and b's rows
-    for rid, fresh_id in [("a", 15), ("b", 14), ("a", 13)]:
-        assert execute(new_blocks={rid: [fresh_id]}, fresh=[fresh_id]) is None
-    assert engine.stats().totals.num_moves == 4
-
-
-def test_moves_over_several_compactions_compose() -> None:
-    """Data that moved twice between two passes is followed to where it is now; a slot
-    whose data moved away one way is not where anything went."""
-    service = FakeMoveLog()
-    translator = BlockIdTranslator(service, NUM_BLOCKS)
-    service.compact(list(range(NUM_BLOCKS)), (7, 3, False), (5, 1, True))
-    service.compact(list(range(NUM_BLOCKS)), (3, 2, False), (1, 6, True))
-    _, remap = translator.advance()
-    assert remap is not None
-    # 7 -> 3 -> 2; 5 -> 1 -> 6; 1 -> 5 (swapped with 5), then 6 -> 1 (swapped with 1)
-    assert {old: int(remap.table[old]) for old in remap.old_ids.tolist()} == {
-        7: 2,
-        5: 6,
-        1: 5,
-        6: 1,
-    }
-    assert remap.table[3] == 3 and remap.table[4] == 4
-    # the next pass starts from the identity again
-    service.compact(list(range(NUM_BLOCKS)), (2, 4, False))
-    _, remap = translator.advance()
-    assert remap is not None and remap.old_ids.tolist() == [2] and remap.table[7] == 7
-
-
-def test_a_translator_that_lost_track_stops_the_pass() -> None:
-    service = FakeMoveLog()
-    translator = BlockIdTranslator(service, NUM_BLOCKS)
-    service.is_truncated = True
-    service.compact(list(range(NUM_BLOCKS)), (2, 4, False))
-    with pytest.raises(
-        PassRefused, match="rows cannot follow the KV data any more: its service compacted"
-    ):
-        translator.advance()
-
-
-def test_an_outputs_ids_are_resolved_in_one_lookup() -> None:
-    service = FakeMoveLog()
-    service.mapping = np.array([0, 6, 2, 3, 5, 4, 1, 7])
-    output = _output()
-    calls = []
-
-    def resolve(logical_ids: Any) -> Any:
-        calls.append(logical_ids.tolist())
-        return service.resolve(logical_ids)
-
-    translate_scheduler_output(output, resolve)
-
-    assert calls == [[1, 2, 3, 3, 1, 4]]
-    assert output.scheduled_new_reqs[0].block_ids == ([6, 2],)
-    assert output.scheduled_cached_reqs.new_block_ids == [None, ([3],)]
-    assert output.new_block_ids_to_zero == [3]
-    assert output.kv_cache_block_copies == [(6, 5)]
-
-
-def test_the_engines_log_gives_where_blocks_live_before_their_step_went() -> None:
-    kv = [(torch.zeros(NUM_BLOCKS * BLOCK_SIZE, 2), None)]
-    engine = Engine(kv, BLOCK_SIZE, EngineConfig(threshold=0))
-    version, batches = engine.moves_since(None) or (None, None)
-    assert batches == []
-    # live high, moved in the step they became live in (6 -> 1, 5 -> 2): no output before
-    # this step's names them, so no row follows them
-    result = engine.step(StepEvents(new_blocks={"a": [5], "b": [6]}, fresh=[]))
-    assert len(result.moves) == 2
-    assert engine.moves_since(version) == (version, [])
-    engine.step(StepEvents(finished=["b"]))  # a hole at 1 below a (at 2): a moves
-    found = engine.moves_since(version)
-    assert found is not None
-    now, batches = found
-    assert now == version + 1 and batches == [[Move(2, 1, False)]]
-    assert engine.moves_since(now) == (now, [])
-    engine.reset()  # the scheduler's session opens with one, after the worker attached
-    after_reset = engine.moves_since(version)
-    assert after_reset is not None and after_reset[1] == []  # what came before is not followed
-    engine.step(StepEvents(new_blocks={"c": [7], "d": [6]}, fresh=[]))
-    engine.step(StepEvents(finished=["c"]))
-    found = engine.moves_since(version)
-    assert found is not None and found[1] == [[Move(2, 1, False)]]  # only since the reset
-
-
-def test_the_engines_log_follows_a_block_released_and_taken_again_in_one_step() -> None:
-    """As the scheduler parks a finished request's blocks while a step in flight still
-    reads them: the block is live before and after the step, so its move is logged."""
-    kv = [(torch.zeros(NUM_BLOCKS * BLOCK_SIZE, 2), None)]
-    engine = Engine(kv, BLOCK_SIZE, EngineConfig(threshold=0))
-    engine.step(StepEvents(new_blocks={"x": [1], "a": [2]}, fresh=[]))
-    version, _ = engine.moves_since(None) or (None, None)
-    assert version is not None
-    engine.step(StepEvents(finished=["x", "a"], new_blocks={"parked": [2]}, fresh=[]))
-    found = engine.moves_since(version)
-    assert found is not None and found[1] == [[Move(2, 1, False)]]
-
-
-def test_the_engines_log_leaves_out_blocks_that_became_live_and_the_free_half_of_swaps() -> None:
-    """One compaction moves a block live before its step (a swap, logged as a one-way
-    move) and a fresh block that became live in it (its cached hole copied up, not
-    logged) into cached holes."""
-    kv = [(torch.zeros(NUM_BLOCKS * BLOCK_SIZE, 2), None)]
-    engine = Engine(kv, BLOCK_SIZE, EngineConfig(threshold=0, prefix_caching=True))
-    engine.step(StepEvents(new_blocks={"r": list(range(1, NUM_BLOCKS))}, fresh=[]))
-    engine.step(StepEvents(finished=["r"]))  # every free block is cached
-    engine.step(StepEvents(new_blocks={"a": [1], "b": [2], "c": [3]}, fresh=[]))
-    version, _ = engine.moves_since(None) or (None, None)
-    assert version is not None
-    # a and b finish (cached holes at 1 and 2); d arrives at 7, no empty slot to place it on
-    result = engine.step(StepEvents(finished=["a", "b"], new_blocks={"d": [7]}, fresh=[7]))
-    assert list(result.moves) == [Move(1, 7, False), Move(3, 2, True)]
-    found = engine.moves_since(version)
-    assert found is not None and found[1] == [[Move(3, 2, False)]]
-
-
-def _v2_runner(rows: list[list[int]], num_groups: int = 1) -> Any:
-    """vLLM 0.33's V2 runner as far as kvdefrag reads it: ``block_tables.block_tables[g].gpu``."""
-    table = torch.zeros(4, 6, dtype=torch.int32)
-    for index, row in enumerate(rows):
-        table[index, : len(row)] = torch.tensor(row, dtype=torch.int32)
-    staged = [SimpleNamespace(gpu=table.clone()) for _ in range(num_groups)]
-    return SimpleNamespace(kv_caches=[], block_tables=SimpleNamespace(block_tables=staged))
-
-
-def test_the_v2_runners_table_follows_the_blocks_that_moved_on_its_device() -> None:
-    runner = _v2_runner([[1, 2, 3], [4], [7, 7]])
-    table = runner.block_tables.block_tables[0].gpu
-    before = table.data_ptr()
-    # the engine swapped the data of physical 1 and 6, and moved 4 to 5 (5 was free)
-    remap_v2_runner_rows(runner, Remap(np.array([0, 6, 2, 3, 5, 4, 1, 7]), np.array([1, 4, 6])))
-    assert table.data_ptr() == before and table.dtype == torch.int32  # rewritten in place
-    assert table[0, :3].tolist() == [6, 2, 3]
-    assert table[1, :1].tolist() == [5]
-    assert table[2, :2].tolist() == [7, 7]
-    assert table[3].sum() == 0 and table[0, 3:].sum() == 0  # the null block stays 0
-    with pytest.raises(AssertionError, match="null block"):
-        remap_v2_runner_rows(runner, np.array([1, 0, 2, 3, 4, 5, 6, 7]))
-
-
-def test_a_v2_runner_without_the_expected_block_table_is_refused_by_name() -> None:
-    check_v2_runner(_v2_runner([[1]]))
-    with pytest.raises(
-        UnsupportedByKvdefrag, match=r"no list model_runner\.block_tables\.block_tables"
-    ):
-        check_v2_runner(_FakeRunner())
-    with pytest.raises(UnsupportedByKvdefrag, match="has 2 block tables"):
-        check_v2_runner(_v2_runner([[1]], num_groups=2))
-    wrong = [
-        (SimpleNamespace(cpu=torch.zeros(4, 6)), "is NoneType"),
-        (SimpleNamespace(gpu=np.zeros((4, 6))), "is ndarray"),
-        (SimpleNamespace(gpu=torch.zeros(4, 6)), "torch.float32 tensor of shape \\(4, 6\\)"),
-        (SimpleNamespace(gpu=torch.zeros(6, dtype=torch.int32)), "shape \\(6,\\)"),
-    ]
-    for staged, found in wrong:
-        runner = SimpleNamespace(block_tables=SimpleNamespace(block_tables=[staged]))
-        with pytest.raises(
-            UnsupportedByKvdefrag, match=f"gpu of the V2 model runner .* {found}; expected"
-        ):
-            check_v2_runner(runner)
 
 
 class _V2Worker(_Worker):
@@ -1139,14 +823,14 @@ def test_the_mixin_translates_and_remaps_the_v2_runners_table(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("KVDEFRAG_VLLM_RUN_DIR", str(tmp_path))
-    runner = _v2_runner([[1, 2, 3], [4]])
+    runner = v2_runner([[1, 2, 3], [4]])
     worker = _V2Worker(rank=0, runner=runner)
     worker.initialize_from_config(_kv_cache_config())
     assert worker.kvdefrag_is_v2_runner and worker.kvdefrag_translator is not None
-    service = FakeMoveLog()
+    service = FakeMoveHistory()
     worker.kvdefrag_translator = BlockIdTranslator(service, NUM_BLOCKS)
     service.compact([0, 6, 2, 3, 5, 4, 1, 7], (1, 6, True), (4, 5, False))
-    output = _output()
+    output = block_naming_output()
     assert worker.execute_model(output) is output
     table = runner.block_tables.block_tables[0].gpu
     assert table[0, :3].tolist() == [6, 2, 3] and table[1, :1].tolist() == [5]
@@ -1166,21 +850,7 @@ def test_importing_the_module_imports_no_vllm() -> None:
 
 
 def test_worker_exports_are_pinned() -> None:
-    assert_public_names(
-        "kvdefrag.vllm.worker",
-        {
-            "BlockIdTranslator",
-            "DefragWorkerMixin",
-            "Remap",
-            "bind_vllm_kv_caches",
-            "check_drafter",
-            "check_v2_runner",
-            "remap_v1_runner_rows",
-            "remap_v2_runner_rows",
-            "translate_scheduler_output",
-            "wait_for_planned_step",
-        },
-    )
+    assert_public_names("kvdefrag.vllm.worker", {"DefragWorkerMixin"})
 
 
 @pytest.mark.parametrize("runner", ["v1", "v2"])
@@ -1191,7 +861,7 @@ def test_a_reset_between_a_passs_step_check_and_kv_lock_fails_the_pass_before_it
     identity mapping while the data stays where the step put it: the pass must not run
     on it. Held deterministically in that window; a later dummy batch is refused too."""
     monkeypatch.setenv("KVDEFRAG_VLLM_RUN_DIR", str(tmp_path))
-    worker = _Worker(rank=0) if runner == "v1" else _V2Worker(0, _v2_runner([[5, 6]]))
+    worker = _Worker(rank=0) if runner == "v1" else _V2Worker(0, v2_runner([[5, 6]]))
     worker.initialize_from_config(_kv_cache_config())
     handle = worker.kvdefrag_handle
     assert handle is not None
@@ -1206,12 +876,12 @@ def test_a_reset_between_a_passs_step_check_and_kv_lock_fails_the_pass_before_it
 
     with DefragClient(handle.address, prefix_caching=False) as client:
         client.step(StepEvents(new_blocks={"a": [1, 2], "b": [3]}))
-        first = _output()
+        first = block_naming_output()
         attach_step_stamp(first, StepStamp(((client.epoch, client.next_seq - 1),)))
         assert worker.execute_model(first) is None and worker.sample_tokens(None) == "sampled"
         client.step(StepEvents(new_blocks={"c": [5, 6]}))  # placed low: 5, 6 -> 4, 5
         assert handle.resolve([5, 6]).tolist() == [4, 5]
-        output = _output()
+        output = block_naming_output()
         attach_step_stamp(output, StepStamp(((client.epoch, client.next_seq - 1),)))
         epoch = client.epoch
         monkeypatch.setattr(_pass, "wait_for_planned_step", wait_then_reset)

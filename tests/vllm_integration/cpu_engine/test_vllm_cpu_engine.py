@@ -30,7 +30,7 @@ from typing import Any
 
 import pytest
 
-from kvdefrag.vllm.common import RANKS_FILE
+from kvdefrag.vllm._discovery import RANKS_FILE
 from kvdefrag.vllm.config import TCP_HOST_ENV, TCP_PORT_ENV
 from kvdefrag.vllm.worker import DefragWorkerMixin
 

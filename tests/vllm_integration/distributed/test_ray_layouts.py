@@ -31,7 +31,7 @@ from typing import Any
 
 import pytest
 
-from kvdefrag.vllm.common import RANKS_FILE
+from kvdefrag.vllm._discovery import RANKS_FILE
 from kvdefrag.vllm.config import RAY_ENV_PREFIXES_ENV, TCP_PORT_ENV
 
 from support.ray_cluster import ROOT, RayCluster, node_environment

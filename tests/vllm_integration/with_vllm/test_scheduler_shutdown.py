@@ -57,7 +57,7 @@ def test_shutdown_after_the_ranks_stopped_names_the_rank_gone_and_does_not_wait_
     ranks[0][0].stop(grace_s=0)
 
     started = time.monotonic()
-    with caplog.at_level(logging.WARNING, logger="kvdefrag.vllm._ranks"):
+    with caplog.at_level(logging.WARNING, logger="kvdefrag.vllm._scheduler.ranks"):
         scheduler.shutdown()
     elapsed_s = time.monotonic() - started
 

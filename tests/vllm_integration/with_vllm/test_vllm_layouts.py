@@ -9,18 +9,11 @@ from typing import Any
 import pytest
 from vllm.config import DeviceConfig, KVTransferConfig, ParallelConfig, VllmConfig
 
-from kvdefrag.vllm import _engine_checks
-from kvdefrag.vllm._engine_checks import RAY_V2_ENV, check_engine_config
-from kvdefrag.vllm.common import (
-    PublishedRank,
-    data_parallel_rank,
-    engine_run_dir,
-    ensure_run_dir,
-    publish_ranks,
-    rank_address,
-    rank_port_offset,
-)
+from kvdefrag.vllm import refusals as _engine_checks
+from kvdefrag.vllm._discovery import PublishedRank, ensure_run_dir, publish_ranks, rank_address
+from kvdefrag.vllm.contract import data_parallel_rank, engine_run_dir, rank_port_offset
 from kvdefrag.vllm.errors import UnsupportedByKvdefrag
+from kvdefrag.vllm.refusals import RAY_V2_ENV, check_engine_config
 from kvdefrag.vllm.scheduler import DefragScheduler, check_supported
 from kvdefrag.vllm.worker import DefragWorkerMixin
 

@@ -27,7 +27,7 @@ from vllm.config import ParallelConfig
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from kvdefrag.vllm._ledger import DEFERRED_PREFIX
+from kvdefrag.vllm._scheduler.ledger import DEFERRED_PREFIX
 from kvdefrag.vllm.scheduler import DefragAsyncScheduler, DefragScheduler
 
 from support.vllm_harness import Workload, make_scheduler, spy_preemptions

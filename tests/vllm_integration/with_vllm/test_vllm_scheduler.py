@@ -22,11 +22,12 @@ from vllm.v1.core.sched.scheduler import Scheduler
 
 from kvdefrag.common import EpochMismatch, SessionConflict
 from kvdefrag.server import Engine, ServerHandle
-from kvdefrag.vllm import _bridge, _ledger
 from kvdefrag.vllm import scheduler as vllm_scheduler
-from kvdefrag.vllm._ranks import RanksDiverged
+from kvdefrag.vllm._scheduler import bridge as _bridge
+from kvdefrag.vllm._scheduler import ledger as _ledger
+from kvdefrag.vllm._scheduler.ranks import RanksDiverged
+from kvdefrag.vllm._worker.translation import BlockIdTranslator
 from kvdefrag.vllm.scheduler import DefragScheduler, UnsupportedByKvdefrag
-from kvdefrag.vllm.worker import BlockIdTranslator
 
 from support import vllm_harness
 from support.public_api import assert_public_names

@@ -4,7 +4,7 @@ Gaudi's contiguous paged attention reads the first ``decode_bucket(max_live + 1)
 of the pool in every decode, so the policy compacts only when its moves lower that bucket
 (``EngineConfig.decode_buckets``, ``_policy``). ``exponential_decode_buckets`` restates the
 list vllm-gaudi builds by default, for a pool and a model; on Gaudi the vLLM worker reads
-the runner's own list instead (``kvdefrag.vllm._gaudi_buckets``).
+the runner's own list instead (``kvdefrag.vllm._worker.gaudi_buckets``).
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def exponential_decode_buckets(
        (``vllm_gaudi/extension/bucketing/exponential.py`` L102), capped by the pool
        under contiguous paged attention, whose decode reads blocks by id: ``top =
        min(num_blocks, top)`` (L103-106). ``num_blocks`` is ``num_hpu_blocks``, the
-       KV tensor's own block count (``common.py`` L211; ``v1/worker/hpu_model_runner.py``
+       KV tensor's own block count (``py`` L211; ``v1/worker/hpu_model_runner.py``
        L6943-6944).
     3. The range is ``min=1, step=max_num_seqs, max=top, limit=ceil(log2(top)) + 1``
        (``exponential.py`` L124, L130).
@@ -61,9 +61,9 @@ def exponential_decode_buckets(
        paged attention (L192-193), drops duplicates (a set), and lowers a largest value
        above ``top`` to ``top`` (L201-202): so nothing above ``top`` is kept. A
        ``limit`` of 1 (``top`` = 1) gives just ``top`` (L185-186).
-    5. The pool is appended when the range stops below it (``common.py`` L218-219).
+    5. The pool is appended when the range stops below it (``py`` L218-219).
     6. With contiguous paged attention no decode bucket is filtered or corrected
-       (``common.py`` L474-476, L487-489), and every batch size is paired with every
+       (``py`` L474-476, L487-489), and every batch size is paired with every
        block count (L511-515), so the block counts are exactly this list.
 
     NOTE: the "3x physical" clamp (``exponential.py`` L107-123) and the runner's
@@ -72,8 +72,8 @@ def exponential_decode_buckets(
     enters here. For hybrid models whose attention block size differs from the KV cache's,
     the runner builds decode buckets with the attention block size (L6164-6169): pass that
     as ``block_size``. Decode buckets read from a file, another bucketing strategy, or
-    speculative decoding (which adds block counts, ``common.py`` L230-234) are not
-    restated: take the runner's own list then (``kvdefrag.vllm._gaudi_buckets``).
+    speculative decoding (which adds block counts, ``py`` L230-234) are not
+    restated: take the runner's own list then (``kvdefrag.vllm._worker.gaudi_buckets``).
 
     The rounding makes the low end a linear ramp (``step, 2*step, ...``) and the high end
     exponential (about 30% apart for a few thousand blocks).

@@ -1,25 +1,18 @@
-"""kvdefrag inside vLLM: one package, one module per role.
+"""kvdefrag inside vLLM: one package, a room per role.
 
 ::
 
     kvdefrag.vllm.scheduler   the scheduler side, in vLLM's engine-core process:
-                              DefragScheduler / DefragAsyncScheduler (--scheduler-cls).
-                              Plans each step from the KV cache manager's truth
-                              (_ledger), steps every rank (_ranks) and rewrites or stamps
-                              the output (_bridge).
-    kvdefrag.vllm.worker      the worker side, in each rank's worker process:
-                              DefragWorker / DefragWorkerMixin (--worker-cls). Binds the
-                              KV caches (_kv_binding), serves them, holds kv_lock around
-                              every forward pass, translates outputs and keeps the
-                              runner's rows physical (_runner_rows) when it translates.
-    kvdefrag.vllm.common      what both sides agree on: the run directory and rank
-                              discovery, who translates, the step stamp, which
-                              SchedulerOutput fields carry block ids, the fresh-block rule.
-    kvdefrag.vllm.config      the KVDEFRAG_VLLM_* settings, read once per process
-                              (load_integration_config) and passed in.
-    kvdefrag.vllm.errors      StartupRefused, the one base of every start-up refusal
-                              (UnsupportedByKvdefrag, BadSetting, UnsafeRunDir, ...).
+                              DefragScheduler / DefragAsyncScheduler (--scheduler-cls),
+                              over kvdefrag.vllm._scheduler (bridge, ledger, ranks, gaudi).
+    kvdefrag.vllm.worker      the worker side, in each rank's process: DefragWorker /
+                              DefragWorkerMixin (--worker-cls), over kvdefrag.vllm._worker
+                              (passes, translation, kv_binding, startup, gaudi).
+    kvdefrag.vllm.gaudi       the Gaudi classes, each looked up from its own side.
+    shared                    contract (engine id, run directory, step stamp),
+                              output_blocks, refusals, config, errors, _discovery, _run_dir.
 
-Only ``scheduler`` imports vLLM when imported; ``worker`` imports it when a worker class is
-looked up. The two switches go together: see docs/operator/vllm.md.
+The scheduler side never imports the worker side or the server. Only ``scheduler``
+imports vLLM when imported; ``worker`` and ``gaudi`` import it when a class is looked up.
+The map with its reasons: docs/design/packages.md.
 """

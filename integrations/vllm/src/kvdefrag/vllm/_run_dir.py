@@ -27,19 +27,10 @@ import secrets
 import stat
 from collections.abc import Iterator
 
-from kvdefrag.vllm.errors import StartupRefused
+from kvdefrag.vllm.errors import UnsafeRunDir
 
 _DIRECTORY_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _MAX_NAME_ATTEMPTS = 16
-
-
-class UnsafeRunDir(StartupRefused):
-    """The run directory, or a file kvdefrag reads or writes there, is not private.
-
-    It belongs to another user, group or others may reach it, or it is a symlink (or not
-    what it should be). Fix: ``chmod 700`` a directory of yours, or choose a new one
-    under ``$XDG_RUNTIME_DIR`` (kvdefrag creates it 0700); remove a planted file.
-    """
 
 
 def ensure_private_dir(path: str) -> None:

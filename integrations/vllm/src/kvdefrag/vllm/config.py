@@ -79,12 +79,12 @@ class IntegrationConfig:
 
     Attributes:
         run_dir: The base run directory (absolute); a data-parallel engine's own is
-            ``common.engine_run_dir``.
+            ``contract.engine_run_dir``.
         tcp_port: The base TCP port ranks serve on; None: unix sockets in the run
             directory.
         tcp_host: The interface TCP ranks listen on; None: the host's IP as vLLM sees it.
         client_tls_files: ``DefragClient`` TLS argument -> PEM file path, for the
-            scheduler's clients (read by ``common.client_tls``); empty: no TLS.
+            scheduler's clients (read by ``client_tls``); empty: no TLS.
         step_wait_s: How long a worker's pass waits for its step to be applied.
         audit_every: Audit the scheduler's ledger every N steps; 0: never.
     """

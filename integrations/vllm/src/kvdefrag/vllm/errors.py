@@ -12,7 +12,13 @@ from __future__ import annotations
 
 from kvdefrag.common import DefragError
 
-__all__ = ["BadSetting", "PassRefused", "StartupRefused", "UnsupportedByKvdefrag"]
+__all__ = [
+    "BadSetting",
+    "PassRefused",
+    "StartupRefused",
+    "UnsafeRunDir",
+    "UnsupportedByKvdefrag",
+]
 
 
 class StartupRefused(DefragError):
@@ -33,3 +39,12 @@ class PassRefused(DefragError):
     """A worker's pass cannot run on block ids it can trust: its rows lost track of the
     moves, or vLLM called the worker out of the order its steps run in. Nothing ran; the
     message names the cause (restart vLLM)."""
+
+
+class UnsafeRunDir(StartupRefused):
+    """The run directory, or a file kvdefrag reads or writes there, is not private.
+
+    It belongs to another user, group or others may reach it, or it is a symlink (or not
+    what it should be). Fix: ``chmod 700`` a directory of yours, or choose a new one
+    under ``$XDG_RUNTIME_DIR`` (kvdefrag creates it 0700); remove a planted file.
+    """

@@ -7,7 +7,7 @@ kvdefrag.vllm.scheduler.DefragAsyncScheduler`` (async scheduling, vLLM's default
 running ``kvdefrag.vllm.worker.DefragWorker`` (see docs/operator/vllm.md).
 
 The output leaves here in logical ids, as vLLM built it, stamped with the step planned
-with it (``common.attach_step_stamp``, the step's events included); every worker, under
+with it (``contract.attach_step_stamp``, the step's events included); every worker, under
 every scheduling mode and runner, makes sure that step is applied (applying it itself when
 the scheduler's call has not arrived) and translates the output when it runs it.
 
@@ -19,7 +19,7 @@ Facts about vLLM 0.33 this relies on:
   connects.
 * ``Scheduler.schedule()`` returns the output the executor hands, unchanged, to every
   TP/PP rank (pickled for worker processes: the stamp travels as an attribute).
-* Per step (``_bridge`` lists the fields): the output's finished, preempted, new and
+* Per step (``_scheduler.bridge`` lists the fields): the output's finished, preempted, new and
   cached requests; ``Scheduler.deferred_frees``, a deque vLLM only appends to and pops
   from the left (replaced by ``ParkedBlocks``); ``Scheduler.reset_prefix_cache``;
   ``kv_cache_manager.block_pool.blocks[i]`` (``ref_cnt``, ``block_hash``, kept on free
@@ -27,27 +27,31 @@ Facts about vLLM 0.33 this relies on:
 * For the audit only: ``kv_cache_manager.coordinator.single_type_managers[0]
   .req_to_blocks``, every request's blocks.
 
-Importing this module imports vLLM; ``kvdefrag.vllm.common``, the configuration checks the
-workers share (``_engine_checks``) and the scheduler side's bookkeeping (``_ledger``,
-``_bridge``, ``_ranks``) do not.
+Importing this module imports vLLM; ``kvdefrag.vllm.contract``, the configuration checks the
+workers share (``refusals``) and the scheduler side's bookkeeping (``_scheduler.ledger``,
+``_scheduler.bridge``, ``_scheduler.ranks``) do not.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
-from kvdefrag.vllm._bridge import ParkedBlocks, SchedulerBridge, changes_from_output
-from kvdefrag.vllm._engine_checks import check_engine_config
-from kvdefrag.vllm._gaudi_scheduler import check_gaudi_scheduler
-from kvdefrag.vllm._rank_directory import rank_directory
-from kvdefrag.vllm._ranks import RankGroup, connect_ranks
-from kvdefrag.vllm.common import PublishedRank, client_tls, engine_run_dir
+from kvdefrag.vllm._discovery import PublishedRank, rank_directory
+from kvdefrag.vllm._scheduler.bridge import ParkedBlocks, SchedulerBridge, changes_from_output
+from kvdefrag.vllm._scheduler.gaudi import (
+    HPU_ASYNC_SCHEDULER,
+    check_gaudi_scheduler,
+    hpu_async_scheduler_base,
+)
+from kvdefrag.vllm._scheduler.ranks import RankGroup, client_tls, connect_ranks
 from kvdefrag.vllm.config import IntegrationConfig, load_integration_config
+from kvdefrag.vllm.contract import engine_run_dir
 from kvdefrag.vllm.errors import StartupRefused, UnsupportedByKvdefrag
+from kvdefrag.vllm.refusals import check_supported
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 
 __all__ = [
     "DefragAsyncScheduler",
@@ -57,37 +61,6 @@ __all__ = [
     "check_supported",
 ]
 
-# NOTE: exact types: RSWASpec, SinkFullAttentionSpec and HiddenStateCacheSpec subclass
-# these but free or pin blocks differently.
-_SUPPORTED_SPECS = (FullAttentionSpec, MLAAttentionSpec)
-
-
-def check_supported(vllm_config: Any, kv_cache_config: Any) -> None:
-    """Refuses, at startup, the configurations kvdefrag cannot keep correct.
-
-    Raises:
-        UnsupportedByKvdefrag: Naming the feature and what to do instead.
-    """
-    groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1:
-        specs = ", ".join(type(group.kv_cache_spec).__name__ for group in groups)
-        raise UnsupportedByKvdefrag(
-            f"kvdefrag serves one KV-cache group; this model has {len(groups)} ({specs}): "
-            "hybrid models (sliding window plus full attention, Mamba, EAGLE draft "
-            "groups) are not supported. Serve it without --scheduler-cls "
-            "kvdefrag.vllm.scheduler.DefragScheduler."
-        )
-    spec = groups[0].kv_cache_spec
-    if type(spec) not in _SUPPORTED_SPECS:
-        raise UnsupportedByKvdefrag(
-            f"kvdefrag cannot serve KV-cache spec {type(spec).__name__}: sliding-window "
-            "and chunked-local attention free a running request's blocks without any "
-            "SchedulerOutput field saying so. Serve it without kvdefrag."
-        )
-    # NOTE: the workers refused these already, before the model loaded; checked again here
-    # for a worker class that is not kvdefrag's.
-    check_engine_config(vllm_config)
-
 
 class DefragScheduler(Scheduler):  # type: ignore[misc]
     """vLLM's scheduler, plus one kvdefrag step per ``schedule()`` for every rank.
@@ -95,7 +68,7 @@ class DefragScheduler(Scheduler):  # type: ignore[misc]
     The output it returns names logical blocks, as vLLM built it, stamped with the step
     planned with it; each worker gets that step applied and translates. Everything else
     (queues, the KV cache manager, prefix caching, preemption) is vLLM's own, in logical
-    ids. Per step it reads only what changed (``_bridge``); with
+    ids. Per step it reads only what changed (``_scheduler.bridge``); with
     ``KVDEFRAG_VLLM_AUDIT_EVERY=N`` it also compares its ledger with the KV cache manager
     every ``N`` steps and stops with ``LedgerDiverged`` on any difference.
     """
@@ -285,3 +258,29 @@ class DefragAsyncScheduler(DefragScheduler, AsyncScheduler):  # type: ignore[mis
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.defer_block_free = True
+
+
+@functools.cache
+def hpu_async_scheduler_class() -> type:
+    """Builds ``DefragHPUAsyncScheduler`` (``DefragAsyncScheduler`` on vllm-gaudi's
+    ``HPUAsyncScheduler``) on first use: imports vLLM and vllm-gaudi.
+
+    Raises:
+        ImportError: vllm-gaudi is not installed.
+    """
+    base = hpu_async_scheduler_base()
+    if base is None:
+        raise ImportError(
+            f"kvdefrag: DefragHPUAsyncScheduler needs vllm-gaudi ({HPU_ASYNC_SCHEDULER}), "
+            "which is not installed; off Gaudi use "
+            "kvdefrag.vllm.scheduler.DefragAsyncScheduler"
+        )
+    return type(
+        "DefragHPUAsyncScheduler",
+        (DefragAsyncScheduler, base),
+        {
+            "__module__": "kvdefrag.vllm.gaudi",
+            "__qualname__": "DefragHPUAsyncScheduler",
+            "__doc__": DefragAsyncScheduler.__doc__,
+        },
+    )

@@ -10,17 +10,17 @@ Once vLLM has allocated the KV caches (``initialize_from_config``), the worker b
 (``bind_vllm_kv_caches``) and starts ``serve_in_process`` on
 ``unix:<run dir>/rank<N>.sock``, ``N`` the worker's rank in its engine and the run directory
 ``KVDEFRAG_VLLM_RUN_DIR`` (``<run dir>/dp<k>`` for data-parallel engine ``k > 0``; or on
-TCP, see ``kvdefrag.vllm.common``). What the configuration alone decides is refused
+TCP, see ``kvdefrag.vllm.contract``). What the configuration alone decides is refused
 earlier, in ``init_device``, before the model loads. The ranks then gather their addresses
 over vLLM's world group and rank 0 publishes them in the engine's rank directory
-(``_rank_directory``: the run directory, or Ray's key-value store under Ray), where
+(``_discovery``: the run directory, or Ray's key-value store under Ray), where
 ``DefragScheduler`` reads them. It holds the service's ``kv_lock`` during every
 ``execute_model`` (the engine moves KV data only while holding it) and stops the service in
 ``shutdown``. Before each forward pass it waits for the step planned with the output (its
 ``StepStamp``), then, holding ``kv_lock``, keeps the runner's persistent block tables
 physical for the blocks that moved since its previous pass (vLLM's V1 runner:
 ``remap_v1_runner_rows``; its V2 runner: ``remap_v2_runner_rows``) and translates the
-output (``common.map_block_ids``).
+output (``output_blocks.map_block_ids``).
 The scheduler never rewrites outputs: every scheduling mode and runner takes this path.
 
 Importing this module does not import vLLM; looking up a worker class (``DefragWorker``,
@@ -29,136 +29,56 @@ Importing this module does not import vLLM; looking up a worker class (``DefragW
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import itertools
 import logging
 import secrets
 import socket
-from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
-import numpy.typing as npt
 import torch
 
-from kvdefrag.common import InvalidArgument
 from kvdefrag.common.identity import IDENTITY_SECRET_BYTES
 from kvdefrag.server import ServerHandle, serve_in_process
 from kvdefrag.server.config import EngineConfig, ServiceConfig, load_config
-from kvdefrag.vllm._engine_checks import check_engine_config
-from kvdefrag.vllm._kv_binding import bind_vllm_kv_caches
-from kvdefrag.vllm._pass import PassTarget, RunnerPass, wait_for_planned_step
-from kvdefrag.vllm._rank_directory import rank_directory
-from kvdefrag.vllm._runner_rows import (
+from kvdefrag.vllm._discovery import ensure_run_dir, rank_address, rank_directory
+from kvdefrag.vllm._worker.kv_binding import bind_vllm_kv_caches
+from kvdefrag.vllm._worker.passes import (
+    PassTarget,
+    RunnerPass,
+    guard_runner,
+)
+from kvdefrag.vllm._worker.startup import (
+    RankStart,
+    describe_error,
+    gather_ranks,
+    host_ip,
+    metrics_config_for_rank,
+)
+from kvdefrag.vllm._worker.translation import (
     BlockIdTranslator,
-    Remap,
-    check_v2_runner,
     remap_v1_runner_rows,
     remap_v2_runner_rows,
-)
-from kvdefrag.vllm.common import (
-    PublishedRank,
-    data_parallel_rank,
-    engine_run_dir,
-    ensure_run_dir,
-    map_block_ids,
-    rank_address,
-    rank_port_offset,
+    translate_scheduler_output,
     uses_v2_model_runner,
 )
 from kvdefrag.vllm.config import (
-    TCP_PORT_ENV,
     IntegrationConfig,
     load_integration_config,
     tcp_address,
 )
-from kvdefrag.vllm.errors import BadSetting, StartupRefused, UnsupportedByKvdefrag
+from kvdefrag.vllm.contract import data_parallel_rank, engine_run_dir, rank_port_offset
+from kvdefrag.vllm.refusals import (
+    check_drafter,
+    check_engine_config,
+    check_one_kv_cache_group,
+    check_v2_runner,
+)
 
-__all__ = [
-    "BlockIdTranslator",
-    "DefragWorkerMixin",
-    "Remap",
-    "bind_vllm_kv_caches",
-    "check_drafter",
-    "check_v2_runner",
-    "remap_v1_runner_rows",
-    "remap_v2_runner_rows",
-    "translate_scheduler_output",
-    "wait_for_planned_step",
-]
+__all__ = ["DefragWorkerMixin"]
 
 logger = logging.getLogger(__name__)
 
 _STOP_GRACE_S = 1.0
-
-
-def translate_scheduler_output(
-    output: Any,
-    mapping: npt.NDArray[np.int64] | Callable[[npt.NDArray[np.int64]], npt.NDArray[np.int64]],
-) -> None:
-    """Rewrites, in place, every block id a ``SchedulerOutput`` names from logical to
-    physical (``common.map_block_ids`` lists the fields: under the V2 runner resumed
-    requests come as new ones, whole rows).
-
-    Args:
-        output: The ``SchedulerOutput``.
-        mapping: ``mapping[logical_id] = physical_id`` as an array, or a function that
-            resolves an array of logical ids (``ServerHandle.resolve``): called once,
-            with every id the output names.
-    """
-    named: list[Sequence[int]] = []
-
-    def collect(logical_ids: Sequence[int]) -> list[int]:
-        named.append(logical_ids)
-        return list(logical_ids)
-
-    # NOTE: two walks of the same fields in the same order: the first gathers every id,
-    # one lookup resolves them all, the second hands each list its share.
-    map_block_ids(output, collect)
-    lengths = [len(logical_ids) for logical_ids in named]
-    flat = np.fromiter(itertools.chain.from_iterable(named), np.int64, sum(lengths))
-    physical = (mapping[flat] if isinstance(mapping, np.ndarray) else mapping(flat)).tolist()
-    shares = iter(lengths)
-    start = 0
-
-    def hand_out(logical_ids: Sequence[int]) -> list[int]:
-        nonlocal start
-        length = next(shares)
-        start += length
-        share: list[int] = physical[start - length : start]
-        return share
-
-    map_block_ids(output, hand_out)
-
-
-_DRAFTERS_THAT_READ_NO_KV = frozenset({"ngram", "ngram_gpu", "suffix"})
-"""Speculative methods whose proposer reads no KV cache (vLLM 0.33,
-``vllm/config/speculative.py``: they match on token ids); every other method's drafter
-runs attention over the target's blocks or a draft KV cache of its own."""
-
-
-def check_drafter(vllm_config: Any) -> None:
-    """Refuses, at start-up, a speculative drafter on vLLM's runners that reads KV data.
-
-    vLLM's V1 and V2 runners run the drafter in ``sample_tokens``, inside the pass, over
-    the runner's (physical) rows; no test here runs an EAGLE, MTP or draft-model drafter
-    on a real engine, so kvdefrag does not claim them. N-gram and suffix proposers read
-    token ids only. vllm-gaudi's Eagle draft resolves through the switch and is covered
-    (``kvdefrag.vllm.gaudi``).
-
-    Raises:
-        UnsupportedByKvdefrag: Naming the method and what to do instead.
-    """
-    speculative = getattr(vllm_config, "speculative_config", None)
-    method = getattr(speculative, "method", None)
-    if speculative is None or method in _DRAFTERS_THAT_READ_NO_KV:
-        return
-    raise UnsupportedByKvdefrag(
-        f"kvdefrag: speculative decoding with method {method!r} runs a drafter that reads "
-        "KV cache blocks, which kvdefrag does not support on vLLM's runners yet; use "
-        "--speculative-config with method 'ngram' or 'suffix', or serve without kvdefrag"
-    )
 
 
 class _RowsTarget:
@@ -187,7 +107,7 @@ class _RowsTarget:
 class DefragWorkerMixin:
     """Serves one rank's KV caches to ``DefragScheduler``; put it before a vLLM Worker.
 
-    Every runner step is one pass (``kvdefrag.vllm._pass``): ``execute_model`` waits for
+    Every runner step is one pass (``kvdefrag.vllm._worker.passes``): ``execute_model`` waits for
     the step planned with its output, takes the service's ``kv_lock`` and turns the
     runner's rows and the output physical; the lock is held until the step's
     ``sample_tokens`` has run (vLLM's runners sample and draft there, vllm-gaudi's runs
@@ -274,7 +194,7 @@ class DefragWorkerMixin:
             self.kvdefrag_step_wait_s,
             target,
         )
-        _guard_runner(self, self.kvdefrag_pass)
+        guard_runner(self, self.kvdefrag_pass)
         self.kvdefrag_handle = handle
 
     def kvdefrag_pass_target(self, handle: ServerHandle, num_blocks: int) -> PassTarget:
@@ -356,7 +276,7 @@ class DefragWorkerMixin:
         return bind_vllm_kv_caches(worker.model_runner.kv_caches, num_blocks, block_size)
 
     def kvdefrag_run_dir(self) -> str:
-        """This engine's run directory (``common.engine_run_dir``: ``KVDEFRAG_VLLM_RUN_DIR``,
+        """This engine's run directory (``contract.engine_run_dir``: ``KVDEFRAG_VLLM_RUN_DIR``,
         or its ``dp<k>`` for data-parallel engine ``k > 0``); nothing is created.
 
         Raises:
@@ -365,7 +285,7 @@ class DefragWorkerMixin:
         return engine_run_dir(getattr(self, "parallel_config", None), self.kvdefrag_config.run_dir)
 
     def kvdefrag_port_offset(self) -> int:
-        """What this rank adds to its ports (``common.rank_port_offset``: DP rank x world
+        """What this rank adds to its ports (``contract.rank_port_offset``: DP rank x world
         size + local rank)."""
         worker: Any = self
         return rank_port_offset(getattr(self, "parallel_config", None), int(worker.local_rank))
@@ -386,7 +306,7 @@ class DefragWorkerMixin:
 
     def _kvdefrag_address_in(self, run_dir: str) -> str:
         worker: Any = self
-        tcp = tcp_address(self.kvdefrag_config, self.kvdefrag_port_offset(), _host_ip)
+        tcp = tcp_address(self.kvdefrag_config, self.kvdefrag_port_offset(), host_ip)
         return tcp if tcp is not None else rank_address(run_dir, int(worker.rank))
 
     def _kvdefrag_service_configs(self, address: str) -> tuple[EngineConfig, ServiceConfig]:
@@ -397,7 +317,7 @@ class DefragWorkerMixin:
             InvalidArgument: A setting is invalid, or the rank's metrics port is past 65535.
         """
         engine_config, service_config = load_config({"address": address})
-        return engine_config, _metrics_config_for_rank(service_config, self.kvdefrag_port_offset())
+        return engine_config, metrics_config_for_rank(service_config, self.kvdefrag_port_offset())
 
     def _start_kvdefrag(self, kv_cache_config: Any) -> ServerHandle:
         """Starts this rank's service; every rank learns whether every other one started.
@@ -417,15 +337,15 @@ class DefragWorkerMixin:
         except Exception as err:
             failure = err
         try:
-            mine = _RankStart(
+            mine = RankStart(
                 rank=rank,
                 dp_rank=dp_rank,
                 host=socket.gethostname(),
                 address=handle.address if handle is not None else "",
                 secret=secret.hex(),
-                error=_describe(failure) if failure is not None else "",
+                error=describe_error(failure) if failure is not None else "",
             )
-            ranks = _gather_ranks(mine, int(worker.parallel_config.world_size), failure)
+            ranks = gather_ranks(mine, int(worker.parallel_config.world_size), failure)
             if rank == 0:
                 vllm_config = getattr(self, "vllm_config", None)
                 rank_directory(vllm_config, self.kvdefrag_run_dir()).publish(ranks)
@@ -441,12 +361,7 @@ class DefragWorkerMixin:
         # NOTE: init_device ran these already; again here for a worker whose init_device
         # is not this mixin's (a class that puts the mixin after its own).
         self.kvdefrag_check_start()
-        groups = kv_cache_config.kv_cache_groups
-        if len(groups) != 1:
-            raise UnsupportedByKvdefrag(
-                f"kvdefrag: {len(groups)} KV cache groups (a hybrid model); kvdefrag serves "
-                "models with one"
-            )
+        check_one_kv_cache_group(kv_cache_config)
         if uses_v2_model_runner(getattr(worker, "vllm_config", None)):
             check_v2_runner(worker.model_runner)
         block_size = int(worker.cache_config.block_size)
@@ -481,138 +396,6 @@ class DefragWorkerMixin:
             "" if handle.metrics_port is None else f", metrics on port {handle.metrics_port}",
         )
         return handle
-
-
-def _guard_runner(worker: Any, step: RunnerPass) -> None:
-    """Makes the model runner refuse a step run outside the worker's pass.
-
-    NOTE: an executor that calls the runner directly, not the worker (vLLM 0.32's legacy
-    Ray executor does, ``v1/executor/ray_utils.py:124-170``), would run forward passes
-    without the wait, ``kv_lock`` and the translation: it would read moved blocks at their
-    old places and generate wrong tokens without an error. The executors kvdefrag knows of
-    are served or refused from the configuration before the model loads
-    (``check_engine_config``); this stops any other one at its first step instead.
-    """
-    runner = getattr(worker, "model_runner", None)
-    run = getattr(runner, "execute_model", None)
-    if runner is None or runner is worker or not callable(run):
-        return
-    rank = int(worker.rank)
-
-    def execute_model(*args: Any, **kwargs: Any) -> Any:
-        if not step.is_open:
-            raise UnsupportedByKvdefrag(
-                f"kvdefrag: rank {rank}'s model runner was asked to run a step outside the "
-                "worker's execute_model: this executor calls the runner directly, so the "
-                "step would read KV blocks where they no longer are. Use vLLM's mp or ray "
-                "(RayExecutorV2) executor, which call the worker, or drop kvdefrag."
-            )
-        return run(*args, **kwargs)
-
-    runner.execute_model = execute_model
-
-
-def _metrics_config_for_rank(service_config: ServiceConfig, port_offset: int) -> ServiceConfig:
-    """``service_config`` with this rank's metrics port: ``KVDEFRAG_METRICS_PORT`` +
-    ``port_offset`` (``rank_port_offset``: DP rank x world size + local rank), so no two
-    ranks of one host contend for one port (0 stays 0: each picks one).
-
-    Raises:
-        InvalidArgument: The rank's port would be past 65535.
-    """
-    base = service_config.metrics_port
-    if not base or not port_offset:
-        return service_config
-    if base + port_offset > 65535:
-        raise InvalidArgument(
-            f"KVDEFRAG_METRICS_PORT={base}: this rank serves its metrics on "
-            f"KVDEFRAG_METRICS_PORT + {port_offset} (DP rank x world size + local rank) = "
-            f"port {base + port_offset}; choose KVDEFRAG_METRICS_PORT at most "
-            f"{65535 - port_offset}"
-        )
-    return dataclasses.replace(service_config, metrics_port=base + port_offset)
-
-
-@dataclasses.dataclass(frozen=True)
-class _RankStart:
-    """What one rank tells the others once it tried to start: its address, or its error.
-
-    ``rank`` is the rank inside its data-parallel engine ``dp_rank``."""
-
-    rank: int
-    dp_rank: int
-    host: str
-    address: str
-    secret: str
-    error: str
-
-
-def _describe(error: BaseException) -> str:
-    return f"{type(error).__name__}: {error}"
-
-
-def _host_ip() -> str:
-    """The IP vLLM itself uses for this host (``VLLM_HOST_IP`` or its guess)."""
-    from vllm.utils.network_utils import get_ip
-
-    return str(get_ip())
-
-
-def _gather_ranks(
-    mine: _RankStart, world_size: int, failure: Exception | None = None
-) -> list[PublishedRank]:
-    """Every rank's address and secret, rank 0 first, gathered over vLLM's world group.
-
-    Every rank calls this once it tried to start its service (a collective), whether it
-    started or not, so no rank waits for one that failed. The world group spans every
-    data-parallel engine's ranks when the model is MoE (vLLM 0.33
-    ``distributed/parallel_state.py:1863-1872``: rank offset by ``data_parallel_rank *
-    world_size``, world size ``world_size_across_dp``) and one engine's otherwise; each
-    engine keeps its own ranks (``dp_rank``), so every engine's rank 0 publishes only them.
-
-    Raises:
-        Exception: This rank's own ``failure`` (a single rank).
-        StartupRefused: Some rank of the group failed to start (naming each and its
-            reason; chained from this rank's own failure).
-        BadSetting: This engine's ranks span hosts but some serve on a unix socket.
-    """
-    if world_size == 1:
-        if failure is not None:
-            raise failure
-        return [PublishedRank(mine.address, bytes.fromhex(mine.secret))]
-    from vllm.distributed.parallel_state import get_world_group
-
-    group = get_world_group()
-    gathered: list[Any] = [None] * group.world_size
-    torch.distributed.all_gather_object(gathered, dataclasses.asdict(mine), group=group.cpu_group)
-    every = [_RankStart(**start) for start in gathered]
-    failed = [start for start in every if start.error]
-    if failed:
-        reasons = "; ".join(f"{_rank_name(start)}: {start.error}" for start in failed)
-        raise StartupRefused(
-            f"kvdefrag: {len(failed)} of {len(every)} ranks could not start their service "
-            f"({reasons}); vLLM stops on every rank: fix the cause and restart it"
-        ) from failure
-    starts = sorted(
-        (start for start in every if start.dp_rank == mine.dp_rank), key=lambda s: s.rank
-    )
-    assert [start.rank for start in starts] == list(range(world_size)), (
-        f"DP engine {mine.dp_rank} gathered ranks {[start.rank for start in starts]}, "
-        f"not 0..{world_size - 1}"
-    )
-    hosts = sorted({start.host for start in starts})
-    if len(hosts) > 1 and any(start.address.startswith("unix:") for start in starts):
-        raise BadSetting(
-            f"kvdefrag: the ranks span hosts {hosts} but serve on unix sockets: set "
-            f"{TCP_PORT_ENV} (and the KVDEFRAG_TLS_* files) on every host"
-        )
-    return [PublishedRank(start.address, bytes.fromhex(start.secret)) for start in starts]
-
-
-def _rank_name(start: _RankStart) -> str:
-    return (
-        f"rank {start.rank}" if not start.dp_rank else f"DP rank {start.dp_rank} rank {start.rank}"
-    )
 
 
 @functools.cache

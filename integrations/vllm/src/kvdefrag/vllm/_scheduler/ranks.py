@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TypedDict
 
 import grpc
 
@@ -35,8 +36,10 @@ from kvdefrag.common import (
 from kvdefrag.common.events import require_step_events
 from kvdefrag.common.identity import identity_proof
 from kvdefrag.v1 import identity_pb2, identity_pb2_grpc
-from kvdefrag.vllm.common import ClientTls, PublishedRank, StepStamp
-from kvdefrag.vllm.errors import StartupRefused
+from kvdefrag.vllm._discovery import PublishedRank
+from kvdefrag.vllm.config import CLIENT_TLS_ENV, IntegrationConfig
+from kvdefrag.vllm.contract import StepStamp
+from kvdefrag.vllm.errors import BadSetting, StartupRefused
 
 # How many times a rank's pending step is resent (each within the client's timeout_s)
 # before the scheduler gives up on that rank.
@@ -466,3 +469,29 @@ def step_through_timeouts(
         assert reply is not None, "the pending step vanished"
         return reply
     raise unknown
+
+
+class ClientTls(TypedDict, total=False):
+    """``DefragClient``'s TLS keyword arguments."""
+
+    root_certificates: bytes
+    certificate_chain: bytes
+    private_key: bytes
+
+
+def client_tls(config: IntegrationConfig) -> ClientTls:
+    """The scheduler's TLS arguments for ``DefragClient``, read from the files the
+    ``KVDEFRAG_VLLM_TLS_{CA,CERT,KEY}_FILE`` variables name (none set: no TLS).
+
+    Raises:
+        BadSetting: A named file cannot be read.
+    """
+    tls = ClientTls()
+    for argument, path in config.client_tls_files.items():
+        try:
+            with open(path, "rb") as file:
+                tls[argument] = file.read()  # type: ignore[literal-required]
+        except OSError as err:
+            variable = CLIENT_TLS_ENV[argument]
+            raise BadSetting(f"kvdefrag: cannot read {variable}={path!r}: {err}") from err
+    return tls

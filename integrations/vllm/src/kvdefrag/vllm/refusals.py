@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from typing import Any
 
 from kvdefrag.vllm.errors import UnsupportedByKvdefrag
 
@@ -117,3 +118,123 @@ def check_engine_config(vllm_config: object) -> None:
             "one scheduler): launch with vllm serve and --distributed-executor-backend mp "
             "or ray, or drop kvdefrag."
         )
+
+
+_DRAFTERS_THAT_READ_NO_KV = frozenset({"ngram", "ngram_gpu", "suffix"})
+"""Speculative methods whose proposer reads no KV cache (vLLM 0.33,
+``vllm/config/speculative.py``: they match on token ids); every other method's drafter
+runs attention over the target's blocks or a draft KV cache of its own."""
+
+
+def check_drafter(vllm_config: Any) -> None:
+    """Refuses, at start-up, a speculative drafter on vLLM's runners that reads KV data.
+
+    vLLM's V1 and V2 runners run the drafter in ``sample_tokens``, inside the pass, over
+    the runner's (physical) rows; no test here runs an EAGLE, MTP or draft-model drafter
+    on a real engine, so kvdefrag does not claim them. N-gram and suffix proposers read
+    token ids only. vllm-gaudi's Eagle draft resolves through the switch and is covered
+    (``kvdefrag.vllm.gaudi``).
+
+    Raises:
+        UnsupportedByKvdefrag: Naming the method and what to do instead.
+    """
+    speculative = getattr(vllm_config, "speculative_config", None)
+    method = getattr(speculative, "method", None)
+    if speculative is None or method in _DRAFTERS_THAT_READ_NO_KV:
+        return
+    raise UnsupportedByKvdefrag(
+        f"kvdefrag: speculative decoding with method {method!r} runs a drafter that reads "
+        "KV cache blocks, which kvdefrag does not support on vLLM's runners yet; use "
+        "--speculative-config with method 'ngram' or 'suffix', or serve without kvdefrag"
+    )
+
+
+def check_v2_runner(model_runner: Any) -> None:
+    """Refuses, at startup, a V2 runner whose block table is not where kvdefrag follows it.
+
+    ``remap_v2_runner_rows`` relies on ``model_runner.block_tables.block_tables`` holding
+    exactly one table (one KV-cache group) whose ``.gpu`` is a 2-D integer tensor.
+
+    Raises:
+        UnsupportedByKvdefrag: Naming the part of that structure the runner lacks.
+    """
+    import torch
+
+    runner_name = type(model_runner).__name__
+    tables = getattr(getattr(model_runner, "block_tables", None), "block_tables", None)
+    if not isinstance(tables, (list, tuple)):
+        raise UnsupportedByKvdefrag(
+            f"kvdefrag: the V2 model runner ({runner_name}) has no list "
+            "model_runner.block_tables.block_tables, where kvdefrag follows the blocks it "
+            "moves; this vLLM's V2 runner is not the one kvdefrag supports (vLLM 0.33)"
+        )
+    if len(tables) != 1:
+        raise UnsupportedByKvdefrag(
+            f"kvdefrag: the V2 model runner ({runner_name}) has {len(tables)} block tables "
+            "in model_runner.block_tables.block_tables; kvdefrag serves exactly one "
+            "(one KV-cache group)"
+        )
+    table = getattr(tables[0], "gpu", None)
+    if (
+        not isinstance(table, torch.Tensor)
+        or table.dim() != 2
+        or table.dtype not in (torch.int32, torch.int64)
+    ):
+        found = (
+            f"a {table.dtype} tensor of shape {tuple(table.shape)}"
+            if isinstance(table, torch.Tensor)
+            else type(table).__name__
+        )
+        raise UnsupportedByKvdefrag(
+            f"kvdefrag: model_runner.block_tables.block_tables[0].gpu of the V2 model runner "
+            f"({runner_name}) is {found}; expected a 2-D int32 or int64 tensor "
+            "[max_num_reqs, max_num_blocks]"
+        )
+
+
+# NOTE: exact types: RSWASpec, SinkFullAttentionSpec and HiddenStateCacheSpec subclass
+# these but free or pin blocks differently.
+_SUPPORTED_SPECS = ("FullAttentionSpec", "MLAAttentionSpec")
+
+
+def check_supported(vllm_config: Any, kv_cache_config: Any) -> None:
+    """Refuses, at startup, the configurations kvdefrag cannot keep correct.
+
+    Raises:
+        UnsupportedByKvdefrag: Naming the feature and what to do instead.
+    """
+    check_one_kv_cache_group(kv_cache_config)
+    spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+    if not _is_supported_spec(spec):
+        raise UnsupportedByKvdefrag(
+            f"kvdefrag cannot serve KV-cache spec {type(spec).__name__}: sliding-window "
+            "and chunked-local attention free a running request's blocks without any "
+            "SchedulerOutput field saying so. Serve it without kvdefrag."
+        )
+    # NOTE: the workers refused these already, before the model loaded; checked again here
+    # for a worker class that is not kvdefrag's.
+    check_engine_config(vllm_config)
+
+
+def check_one_kv_cache_group(kv_cache_config: Any) -> None:
+    """Refuses a model with more than one KV-cache group (a hybrid model), on both sides.
+
+    Raises:
+        UnsupportedByKvdefrag: Naming the groups' specs.
+    """
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        specs = ", ".join(type(getattr(group, "kv_cache_spec", group)).__name__ for group in groups)
+        raise UnsupportedByKvdefrag(
+            f"kvdefrag serves one KV-cache group; this model has {len(groups)} ({specs}): "
+            "hybrid models (sliding window plus full attention, Mamba, EAGLE draft "
+            "groups) are not supported. Serve it without --scheduler-cls "
+            "kvdefrag.vllm.scheduler.DefragScheduler."
+        )
+
+
+def _is_supported_spec(spec: object) -> bool:
+    """Whether ``spec``'s exact type is one of vLLM's ``_SUPPORTED_SPECS``."""
+    from vllm.v1 import kv_cache_interface
+
+    return type(spec) in tuple(getattr(kv_cache_interface, name) for name in _SUPPORTED_SPECS)

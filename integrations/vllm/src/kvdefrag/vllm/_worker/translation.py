@@ -9,7 +9,8 @@ time proportional to the blocks moved), and ``remap_v1_runner_rows`` /
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import itertools
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -18,7 +19,8 @@ import torch
 
 from kvdefrag.common import NULL_BLOCK_ID
 from kvdefrag.server import MoveBatch
-from kvdefrag.vllm.errors import PassRefused, UnsupportedByKvdefrag
+from kvdefrag.vllm.errors import PassRefused
+from kvdefrag.vllm.output_blocks import map_block_ids
 
 
 class Remap:
@@ -148,48 +150,7 @@ def remap_v2_runner_rows(model_runner: Any, remap: Remap) -> None:
         table.copy_(lookup[table.long()].to(table.dtype))
 
 
-def check_v2_runner(model_runner: Any) -> None:
-    """Refuses, at startup, a V2 runner whose block table is not where kvdefrag follows it.
-
-    ``remap_v2_runner_rows`` relies on ``model_runner.block_tables.block_tables`` holding
-    exactly one table (one KV-cache group) whose ``.gpu`` is a 2-D integer tensor.
-
-    Raises:
-        UnsupportedByKvdefrag: Naming the part of that structure the runner lacks.
-    """
-    runner_name = type(model_runner).__name__
-    tables = getattr(getattr(model_runner, "block_tables", None), "block_tables", None)
-    if not isinstance(tables, (list, tuple)):
-        raise UnsupportedByKvdefrag(
-            f"kvdefrag: the V2 model runner ({runner_name}) has no list "
-            "model_runner.block_tables.block_tables, where kvdefrag follows the blocks it "
-            "moves; this vLLM's V2 runner is not the one kvdefrag supports (vLLM 0.33)"
-        )
-    if len(tables) != 1:
-        raise UnsupportedByKvdefrag(
-            f"kvdefrag: the V2 model runner ({runner_name}) has {len(tables)} block tables "
-            "in model_runner.block_tables.block_tables; kvdefrag serves exactly one "
-            "(one KV-cache group)"
-        )
-    table = getattr(tables[0], "gpu", None)
-    if (
-        not isinstance(table, torch.Tensor)
-        or table.dim() != 2
-        or table.dtype not in (torch.int32, torch.int64)
-    ):
-        found = (
-            f"a {table.dtype} tensor of shape {tuple(table.shape)}"
-            if isinstance(table, torch.Tensor)
-            else type(table).__name__
-        )
-        raise UnsupportedByKvdefrag(
-            f"kvdefrag: model_runner.block_tables.block_tables[0].gpu of the V2 model runner "
-            f"({runner_name}) is {found}; expected a 2-D int32 or int64 tensor "
-            "[max_num_reqs, max_num_blocks]"
-        )
-
-
-class MoveLog(Protocol):
+class MoveHistory(Protocol):
     """What a translator reads of its rank's service (``ServerHandle``)."""
 
     def resolve(self, logical_ids: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]: ...
@@ -209,7 +170,7 @@ class BlockIdTranslator:
     Invariant: between calls ``_table`` is the identity and ``_moved`` all False.
     """
 
-    def __init__(self, service: MoveLog, num_blocks: int) -> None:
+    def __init__(self, service: MoveHistory, num_blocks: int) -> None:
         self._service = service
         started = service.moves_since(None)
         assert started is not None, "moves_since(None) always answers"
@@ -280,3 +241,47 @@ def _compose(batches: list[MoveBatch]) -> tuple[npt.NDArray[np.int64], npt.NDArr
     old_ids = np.fromiter((old for old, _ in pairs), np.int64, len(pairs))
     new_ids = np.fromiter((new for _, new in pairs), np.int64, len(pairs))
     return old_ids, new_ids
+
+
+def translate_scheduler_output(
+    output: Any,
+    mapping: npt.NDArray[np.int64] | Callable[[npt.NDArray[np.int64]], npt.NDArray[np.int64]],
+) -> None:
+    """Rewrites, in place, every block id a ``SchedulerOutput`` names from logical to
+    physical (``output_blocks.map_block_ids`` lists the fields: under the V2 runner resumed
+    requests come as new ones, whole rows).
+
+    Args:
+        output: The ``SchedulerOutput``.
+        mapping: ``mapping[logical_id] = physical_id`` as an array, or a function that
+            resolves an array of logical ids (``ServerHandle.resolve``): called once,
+            with every id the output names.
+    """
+    named: list[Sequence[int]] = []
+
+    def collect(logical_ids: Sequence[int]) -> list[int]:
+        named.append(logical_ids)
+        return list(logical_ids)
+
+    # NOTE: two walks of the same fields in the same order: the first gathers every id,
+    # one lookup resolves them all, the second hands each list its share.
+    map_block_ids(output, collect)
+    lengths = [len(logical_ids) for logical_ids in named]
+    flat = np.fromiter(itertools.chain.from_iterable(named), np.int64, sum(lengths))
+    physical = (mapping[flat] if isinstance(mapping, np.ndarray) else mapping(flat)).tolist()
+    shares = iter(lengths)
+    start = 0
+
+    def hand_out(logical_ids: Sequence[int]) -> list[int]:
+        nonlocal start
+        length = next(shares)
+        start += length
+        share: list[int] = physical[start - length : start]
+        return share
+
+    map_block_ids(output, hand_out)
+
+
+def uses_v2_model_runner(vllm_config: object) -> bool:
+    """Whether vLLM runs its V2 model runner (``VllmConfig.use_v2_model_runner``)."""
+    return bool(getattr(vllm_config, "use_v2_model_runner", False))

@@ -31,7 +31,7 @@ def runner_decode_buckets(model_runner: Any) -> tuple[int, ...] | None:
     ``compile_or_warm_up_model``): before that the list is empty.
 
     NOTE: with speculative decoding vllm-gaudi adds buckets whose block count is a seed
-    bucket's times ``1 + num_speculative_tokens`` (``common.py`` L333-371), so some counts
+    bucket's times ``1 + num_speculative_tokens`` (``py`` L333-371), so some counts
     may be above the pool, or run only at some batch sizes; they are kept, as the runner
     lists them. For a hybrid model whose attention block size differs from the KV
     cache's, the counts are in attention blocks (``hpu_model_runner.py`` L6164-6165).

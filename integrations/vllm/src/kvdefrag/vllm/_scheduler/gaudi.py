@@ -7,7 +7,8 @@ class built on the upstream class silently loses them. ``check_gaudi_scheduler``
 such a class at start-up.
 
 This module imports neither the worker side, nor the server, nor vLLM; it imports
-vllm-gaudi only to look the base class up.
+vllm-gaudi only to look the base class up (``kvdefrag.vllm.scheduler`` builds
+``DefragHPUAsyncScheduler`` on it).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 
 from kvdefrag.common import NULL_BLOCK_ID, DefragError, StepEvents
-from kvdefrag.vllm.common import first_fresh_block_index
+from kvdefrag.vllm.output_blocks import first_fresh_block_index
 
 DEFERRED_PREFIX = "kvdefrag-deferred-free/"
 """Request ids the ledger gives the blocks vLLM holds back after their request ended

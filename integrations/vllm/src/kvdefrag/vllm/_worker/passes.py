@@ -56,10 +56,16 @@ from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
 from kvdefrag.common import EpochMismatch, OutOfOrder, SessionConflict, StepEvents, StepInFlight
-from kvdefrag.vllm.common import read_step_stamp
-from kvdefrag.vllm.errors import PassRefused
+from kvdefrag.vllm.contract import read_step_stamp
+from kvdefrag.vllm.errors import PassRefused, UnsupportedByKvdefrag
 
-__all__ = ["PassTarget", "RunnerPass", "StepService", "wait_for_planned_step"]
+__all__ = [
+    "PassTarget",
+    "RunnerPass",
+    "StepService",
+    "guard_runner",
+    "wait_for_planned_step",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +100,7 @@ def wait_for_planned_step(
     """Returns once this rank's service has applied the step planned with ``output``.
 
     The scheduler sends each step without waiting for its reply and stamps the output
-    with it (``common.attach_step_stamp``); a runner that read block ids before its step
+    with it (``contract.attach_step_stamp``); a runner that read block ids before its step
     is applied would find the blocks' old places. The output that planned the step also
     carries its events: if the scheduler's call has not arrived yet, the step is applied
     here, in this thread, through the service's own checks
@@ -292,3 +298,32 @@ class RunnerPass:
         finally:
             self._is_open = False
             self._lock.release()
+
+
+def guard_runner(worker: Any, step: RunnerPass) -> None:
+    """Makes the model runner refuse a step run outside the worker's pass.
+
+    NOTE: an executor that calls the runner directly, not the worker (vLLM 0.32's legacy
+    Ray executor does, ``v1/executor/ray_utils.py:124-170``), would run forward passes
+    without the wait, ``kv_lock`` and the translation: it would read moved blocks at their
+    old places and generate wrong tokens without an error. The executors kvdefrag knows of
+    are served or refused from the configuration before the model loads
+    (``check_engine_config``); this stops any other one at its first step instead.
+    """
+    runner = getattr(worker, "model_runner", None)
+    run = getattr(runner, "execute_model", None)
+    if runner is None or runner is worker or not callable(run):
+        return
+    rank = int(worker.rank)
+
+    def execute_model(*args: Any, **kwargs: Any) -> Any:
+        if not step.is_open:
+            raise UnsupportedByKvdefrag(
+                f"kvdefrag: rank {rank}'s model runner was asked to run a step outside the "
+                "worker's execute_model: this executor calls the runner directly, so the "
+                "step would read KV blocks where they no longer are. Use vLLM's mp or ray "
+                "(RayExecutorV2) executor, which call the worker, or drop kvdefrag."
+            )
+        return run(*args, **kwargs)
+
+    runner.execute_model = execute_model

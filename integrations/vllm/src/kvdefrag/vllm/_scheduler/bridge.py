@@ -27,13 +27,10 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from kvdefrag.client import StepReply
-from kvdefrag.vllm._ledger import DEFERRED_PREFIX, BlockLedger, StepChanges
-from kvdefrag.vllm._ranks import InFlightStep, RankGroup
-from kvdefrag.vllm.common import (
-    StepStamp,
-    attach_step_stamp,
-    copy_destinations,
-)
+from kvdefrag.vllm._scheduler.ledger import DEFERRED_PREFIX, BlockLedger, StepChanges
+from kvdefrag.vllm._scheduler.ranks import InFlightStep, RankGroup
+from kvdefrag.vllm.contract import StepStamp, attach_step_stamp
+from kvdefrag.vllm.output_blocks import copy_destinations
 
 # Steps whose replies may still be out when the next one is sent. The workers never wait
 # for a reply (each applies the step its output carries), so only the scheduler does: with

@@ -1,0 +1,1 @@
+"""The worker side's private modules, in each rank's worker process."""
