@@ -8,11 +8,11 @@ Once every rank serves, the workers gather their addresses and secrets over vLLM
 process group and rank 0 publishes them (``publish_ranks``); the scheduler reads them and
 checks each rank's proof before it trusts the address (``_scheduler.ranks``).
 
-vLLM builds the scheduler in the engine core (vLLM 0.33 ``v1/engine/core.py:181-189``,
+vLLM builds the scheduler in the engine core (vLLM 0.33 ``v1/engine/core.py``,
 ``Scheduler(vllm_config=..., kv_cache_config=..., ...)``) with no handle on the executor
-that built the workers (``core.py:150``); the engine core gathers KV connectors'
+that built the workers (``core.py``); the engine core gathers KV connectors'
 handshake metadata over the executor only after the scheduler exists
-(``core.py:202``, ``_set_kv_connector_handshake_metadata`` at ``:910-930``). So the
+(``core.py``, ``_set_kv_connector_handshake_metadata``). So the
 scheduler cannot ask the workers; it reads a record rank 0 left where both sides can
 reach it, chosen once per engine (``rank_directory``)::
 

@@ -39,16 +39,16 @@ __all__ = [
 def data_parallel_rank(parallel_config: object) -> int:
     """The data-parallel engine a process belongs to (0 without data parallelism).
 
-    It is ``ParallelConfig.data_parallel_index`` (vLLM 0.33 ``config/parallel.py:443``),
+    It is ``ParallelConfig.data_parallel_index`` (vLLM 0.33 ``config/parallel.py``),
     which ``EngineCoreProc.run_engine_core`` sets to the engine's DP rank
-    (``v1/engine/core.py:1545``) before it builds the engine core, its executor (whose
+    (``v1/engine/core.py``) before it builds the engine core, its executor (whose
     workers get this config) and its scheduler. Not ``data_parallel_rank``: for a dense
     model each DP engine is independent and ``reconfigure_for_independent_dp_rank``
-    (``config/parallel.py:1191``) resets that to 0 and ``data_parallel_size`` to 1, as
-    vLLM's own per-rank names note (``v1/worker/gpu_worker.py:381``). For a MoE model
-    (``DPEngineCoreProc``, ``core.py:2281``) the two are equal. Inside one DP engine the
+    (``config/parallel.py``) resets that to 0 and ``data_parallel_size`` to 1, as
+    vLLM's own per-rank names note (``v1/worker/gpu_worker.py``). For a MoE model
+    (``DPEngineCoreProc``, ``core.py``) the two are equal. Inside one DP engine the
     workers are numbered ``rank`` 0 .. ``world_size - 1`` (``world_size`` = PP x TP x PCP,
-    ``config/parallel.py:964``), whatever the DP rank.
+    ``config/parallel.py``), whatever the DP rank.
     """
     index = getattr(parallel_config, "data_parallel_index", None)
     if index is None:

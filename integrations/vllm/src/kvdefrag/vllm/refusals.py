@@ -18,7 +18,7 @@ from typing import Any
 from kvdefrag.vllm.errors import UnsupportedByKvdefrag
 
 RAY_V2_ENV = "VLLM_USE_RAY_V2_EXECUTOR_BACKEND"
-"""vLLM 0.32's switch between its Ray executors (``v1/executor/abstract.py:78``): unset or
+"""vLLM 0.32's switch between its Ray executors (``v1/executor/abstract.py``): unset or
 non-zero, ``RayExecutorV2``; ``0``, the legacy ``RayDistributedExecutor``."""
 
 _LEGACY_RAY_MODULE = "vllm.v1.executor.ray_executor"
@@ -36,7 +36,7 @@ def has_legacy_ray_executor() -> bool:
 def uses_legacy_ray_executor(parallel_config: object) -> bool:
     """Whether vLLM will run this engine's workers with its legacy Ray executor.
 
-    As vLLM 0.32's ``Executor.get_class`` (``v1/executor/abstract.py:77``) picks it:
+    As vLLM 0.32's ``Executor.get_class`` (``v1/executor/abstract.py``) picks it:
     ``distributed_executor_backend="ray"`` with ``VLLM_USE_RAY_V2_EXECUTOR_BACKEND=0``, or
     the class (or its qualified name) given as the backend.
     """
@@ -95,7 +95,7 @@ def check_engine_config(vllm_config: object) -> None:
         )
     if uses_legacy_ray_executor(parallel):
         # NOTE: its compiled graph calls worker.model_runner.execute_model and
-        # sample_tokens directly (vLLM 0.32 v1/executor/ray_utils.py:124-170), never the
+        # sample_tokens directly (vLLM 0.32 v1/executor/ray_utils.py), never the
         # worker's: kvdefrag's wait, kv_lock and translation would not run.
         raise UnsupportedByKvdefrag(
             f"kvdefrag cannot serve vLLM's legacy Ray executor ({RAY_V2_ENV}=0): it runs "

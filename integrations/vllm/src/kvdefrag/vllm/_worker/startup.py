@@ -72,7 +72,7 @@ def gather_ranks(
     Every rank calls this once it tried to start its service (a collective), whether it
     started or not, so no rank waits for one that failed. The world group spans every
     data-parallel engine's ranks when the model is MoE (vLLM 0.33
-    ``distributed/parallel_state.py:1863-1872``: rank offset by ``data_parallel_rank *
+    ``distributed/parallel_state.py``: rank offset by ``data_parallel_rank *
     world_size``, world size ``world_size_across_dp``) and one engine's otherwise; each
     engine keeps its own ranks (``dp_rank``), so every engine's rank 0 publishes only them.
 
