@@ -24,7 +24,7 @@ from kvdefrag.vllm import gaudi
 from kvdefrag.vllm._worker import passes as _pass
 from kvdefrag.vllm.config import RUN_DIR_ENV
 from kvdefrag.vllm.contract import StepStamp, attach_step_stamp
-from kvdefrag.vllm.errors import UnsupportedByKvdefrag
+from kvdefrag.vllm.errors import PassRefused, UnsupportedByKvdefrag
 from kvdefrag.vllm.gaudi import (
     DefragHPUSwitch,
     DefragHPUWorkerMixin,
@@ -104,15 +104,15 @@ def test_the_switch_answers_with_the_service_mapping_and_plans_nothing() -> None
 
 def test_resolving_outside_a_pass_is_refused() -> None:
     switch = DefragHPUSwitch(FakeService(), NUM_BLOCKS)
-    with pytest.raises(RuntimeError, match="outside a pass of the worker"):
+    with pytest.raises(PassRefused, match="outside a pass of the worker"):
         switch.resolve(3)
     switch.begin_pass(object())
     switch.end_pass()
-    with pytest.raises(RuntimeError, match="outside a pass of the worker"):
+    with pytest.raises(PassRefused, match="outside a pass of the worker"):
         switch.resolve(3)
-    with pytest.raises(RuntimeError, match="DefragHPUWorker"):
+    with pytest.raises(PassRefused, match="DefragHPUWorker"):
         switch.resolve_all([[3]])
-    with pytest.raises(RuntimeError, match="update_state"):
+    with pytest.raises(PassRefused, match="update_state"):
         switch.update_state({}, [])
 
 

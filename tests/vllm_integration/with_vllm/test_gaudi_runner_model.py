@@ -29,6 +29,7 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from kvdefrag.common import InvalidArgument, StepEvents
+from kvdefrag.vllm.errors import PassRefused
 from kvdefrag.vllm.gaudi import DefragHPUSwitch
 from kvdefrag.vllm.output_blocks import map_block_ids
 from kvdefrag.vllm.scheduler import DefragScheduler
@@ -309,7 +310,7 @@ class _ForwardAfterThePass(HPUModelWorker):
 def test_sabotage_a_forward_in_sample_tokens_outside_the_pass_is_refused(
     model_dir: str, ranks: list[Any]
 ) -> None:
-    with pytest.raises(RuntimeError, match="outside a pass"):
+    with pytest.raises(PassRefused, match="outside a pass"):
         _run(model_dir, ranks, is_async=False, worker_cls=_ForwardAfterThePass)
 
 

@@ -103,7 +103,7 @@ from kvdefrag.server.config import EngineConfig
 from kvdefrag.vllm._worker.gaudi_buckets import runner_decode_buckets
 from kvdefrag.vllm._worker.passes import PassTarget
 from kvdefrag.vllm.contract import read_step_stamp
-from kvdefrag.vllm.errors import UnsupportedByKvdefrag
+from kvdefrag.vllm.errors import PassRefused, UnsupportedByKvdefrag
 from kvdefrag.vllm.worker import DefragWorkerMixin
 
 __all__ = ["HPU_WORKER", "DefragHPUSwitch", "DefragHPUWorkerMixin", "hpu_worker_class"]
@@ -195,7 +195,7 @@ class DefragHPUSwitch:
         scheduler side's ledger planned this output's step).
 
         Raises:
-            RuntimeError: Called outside a pass.
+            PassRefused: Called outside a pass.
         """
         self._check_in_pass("update_state")
         self.num_update_states += 1
@@ -215,7 +215,7 @@ class DefragHPUSwitch:
         """The physical id of logical ``block_id`` (ids outside the pool unchanged).
 
         Raises:
-            RuntimeError: Called outside a pass.
+            PassRefused: Called outside a pass.
         """
         block_id = int(block_id)
         self.num_resolved += 1
@@ -233,7 +233,7 @@ class DefragHPUSwitch:
         """Every id of every list resolved, in one lookup for the ids not seen yet.
 
         Raises:
-            RuntimeError: Called outside a pass.
+            PassRefused: Called outside a pass.
         """
         self._check_in_pass("resolve_all")
         memo = self._memo
@@ -254,7 +254,7 @@ class DefragHPUSwitch:
 
     def _check_in_pass(self, what: str) -> None:
         if not self._in_pass:
-            raise RuntimeError(
+            raise PassRefused(
                 f"kvdefrag: the HPU runner called defragmenter.{what} outside a pass of "
                 "the worker (execute_model through sample_tokens, a dummy batch or a "
                 "warm-up): block ids read then may race a move. Run the worker as "
