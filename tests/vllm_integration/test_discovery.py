@@ -5,7 +5,10 @@ engine's id; without Ray or vLLM (a dictionary stands in for Ray's store, as
 
 from __future__ import annotations
 
+import json
 import os
+import re
+import stat
 import subprocess
 import sys
 import threading
@@ -23,10 +26,16 @@ from kvdefrag.vllm._discovery import (
     PublishedRank,
     RanksOfAnotherEngine,
     RayRankDirectory,
+    ensure_run_dir,
+    publish_ranks,
+    published_ranks,
     rank_directory,
 )
 from kvdefrag.vllm.contract import engine_id
-from kvdefrag.vllm.errors import StartupRefused
+from kvdefrag.vllm.errors import StartupRefused, UnsafeRunDir
+
+SECRETS = [bytes([rank]) * 32 for rank in range(2)]
+NOBODY = 65534  # another user: the tests run as root, so they can hand files to it
 
 RANKS = [
     PublishedRank("10.0.0.2:50100", bytes([1]) * IDENTITY_SECRET_BYTES),
@@ -310,3 +319,186 @@ def _has_ray() -> bool:
     import importlib.util
 
     return importlib.util.find_spec("ray") is not None
+
+
+def test_published_ranks_round_trip_in_rank_order(tmp_path: Path) -> None:
+    run_dir = os.fspath(tmp_path / "run")
+    ensure_run_dir(run_dir)
+    ranks = [
+        PublishedRank("10.0.0.7:50100", SECRETS[0]),
+        PublishedRank("10.0.0.8:50100", SECRETS[1]),
+    ]
+    publish_ranks(run_dir, ranks, engine_id=ENGINE_ID)
+    assert published_ranks(run_dir, 2, engine_id=ENGINE_ID) == ranks
+    assert os.stat(run_dir).st_mode & 0o777 == 0o700
+    assert os.listdir(run_dir) == [RANKS_FILE]  # no partial file left behind
+    assert os.stat(os.path.join(run_dir, RANKS_FILE)).st_mode & 0o777 == 0o600  # secrets
+    assert "secret" not in repr(ranks[0]) and SECRETS[0].hex() not in repr(ranks[0])
+
+
+def test_missing_addresses_say_which_worker_class_publishes_them(tmp_path: Path) -> None:
+    with pytest.raises(StartupRefused, match=re.escape("kvdefrag.vllm.worker.DefragWorker")):
+        published_ranks(os.fspath(tmp_path), 1, engine_id=ENGINE_ID)
+
+
+def test_addresses_for_another_world_size_are_refused(tmp_path: Path) -> None:
+    _write_ranks(
+        tmp_path,
+        {"engine_id": ENGINE_ID, "addresses": ["unix:/a.sock"], "secrets": [SECRETS[0].hex()]},
+    )
+    with pytest.raises(StartupRefused, match="lists 1 rank addresses, the engine has 2 ranks"):
+        published_ranks(os.fspath(tmp_path), 2, engine_id=ENGINE_ID)
+
+
+@pytest.mark.parametrize("secrets", [None, ["00"], ["zz" * 32], [SECRETS[0].hex(), "1"]])
+def test_ranks_without_a_secret_for_every_rank_are_refused(
+    tmp_path: Path, secrets: list[str] | None
+) -> None:
+    addresses = ["unix:/a.sock", "unix:/b.sock"]
+    _write_ranks(tmp_path, {"engine_id": ENGINE_ID, "addresses": addresses, "secrets": secrets})
+    with pytest.raises(StartupRefused, match="no identity secret for every rank"):
+        published_ranks(os.fspath(tmp_path), 2, engine_id=ENGINE_ID)
+
+
+@pytest.mark.parametrize("found", ["1765139000000000001_dp0", None])
+def test_a_ranks_file_of_another_engine_is_refused_naming_both(
+    tmp_path: Path, found: str | None
+) -> None:
+    """Another engine's (or an older kvdefrag's, naming none): its addresses would prove
+    their secrets, so the engine id is what tells them apart."""
+    other = {} if found is None else {"engine_id": found}
+    secrets = [secret.hex() for secret in SECRETS]
+    _write_ranks(tmp_path, {**other, "addresses": ["unix:/a", "unix:/b"], "secrets": secrets})
+    with pytest.raises(RanksOfAnotherEngine) as raised:
+        published_ranks(os.fspath(tmp_path), 2, engine_id=ENGINE_ID)
+    assert (raised.value.expected_engine_id, raised.value.found_engine_id) == (ENGINE_ID, found)
+    named = "no engine" if found is None else f"engine {found!r}"
+    assert f"{tmp_path / RANKS_FILE} holds the ranks of {named}, not of this engine" in str(
+        raised.value
+    )
+    assert repr(ENGINE_ID) in str(raised.value)
+    assert isinstance(raised.value, StartupRefused)
+
+
+def test_every_directory_made_for_the_run_is_private_whatever_the_umask(tmp_path: Path) -> None:
+    run_dir = tmp_path / "runs" / "engine0" / "run"
+    previous = os.umask(0o022)
+    try:
+        ensure_run_dir(os.fspath(run_dir))
+    finally:
+        os.umask(previous)
+    for directory in (run_dir.parent.parent, run_dir.parent, run_dir):
+        assert stat.S_IMODE(directory.stat().st_mode) == 0o700, directory
+    ensure_run_dir(os.fspath(run_dir))  # an existing private one is accepted
+
+
+def test_a_run_dir_of_another_user_is_refused_on_both_sides(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir(mode=0o700)
+    publish_ranks(
+        os.fspath(run_dir), [PublishedRank("unix:/a.sock", SECRETS[0])], engine_id=ENGINE_ID
+    )
+    os.chown(run_dir, NOBODY, NOBODY)
+    for use in (
+        lambda: ensure_run_dir(os.fspath(run_dir)),
+        lambda: publish_ranks(
+            os.fspath(run_dir), [PublishedRank("unix:/a.sock", SECRETS[0])], engine_id=ENGINE_ID
+        ),
+        lambda: published_ranks(os.fspath(run_dir), 1, engine_id=ENGINE_ID),
+    ):
+        with pytest.raises(UnsafeRunDir, match=f"belongs to uid {NOBODY}.*XDG_RUNTIME_DIR"):
+            use()
+
+
+@pytest.mark.parametrize("mode", [0o770, 0o707, 0o750, 0o701])
+def test_a_run_dir_group_or_others_may_reach_is_refused(tmp_path: Path, mode: int) -> None:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    run_dir.chmod(mode)
+    with pytest.raises(UnsafeRunDir, match=re.escape(f"mode {mode:04o}") + ".*chmod 700"):
+        ensure_run_dir(os.fspath(run_dir))
+    with pytest.raises(UnsafeRunDir, match="chmod 700"):
+        published_ranks(os.fspath(run_dir), 1, engine_id=ENGINE_ID)
+
+
+def test_a_symlinked_run_dir_is_refused(tmp_path: Path) -> None:
+    real = tmp_path / "real"
+    real.mkdir(mode=0o700)
+    (tmp_path / "run").symlink_to(real)
+    with pytest.raises(UnsafeRunDir, match="is a symlink"):
+        ensure_run_dir(os.fspath(tmp_path / "run"))
+
+
+def test_publishing_never_writes_through_a_planted_link(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir(mode=0o700)
+    precious = tmp_path / "precious"
+    precious.write_text("root's file")
+    # A link at every name the writer could pick: the first two random names are taken.
+    names = iter(["aaaa", "bbbb", "cccc"])
+    monkeypatch.setattr("kvdefrag.vllm._run_dir.secrets.token_hex", lambda _: next(names))
+    for name in (f".{RANKS_FILE}.aaaa", f".{RANKS_FILE}.bbbb", RANKS_FILE):
+        (run_dir / name).symlink_to(precious)
+    publish_ranks(
+        os.fspath(run_dir), [PublishedRank("unix:/a.sock", SECRETS[0])], engine_id=ENGINE_ID
+    )
+    assert precious.read_text() == "root's file"
+    # the planted links are left as they were; ranks.json is a new file, not the link
+    assert (run_dir / f".{RANKS_FILE}.aaaa").is_symlink()
+    assert not (run_dir / RANKS_FILE).is_symlink()
+    assert published_ranks(os.fspath(run_dir), 1, engine_id=ENGINE_ID) == [
+        PublishedRank("unix:/a.sock", SECRETS[0])
+    ]
+
+
+def test_a_ranks_file_that_is_a_link_or_not_private_is_refused(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir(mode=0o700)
+    elsewhere = tmp_path / "elsewhere.json"
+    elsewhere.write_text(json.dumps({"addresses": ["unix:/x.sock"], "secrets": ["00" * 32]}))
+    elsewhere.chmod(0o600)
+    (run_dir / RANKS_FILE).symlink_to(elsewhere)
+    with pytest.raises(UnsafeRunDir, match="is a symlink"):
+        published_ranks(os.fspath(run_dir), 1, engine_id=ENGINE_ID)
+    (run_dir / RANKS_FILE).unlink()
+    publish_ranks(
+        os.fspath(run_dir), [PublishedRank("unix:/a.sock", SECRETS[0])], engine_id=ENGINE_ID
+    )
+    (run_dir / RANKS_FILE).chmod(0o644)
+    with pytest.raises(UnsafeRunDir, match="mode 0644: group or others may reach it"):
+        published_ranks(os.fspath(run_dir), 1, engine_id=ENGINE_ID)
+    (run_dir / RANKS_FILE).chmod(0o600)
+    os.chown(run_dir / RANKS_FILE, NOBODY, NOBODY)
+    with pytest.raises(UnsafeRunDir, match=f"belongs to uid {NOBODY}"):
+        published_ranks(os.fspath(run_dir), 1, engine_id=ENGINE_ID)
+
+
+def test_a_ranks_file_nested_past_the_parsers_depth_is_refused_by_name(tmp_path: Path) -> None:
+    path = tmp_path / RANKS_FILE
+    path.write_text("[" * 100_000 + "]" * 100_000)  # json would raise RecursionError
+    path.chmod(0o600)
+    with pytest.raises(StartupRefused, match=re.escape(f"{path} is not a rank list")) as caught:
+        published_ranks(os.fspath(tmp_path), 1, engine_id=ENGINE_ID)
+    assert "remove it and restart vLLM" in str(caught.value)
+
+
+def test_a_ranks_file_that_is_a_directory_is_refused_by_name_on_both_sides(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / RANKS_FILE).mkdir(mode=0o700)
+    message = f"{tmp_path / RANKS_FILE} is not a regular file"
+    with pytest.raises(UnsafeRunDir, match=re.escape(message)):
+        published_ranks(os.fspath(tmp_path), 1, engine_id=ENGINE_ID)
+    with pytest.raises(UnsafeRunDir, match=re.escape(f"{tmp_path / RANKS_FILE} is a directory")):
+        publish_ranks(
+            os.fspath(tmp_path), [PublishedRank("unix:/a.sock", SECRETS[0])], engine_id=ENGINE_ID
+        )
+    assert sorted(path.name for path in tmp_path.iterdir()) == [RANKS_FILE]  # nothing left
+
+
+def _write_ranks(run_dir: Path, document: object) -> None:
+    path = run_dir / RANKS_FILE
+    path.write_text(json.dumps(document))
+    path.chmod(0o600)
