@@ -39,6 +39,7 @@ def test_client_exports_are_pinned() -> None:
         "StepPending",
         "StepReply",
         "Totals",
+        "identity_refusal",
     ]
     for name in kvdefrag.client.__all__:
         assert getattr(kvdefrag.client, name).__module__.startswith("kvdefrag."), name

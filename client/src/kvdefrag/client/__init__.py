@@ -10,6 +10,7 @@ kvdefrag inside vLLM (both sides) is the ``kvdefrag-vllm`` distribution: ``kvdef
 """
 
 from kvdefrag.client._client import DefragClient
+from kvdefrag.client._identity import identity_refusal
 from kvdefrag.client._types import AuditReport, ServiceStats, SessionInfo, StepReply
 from kvdefrag.common import (
     DefragError,
@@ -54,4 +55,5 @@ __all__ = [
     "StepPending",
     "StepReply",
     "Totals",
+    "identity_refusal",
 ]

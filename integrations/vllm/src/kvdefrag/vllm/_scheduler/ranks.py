@@ -13,19 +13,14 @@ across ranks instead.
 from __future__ import annotations
 
 import concurrent.futures
-import hmac
 import logging
-import secrets
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TypedDict
 
-import grpc
-
-from kvdefrag.client import DefragClient, StepReply
-from kvdefrag.client._channel import open_channel
+from kvdefrag.client import DefragClient, StepReply, identity_refusal
 from kvdefrag.common import (
     DefragError,
     EpochMismatch,
@@ -34,8 +29,6 @@ from kvdefrag.common import (
     StepOutcomeUnknown,
 )
 from kvdefrag.common.events import require_step_events
-from kvdefrag.common.identity import identity_proof
-from kvdefrag.v1 import identity_pb2, identity_pb2_grpc
 from kvdefrag.vllm._discovery import PublishedRank
 from kvdefrag.vllm.config import CLIENT_TLS_ENV, IntegrationConfig
 from kvdefrag.vllm.contract import StepStamp
@@ -70,7 +63,6 @@ class RankNotVerified(StartupRefused):
 
 # How long the scheduler waits for a rank's proof.
 PROOF_TIMEOUT_S = 10.0
-_NONCE_BYTES = 32
 
 
 def verify_rank(
@@ -86,43 +78,32 @@ def verify_rank(
             ``IdentityService``, another secret).
         ServiceUnavailable: Nobody answered within ``timeout_s``.
     """
-    nonce = secrets.token_bytes(_NONCE_BYTES)
     address = published.address
+    try:
+        refusal = identity_refusal(
+            address,
+            published.secret,
+            timeout_s=timeout_s,
+            root_certificates=tls.get("root_certificates"),
+            private_key=tls.get("private_key"),
+            certificate_chain=tls.get("certificate_chain"),
+        )
+    except ServiceUnavailable as err:
+        raise ServiceUnavailable(f"rank {rank}'s {err}") from None
+    if refusal is None:
+        return
     what = f"rank {rank}'s published address {address} is not served by this engine's rank {rank}"
     fix = (
         "the rank record is this engine's, so another process serves that address; "
         "restart vLLM with ports nobody else takes"
     )
-    channel = open_channel(
-        address,
-        max_message_bytes=1 << 16,
-        root_certificates=tls.get("root_certificates"),
-        private_key=tls.get("private_key"),
-        certificate_chain=tls.get("certificate_chain"),
-    )
-    with channel:
-        stub = identity_pb2_grpc.IdentityServiceStub(channel)
-        try:
-            reply = stub.ProveIdentity(
-                identity_pb2.ProveIdentityRequest(nonce=nonce),
-                timeout=timeout_s,
-                wait_for_ready=True,
-            )
-        except grpc.RpcError as err:
-            code = err.code() if isinstance(err, grpc.Call) else None
-            if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                raise ServiceUnavailable(
-                    f"rank {rank}'s service at {address} did not answer within "
-                    f"{timeout_s:.0f} s: {err.details() if isinstance(err, grpc.Call) else err}"
-                ) from None
-            name = code.name if code is not None else "an error"
-            raise RankNotVerified(
-                f"{what}: it cannot prove the secret rank {rank} published ({name}); {fix}"
-            ) from None
-    if not hmac.compare_digest(reply.proof, identity_proof(published.secret, nonce)):
+    if refusal == "mismatch":
         raise RankNotVerified(
             f"{what}: its proof does not match the secret rank {rank} published; {fix}"
         )
+    raise RankNotVerified(
+        f"{what}: it cannot prove the secret rank {rank} published ({refusal}); {fix}"
+    )
 
 
 def connect_ranks(
