@@ -383,12 +383,12 @@ def test_decode_buckets_compact_only_when_the_bucket_drops() -> None:
     assert result.moves == ()
     assert result.stats.holes == 3
     result = h.step(StepEvents(finished=["r5", "r6"]))  # 7 live fit in 8 slots: bucket 8
-    assert result.moves == (
-        Move(12, 2, False),
-        Move(11, 3, False),
+    assert result.moves == (  # slots 8-12 in a row: they keep their order
+        Move(8, 2, False),
+        Move(9, 3, False),
         Move(10, 4, False),
-        Move(9, 5, False),
-        Move(8, 6, False),
+        Move(11, 5, False),
+        Move(12, 6, False),
     )
     assert (result.stats.max_live, result.stats.holes) == (7, 0)
     result = h.step(StepEvents(new_blocks={"r13": [13]}))  # fresh, placed at 8: 9 blocks, bucket 16
@@ -401,7 +401,7 @@ def test_moves_go_down_and_pair_highest_live_with_lowest_free() -> None:
     h = Harness(threshold=1, max_moves_per_step=2)
     h.step(StepEvents(new_blocks={"a": [1, 2, 3], "b": [4, 5, 6], "c": [7, 8]}))
     result = h.step(StepEvents(finished=["a"]))
-    assert result.moves == (Move(8, 1, False), Move(7, 2, False))
+    assert result.moves == (Move(7, 1, False), Move(8, 2, False))  # c's run, whole
     result = h.step()
     assert result.moves == ()  # one hole left, threshold 1
 
@@ -429,7 +429,7 @@ def test_moves_are_one_way_without_prefix_caching() -> None:
     h = Harness(threshold=0)
     h.step(StepEvents(new_blocks={"a": [1, 2], "b": [3, 4]}))
     result = h.step(StepEvents(finished=["a"]))
-    assert result.moves == (Move(4, 1, False), Move(3, 2, False))
+    assert result.moves == (Move(3, 1, False), Move(4, 2, False))
     # One-way: the freed blocks' old content was overwritten, not kept.
     assert h.kv.lost_blocks(h.engine, [1, 2]) == [1, 2]
 
@@ -445,9 +445,9 @@ def test_moves_swap_with_cached_targets_and_copy_one_way_onto_evicted_ones() -> 
     assert result.moves == ()
     h.engine.schedule_defragment()
     result = h.step(StepEvents(evicted=[2]))
-    assert result.moves == (Move(8, 1, True), Move(7, 2, False), Move(6, 3, True))
+    assert result.moves == (Move(6, 1, True), Move(7, 2, False), Move(8, 3, True))
     assert h.model.cached == {1, 3}
-    assert h.engine.resolve([1, 2, 3, 8, 7, 6]).tolist() == [8, 7, 6, 1, 2, 3]
+    assert h.engine.resolve([1, 2, 3, 8, 7, 6]).tolist() == [6, 7, 8, 3, 2, 1]
     stats = h.engine.stats()
     assert (stats.totals.num_moves, stats.totals.num_two_way_moves) == (3, 2)
     bytes_per_block = h.executor.bytes_per_block
@@ -622,7 +622,7 @@ def test_schedule_defragment_forces_a_pass_in_the_next_step_only() -> None:
     h.engine.schedule_defragment()
     assert h.executor.calls == []  # nothing moves outside a step
     result = h.step()
-    assert result.moves == (Move(8, 1, False), Move(7, 2, False))
+    assert result.moves == (Move(7, 1, False), Move(8, 2, False))
     h.step(StepEvents(finished=["r3"]))
     result = h.step()
     assert result.moves == ()
@@ -764,7 +764,7 @@ def test_an_engine_given_an_executor_needs_no_caches() -> None:
     engine = Engine([], BLOCK_SIZE, EngineConfig(threshold=0), executor=executor)
     assert engine.num_blocks == 32
     engine.step(StepEvents(new_blocks={"a": [5, 6]}, fresh=[]))
-    assert engine.resolve([5, 6]).tolist() == [2, 1]
+    assert engine.resolve([5, 6]).tolist() == [1, 2]  # the run 5-6 moved whole
     assert [len(batch) for batch in executor.calls] == [2]
 
 

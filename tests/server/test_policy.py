@@ -50,6 +50,13 @@ def compaction(tracker: BlockTracker, max_moves: int = 512) -> list[Move]:
     return list(moves)
 
 
+def packing(tracker: BlockTracker, max_moves: int = 512) -> list[Move]:
+    """What a scheduled pass plans: the highest live slots to the lowest free ones."""
+    return list(
+        plan_compaction(tracker, EngineConfig(max_moves_per_step=max_moves), is_forced=True)
+    )
+
+
 def bucket_compaction(
     tracker: BlockTracker, buckets: tuple[int, ...], max_moves: int = 512
 ) -> list[Move]:
@@ -118,9 +125,10 @@ def test_planning_changes_nothing() -> None:
 
 
 def test_null_block_is_never_a_destination() -> None:
-    # Slot 0 is free (nothing ever references it) and the lowest, but never chosen.
+    # Slot 0 is free (nothing ever references it) and the lowest, but never chosen: the
+    # run 3-4 moves whole, in order, to 1-2.
     tracker = pool(live=[3, 4])
-    assert compaction(tracker) == [Move(4, 1, False), Move(3, 2, False)]
+    assert compaction(tracker) == [Move(3, 1, False), Move(4, 2, False)]
 
 
 def test_nothing_moves_in_a_packed_pool() -> None:
@@ -132,40 +140,42 @@ def test_nothing_moves_in_a_packed_pool() -> None:
 def test_a_cached_destination_is_a_swap() -> None:
     tracker = pool(live=[1, 5, 6], cached=[2])  # free: 2 (cached), 3, 4
     # No live slot stays above the destinations' room, so the cached slot is taken.
-    assert compaction(tracker) == [Move(6, 2, True), Move(5, 3, False)]
+    assert compaction(tracker) == [Move(5, 2, True), Move(6, 3, False)]
 
 
 def test_without_prefix_caching_no_move_is_a_swap() -> None:
     tracker = pool(live=[1, 5, 6], prefix_caching=False)
-    assert compaction(tracker) == [Move(6, 2, False), Move(5, 3, False)]
+    assert compaction(tracker) == [Move(5, 2, False), Move(6, 3, False)]
 
 
 def test_a_capped_pass_prefers_an_empty_destination_to_a_cached_one() -> None:
-    # Capped at 2: 10 -> 2 (cached) and 9 -> 3 would swap once. 8 stays, so the empty
-    # slot 4 (below 8) replaces the cached one: two copies, the same sources, as packed.
+    # A packing pass capped at 2 (the run 8-10 is longer than the cap): 9 -> 2 (cached)
+    # and 10 -> 3 would swap once. 8 stays, so the empty slot 4 (below 8) replaces the
+    # cached one: two copies, the same sources, as packed.
     tracker = pool(live=[1, 8, 9, 10], cached=[2])
-    assert compaction(tracker, max_moves=2) == [Move(10, 3, False), Move(9, 4, False)]
+    assert compaction(tracker, max_moves=2) == [Move(9, 3, False), Move(10, 4, False)]
 
 
 def test_the_highest_cached_destination_gives_way_first() -> None:
     # One empty slot (4) below the block that stays (5): it replaces 3, the higher of the
     # two cached destinations; 2 stays a swap.
     tracker = pool(live=[1, 5, 9, 10], cached=[2, 3, 6, 7, 8])
-    assert compaction(tracker, max_moves=2) == [Move(10, 2, True), Move(9, 4, False)]
+    assert packing(tracker, max_moves=2) == [Move(9, 2, True), Move(10, 4, False)]
 
 
 def test_empty_slots_above_the_block_that_stays_are_not_used() -> None:
     # 4 stays; the empty slots 5-8 are above it: taking them would leave the pool less
     # packed, so both moves swap into the cached slots.
     tracker = pool(live=[1, 4, 9, 10], cached=[2, 3])
-    assert compaction(tracker, max_moves=2) == [Move(10, 2, True), Move(9, 3, True)]
+    assert packing(tracker, max_moves=2) == [Move(9, 2, True), Move(10, 3, True)]
 
 
 def test_a_full_pass_swaps_into_cached_slots_below_empty_ones() -> None:
     # Uncapped, every live block above a free slot moves and nothing stays above the
     # destinations: the lowest free slots are taken, cached or not.
     tracker = pool(live=[1, 12, 13], cached=[2, 3])
-    assert compaction(tracker) == [Move(13, 2, True), Move(12, 3, True)]
+    assert compaction(tracker) == [Move(12, 2, True), Move(13, 3, True)]
+    assert packing(tracker) == [Move(12, 2, True), Move(13, 3, True)]
 
 
 # --- the copies ---------------------------------------------------------------------------
@@ -174,8 +184,8 @@ def test_a_fresh_block_swapped_with_a_cached_one_copies_only_the_cached_data_up(
     tracker = pool(live=[1, 12, 13], cached=[2, 3])
     moves = plan_compaction(tracker, EngineConfig())
     assert list(plan_copies(tracker, moves, fresh_ids=[13])) == [
-        Move(2, 13, False),  # the cached block's data goes up, nothing comes down
-        Move(12, 3, True),
+        Move(12, 2, True),
+        Move(3, 13, False),  # the cached block's data goes up, nothing comes down
     ]
     assert list(plan_copies(tracker, moves, fresh_ids=[])) == list(moves)
 
@@ -184,8 +194,8 @@ def test_a_fresh_block_moved_onto_an_empty_slot_is_copied_as_planned() -> None:
     tracker = pool(live=[1, 5, 6], cached=[2])  # free: 2 (cached), 3 (empty), 4
     moves = plan_compaction(tracker, EngineConfig())
     assert list(plan_copies(tracker, moves, fresh_ids=[5, 6])) == [
-        Move(2, 6, False),
-        Move(5, 3, False),
+        Move(2, 5, False),
+        Move(6, 3, False),
     ]
 
 
@@ -259,10 +269,10 @@ def test_buckets_compact_when_the_moves_lower_the_bucket() -> None:
 
 
 def test_buckets_ignore_holes_that_do_not_change_the_bucket() -> None:
-    # 3 holes below 7 (the threshold policy at 0 would move 7 -> 3 and 6 -> 4), but packed
-    # the 4 live blocks still need 5 slots: bucket 8 either way.
+    # 3 holes below 7 (the threshold policy at 0 would move the run 6-7 to 3-4), but
+    # packed the 4 live blocks still need 5 slots: bucket 8 either way.
     tracker = pool(live=[1, 2, 6, 7])
-    assert compaction(tracker) == [Move(7, 3, False), Move(6, 4, False)]
+    assert compaction(tracker) == [Move(6, 3, False), Move(7, 4, False)]
     config = EngineConfig(threshold=0, decode_buckets=(4, 8, 16))
     assert not should_compact(tracker, config, is_forced=False)
     assert bucket_compaction(tracker, (4, 8, 16)) == []
@@ -280,7 +290,7 @@ def test_buckets_aim_at_the_lowest_bucket_within_reach() -> None:
     # 3 live blocks fit bucket 4, not just 8: both blocks above 3 move.
     tracker = pool(live=[1, 6, 13])
     moves = bucket_compaction(tracker, (4, 8, 16))
-    assert moves == [Move(13, 2, False), Move(6, 3, False)]
+    assert moves == [Move(6, 3, False), Move(13, 2, False)]
     assert bucket_after(tracker, (4, 8, 16), moves) == 4
 
 
@@ -292,9 +302,9 @@ def test_capped_moves_that_cannot_reach_a_lower_bucket_do_nothing() -> None:
     assert should_compact(tracker, config, is_forced=False)
     assert bucket_compaction(tracker, (8, 16), max_moves=2) == []
     assert bucket_compaction(tracker, (8, 16), max_moves=3) == [
-        Move(14, 3, False),
+        Move(12, 3, False),
         Move(13, 4, False),
-        Move(12, 5, False),
+        Move(14, 5, False),
     ]
 
 

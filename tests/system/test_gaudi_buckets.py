@@ -75,14 +75,17 @@ def test_every_policy_on_a_trace_followed_by_hand(bench: ModuleType) -> None:
         for cost in costs
     }
     # Without defragmentation: ids up to 18 stay, 19 blocks read: bucket 32 every step.
-    # The seed and the threshold policy (10 live, 8 holes > 2): 18..11 go to 1..8 in step
-    # 1, the highest is 10, bucket 16 from then on.
+    # The seed (10 live, 8 holes > 2): 18..11 go to 1..8 in step 1, the highest is 10,
+    # bucket 16 from then on. The threshold policy moves runs whole: in step 1, c's run
+    # (17, 18) to 1, 2; b's run (9-16) fits no hole (3-8), so it stays: 17 blocks read,
+    # bucket 32. In step 2 no run fits and nothing is fresh, so the pass packs: 16..11 go
+    # to 3..8, the highest is 10: bucket 16.
     # Bucket-aware: 10 live fit bucket 16 packed, so only 18, 17 and 16 move (to 1, 2, 3),
     # leaving 15 the highest: bucket 16 too, with 3 moves instead of 8.
     assert got == {
         "none": (96, 0, 96, {32}),
         "seed": (32 + 16 + 16, 8, 64 + 16, {32, 16}),
-        "kvdefrag threshold": (64, 8, 80, {32, 16}),
+        "kvdefrag threshold": (32 + 32 + 16, 2 + 6, 80 + 2 * 8, {32, 16}),
         "kvdefrag buckets": (64, 3, 64 + 6, {32, 16}),
     }
     assert [cost.num_steps for cost in costs] == [3, 3, 3, 3]

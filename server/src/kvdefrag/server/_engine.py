@@ -19,7 +19,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -297,7 +297,11 @@ class Engine:
         fresh = events.fresh
         if fresh is None:
             fresh = [] if tracker.prefix_caching else newly_live
-        num_placed = self._place(fresh, touched) if self.config.enable_placement else 0
+        num_placed = (
+            self._place(fresh, touched, (events.resumed, events.new_blocks))
+            if self.config.enable_placement
+            else 0
+        )
         tracker.mix_live_digests(newly_live)
         try:
             moves, report, swap_s = self._compact(touched, newly_live, released, fresh)
@@ -336,10 +340,23 @@ class Engine:
             num_unknown_finished=totals.num_unknown_finished + num_unknown,
         )
 
-    def _place(self, fresh: list[int], touched: list[int]) -> int:
-        """Re-points each fresh block to the slot the policy picks (no copy)."""
+    def _place(
+        self,
+        fresh: list[int],
+        touched: list[int],
+        lists: Sequence[Mapping[str, Sequence[int]]],
+    ) -> int:
+        """Re-points each fresh block to the slot the policy picks (no copy); ``lists``
+        are the step's resumed and appended lists, whose runs placement extends."""
         tracker = self._tracker
-        logical_ids, physical_ids = _policy.plan_placement(tracker, fresh)
+        config = self.config
+        logical_ids, physical_ids = _policy.plan_placement(
+            tracker,
+            fresh,
+            lists,
+            decode_buckets=config.decode_buckets,
+            max_holes=None if config.decode_buckets else config.threshold,
+        )
         touched += tracker.place_blocks(logical_ids, physical_ids, mix_digests=False)
         return len(logical_ids)
 
@@ -357,7 +374,7 @@ class Engine:
         if not _policy.should_compact(tracker, self.config, is_forced=is_forced):
             return MoveBatch([], []), MoveReport(0, 0, 0), 0.0
         self._force_defrag = False
-        moves = _policy.plan_compaction(tracker, self.config, is_forced=is_forced)
+        moves = _policy.plan_compaction(tracker, self.config, is_forced=is_forced, placed_ids=fresh)
         if not moves:
             return MoveBatch([], []), MoveReport(0, 0, 0), 0.0
         copies = _policy.plan_copies(tracker, moves, fresh)

@@ -190,6 +190,9 @@ class BlockTracker:
         self.bwd: list[int] = list(range(num_blocks))
         self.refs: list[int] = [0] * num_blocks
         self.cached: list[bool] = [False] * num_blocks
+        # The block after each one in the list of the request that appended it last (a
+        # hint: compaction keeps a block and its successor together where it can).
+        self.successor: list[int] = [NULL_BLOCK_ID] * num_blocks
         self._remapped: list[int] = []  # logical ids whose fwd changed since take_remapped()
         self.requests: dict[str, list[int]] = {}
         self.num_live = 0
@@ -234,6 +237,10 @@ class BlockTracker:
         ``below``, lowest first."""
         return self._expendable.lowest(max_slots, below, is_in=True)
 
+    def expendable_mask(self, below: int) -> npt.NDArray[np.bool_]:
+        """Whether each slot below ``below`` is expendable (a copy, index: slot)."""
+        return self._expendable.mask[: max(below, 0)].copy()
+
     def are_cached_slots(self, physical_ids: npt.NDArray[np.intp]) -> npt.NDArray[np.bool_]:
         """Whether each of ``physical_ids`` (free slots, never the null slot) holds cached
         data (prefix caching).
@@ -262,10 +269,11 @@ class BlockTracker:
     def place_blocks(
         self, logical_ids: list[int], physical_ids: list[int], *, mix_digests: bool = True
     ) -> list[int]:
-        """Commits a placement: each live block ``logical_ids[i]``, in order, is re-pointed
-        to the expendable slot ``physical_ids[i]``, and the expendable block there takes
-        the vacated slot (the mapping only, no copy). A target may be a slot vacated
-        earlier in the same batch (expendable from then on).
+        """Commits a placement: each live block ``logical_ids[i]`` (each listed once) is
+        re-pointed to ``physical_ids[i]`` (the mapping only, no copy). The targets are
+        distinct; each is expendable, or the slot of another block of the batch. The
+        expendable blocks on the targets the batch enters take the slots it leaves, in
+        order.
 
         ``mix_digests=False``: the blocks became live with their digests unmixed
         (``append_requests(..., mix_digests=False)``); ``mix_live_digests`` mixes them in
@@ -277,37 +285,43 @@ class BlockTracker:
         if not logical_ids:
             return []
         fwd, bwd, refs, cached = self.fwd, self.bwd, self.refs, self.cached
-        changed: list[int] = []
-        vacated_slots: list[int] = []
+        old_slots = [fwd[logical_id] for logical_id in logical_ids]
+        old_set, target_set = set(old_slots), set(physical_ids)
+        entering = [target for target in physical_ids if target not in old_set]
+        leaving = [slot for slot in old_slots if slot not in target_set]
+        displaced_ids = [bwd[target] for target in entering]
+        assert len(target_set) == len(physical_ids) and len(entering) == len(leaving), (
+            f"placement of logical blocks {logical_ids} onto slots {physical_ids}: the "
+            "targets must be distinct"
+        )
+        assert all(refs[logical_id] for logical_id in logical_ids) and not any(
+            refs[displaced_id] or cached[displaced_id] or not bwd_slot
+            for displaced_id, bwd_slot in zip(displaced_ids, entering, strict=True)
+        ), (
+            f"placement of logical blocks {logical_ids} onto slots {physical_ids}: the "
+            "blocks must be live and each target expendable or one of theirs"
+        )
         for logical_id, target in zip(logical_ids, physical_ids, strict=True):
-            physical_id = fwd[logical_id]
-            displaced_id = bwd[target]  # expendable: no reference, no digest
-            assert (
-                refs[logical_id] and target and not (refs[displaced_id] or cached[displaced_id])
-            ), (
-                f"placement of logical block {logical_id} onto slot {target}: the block "
-                "must be live and the slot expendable"
-            )
-            fwd[logical_id], fwd[displaced_id] = target, physical_id
-            bwd[target], bwd[physical_id] = logical_id, displaced_id
-            changed += (logical_id, displaced_id)
-            vacated_slots.append(physical_id)
-        # NOTE: vacated first: a slot vacated early in the batch may be a later target.
-        # Beyond a few slots, each list is converted to an array once and the chunk counts
-        # computed once for both sets (64 placements in an 8k pool: ~42 -> ~37 µs in all).
-        num_placed = len(logical_ids)
-        if num_placed <= _MAX_SCALAR_UPDATES:
-            self._live.remove(vacated_slots)
-            self._live.add(physical_ids)
-            self._expendable.add(vacated_slots)
-            self._expendable.remove(physical_ids)
-        else:
-            vacated = np.fromiter(vacated_slots, np.intp, num_placed)
-            targets = np.fromiter(physical_ids, np.intp, num_placed)
-            delta = self._live.exchange(vacated, targets)
-            self._expendable.exchange_back(vacated, targets, delta)
+            fwd[logical_id] = target
+            bwd[target] = logical_id
+        for displaced_id, slot in zip(displaced_ids, leaving, strict=True):
+            fwd[displaced_id] = slot
+            bwd[slot] = displaced_id
+        # NOTE: beyond a few slots, each list is converted to an array once and the chunk
+        # counts computed once for both sets (64 placements in an 8k pool: ~42 -> ~37 µs).
+        if len(entering) <= _MAX_SCALAR_UPDATES:
+            self._live.remove(leaving)
+            self._live.add(entering)
+            self._expendable.add(leaving)
+            self._expendable.remove(entering)
+        elif entering:
+            left = np.fromiter(leaving, np.intp, len(leaving))
+            joined = np.fromiter(entering, np.intp, len(entering))
+            delta = self._live.exchange(left, joined)
+            self._expendable.exchange_back(left, joined, delta)
         if mix_digests:
             self._update_live_digests(logical_ids, physical_ids)
+        changed = logical_ids + displaced_ids
         self._remapped += changed
         return changed
 
@@ -438,7 +452,7 @@ class BlockTracker:
         new one. Until then, nothing may read ``digest``, and only
         ``place_blocks(..., mix_digests=False)`` may move those blocks.
         """
-        requests, refs = self.requests, self.refs
+        requests, refs, successor = self.requests, self.refs, self.successor
         became_live: list[int] = []
         for request_id, logical_ids in lists.items():
             held = requests.get(request_id)
@@ -446,8 +460,11 @@ class BlockTracker:
                 if all(logical_id == NULL_BLOCK_ID for logical_id in logical_ids):
                     continue
                 held = requests[request_id] = []
+            previous_id = held[-1] if held else NULL_BLOCK_ID
             held.extend(logical_ids)
             for logical_id in logical_ids:
+                successor[previous_id] = logical_id
+                previous_id = logical_id
                 if logical_id != NULL_BLOCK_ID:
                     count = refs[logical_id]
                     refs[logical_id] = count + 1
