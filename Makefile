@@ -136,7 +136,7 @@ bench-vllm: $(VLLM_STAMP)
 	$(VLLM_PY) bench/vllm_scale.py $(BENCH_VLLM_ARGS)
 
 # Descriptors per P/D transfer and copies per offload store, plain vLLM against kvdefrag,
-# on block ids from vLLM 0.33's real Scheduler (.venv-vllm; ~5 minutes,
+# on block ids from vLLM 0.33's real Scheduler (.venv-vllm; 1-4 minutes,
 # BENCH_TRANSFER_ARGS=--quick for under one).
 bench-transfer: $(VLLM_STAMP)
 	$(VLLM_PY) bench/transfer_bench.py $(BENCH_TRANSFER_ARGS)

@@ -50,8 +50,9 @@ the blocks kvdefrag moved per step (a swap counts two).
 Prefix caching off and on (on: most prompts open with one of a few long shared system
 prompts, so P's prompt blocks start with prefix-cache hits wherever they were cached).
 
-Run: ``make bench-transfer`` (``.venv-vllm``; ~5 minutes on two cores); ``--quick`` runs
-a small pool for a few hundred steps (under a minute); ``--json PATH`` writes the rows.
+Run: ``make bench-transfer`` (``.venv-vllm``; 1-4 minutes on two cores); ``--quick`` runs
+a small pool for a few hundred steps (under a minute); ``--threshold N`` sets kvdefrag's
+threshold (32 by default); ``--json PATH`` writes the rows.
 """
 
 from __future__ import annotations
@@ -89,8 +90,8 @@ from vllm.v1.request import Request
 from vllm_engineless import build_scheduler
 
 from kvdefrag.server import Engine, EngineConfig
-from kvdefrag.vllm._bridge import ParkedBlocks, changes_from_output
-from kvdefrag.vllm._ledger import BlockLedger
+from kvdefrag.vllm._scheduler.bridge import ParkedBlocks, changes_from_output
+from kvdefrag.vllm._scheduler.ledger import BlockLedger
 
 BLOCK_SIZE = 16
 MAX_MODEL_LEN = 32_768
@@ -391,13 +392,18 @@ def instance_summary(name: str, run: InstanceRun) -> dict[str, Any]:
 
 
 def run_case(
-    prefix_caching: bool, sizes: dict[str, Size], num_steps: int, prompt_max: int, seed: int
+    prefix_caching: bool,
+    sizes: dict[str, Size],
+    num_steps: int,
+    prompt_max: int,
+    seed: int,
+    threshold: int = EngineConfig.threshold,
 ) -> dict[str, Any]:
     specs = request_specs(int(num_steps * sizes["P"].arrivals_per_step * 2) + 64, seed, prompt_max)
     runs = {}
     for name, size in sizes.items():
         started = time.perf_counter()
-        config = EngineConfig(prefix_caching=prefix_caching)
+        config = EngineConfig(prefix_caching=prefix_caching, threshold=threshold)
         instance = Instance(size, prefix_caching=prefix_caching, config=config)
         runs[name] = instance.run(specs, num_steps, seed + (name == "D"))
         print(
@@ -461,6 +467,9 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, default=None, help="write the rows here")
+    parser.add_argument(
+        "--threshold", type=int, default=EngineConfig.threshold, help="kvdefrag's threshold"
+    )
     args = parser.parse_args(argv)
     init_none_hash(sha256)
     sizes = QUICK if args.quick else FULL
@@ -468,7 +477,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     prompt_max = PROMPT_MAX["quick" if args.quick else "full"]
     cases = []
     for prefix_caching in (False, True):
-        case = run_case(prefix_caching, sizes, num_steps, prompt_max, args.seed)
+        case = run_case(prefix_caching, sizes, num_steps, prompt_max, args.seed, args.threshold)
         print(format_case(case), flush=True)
         cases.append(case)
     print(
