@@ -32,6 +32,7 @@ SERVER_NAMES = {
 # to the served state goes through the servicer (a reset starts a new epoch).
 SERVER_HANDLE_MEMBERS = {
     "address",
+    "applied",
     "apply_planned_step",
     "epoch",
     "kv_lock",

@@ -167,7 +167,7 @@ def test_soak_keeps_every_block_and_memory_flat(serve: Serve, tmp_path: Path) ->
 
     def on_check(index: int) -> None:
         rss_samples.append(rss_bytes())
-        cache_sizes.append(len(handle._servicer._replies))
+        cache_sizes.append(len(handle._servicer._ledger))
 
     try:
         with DefragClient(handle.address, prefix_caching=True, timeout_s=30) as client:

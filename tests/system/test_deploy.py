@@ -32,8 +32,8 @@ from kvdefrag.server import Engine
 from kvdefrag.server.__main__ import parse_args
 from kvdefrag.server.config import ENV_PREFIX, load_config, option_names
 from kvdefrag.server.metrics import Metrics
+from kvdefrag.vllm import _discovery
 from kvdefrag.vllm import config as vllm_config
-from kvdefrag.vllm import contract as common
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -330,7 +330,7 @@ def test_worker_pod_wires_run_dir_metrics_and_probe_together_for_every_rank(name
     assert "grpc.health.v1.Health/Check" in probe
     assert f"for rank in {' '.join(map(str, range(num_ranks)))}; do" in probe
     assert (
-        f"-unix {common.rank_address(run_dir, 0).removeprefix('unix:')}".replace(
+        f"-unix {_discovery.rank_address(run_dir, 0).removeprefix('unix:')}".replace(
             "rank0", "rank$rank"
         )
         in probe
