@@ -204,10 +204,10 @@ def test_copies_follow_fresh_blocks_to_the_slots_placement_gave_them() -> None:
     tracker.append_requests({"new": [9, 10]})
     tracker.place_blocks([10], [4])  # an evicted slot was free for one of them: 10 -> 4
     moves = plan_compaction(tracker, EngineConfig())
-    assert list(moves) == [Move(9, 2, True), Move(4, 3, True)]
+    assert list(moves) == [Move(4, 3, True), Move(9, 2, True)]
     assert list(plan_copies(tracker, moves, fresh_ids=[9, 10])) == [
-        Move(2, 9, False),
         Move(3, 4, False),
+        Move(2, 9, False),
     ]
 
 

@@ -20,7 +20,8 @@ queries (``highest_live_slots``, ``lowest_free_slots``, ``lowest_expendable_slot
   data). No block goes up past the bucket the live blocks run in.
 * **Pairing.** A step's pass moves whole runs (a request's blocks in consecutive slots),
   highest first, each into the lowest range of free slots below it that holds it, at
-  most ``max_moves_per_step`` blocks, and stops at a run no range holds. A scheduled
+  most ``max_moves_per_step`` blocks, and stops at a run no range holds; with prefix
+  caching, or when no run fits, it packs as a scheduled pass does. A scheduled
   pass pairs the highest live slots with the lowest free slots, again and again, while
   the free slot is below the live one; when the cap stops it early, a cached destination
   gives way to an empty slot that still lies below the highest live slot that stays (a
@@ -272,8 +273,8 @@ class _FreeSlots:
         """``len(own_slots)`` slots, ascending, among the free ones below ``below`` and
         ``own_slots`` (those of the blocks to place), in the fewest runs: the lowest run
         that holds them all, else the longest runs (the lower of equals first). When
-        those would leave more than ``max_holes`` of these slots free below their
-        highest (None: no bound), the lowest ones instead (as packed as it gets)."""
+        those would leave more than ``max_holes`` slots below their highest that no live
+        block holds (None: no bound), the lowest ones instead (as packed as it gets)."""
         size = len(own_slots)
         mask = self._tracker.expendable_mask(below)
         for slot in self._taken:
@@ -301,10 +302,20 @@ class _FreeSlots:
                 if num_slots == size:
                     break
             slots = [slot for start, run in sorted(chosen) for slot in range(start, start + run)]
-        if max_holes is not None and int(mask[: slots[-1]].sum()) - (size - 1) > max_holes:
+        if max_holes is not None and self._holes_below(own_slots, slots) > max_holes:
             lowest: list[int] = mask.nonzero()[0][:size].tolist()
             return lowest
         return slots
+
+    def _holes_below(self, own_slots: list[int], slots: list[int]) -> int:
+        """The slots below the highest of ``slots`` that no live block holds once the
+        blocks on ``own_slots`` move to ``slots`` (cached free slots count: compaction
+        counts them as holes too)."""
+        top = slots[-1]
+        live = self._tracker.live_mask(top + 1)
+        live[[slot for slot in own_slots if slot <= top]] = False
+        live[slots] = True
+        return top - int(live[1:].sum())
 
 
 def plan_compaction(
@@ -319,16 +330,18 @@ def plan_compaction(
 
     A step's pass moves whole runs (``_plan_run_compaction``); with ``decode_buckets``,
     only the blocks whose moves lower the decode bucket (``_plan_bucket_compaction``). A
-    scheduled pass (``is_forced``), or a step's when no run can move whole (then not the
-    fresh blocks ``placed_ids`` that placement laid out this step), packs: the highest
-    live slots leave for the lowest free slots (never the null slot) while the free one
-    is below, at most ``max_moves_per_step``; with prefix caching, cached destinations
-    then give way to empty ones (``_prefer_empty``). The blocks keep their order (``_pair_runs``).
+    scheduled pass (``is_forced``), a step's under prefix caching (a whole run would swap
+    with cached blocks, two copies each), or a step's when no run can move whole (then
+    not the fresh blocks ``placed_ids`` that placement laid out this step), packs: the
+    highest live slots leave for the lowest free slots (never the null slot) while the
+    free one is below, at most ``max_moves_per_step``; with prefix caching, cached
+    destinations then give way to empty ones (``_prefer_empty``). The blocks keep their
+    order (``_pair_runs``).
     """
     if config.decode_buckets and not is_forced:
         return _plan_bucket_compaction(tracker, config)
     max_pairs = config.max_moves_per_step  # >= 1 (EngineConfig checks it)
-    if is_forced:
+    if is_forced or tracker.prefix_caching:
         src = tracker.highest_live_slots(max_pairs + 1)  # one more: the highest that stays
     else:
         runs = _plan_run_compaction(tracker, config)

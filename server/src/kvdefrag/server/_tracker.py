@@ -237,6 +237,10 @@ class BlockTracker:
         ``below``, lowest first."""
         return self._expendable.lowest(max_slots, below, is_in=True)
 
+    def live_mask(self, below: int) -> npt.NDArray[np.bool_]:
+        """Whether each slot below ``below`` is live (a copy, index: slot)."""
+        return self._live.mask[: max(below, 0)].copy()
+
     def expendable_mask(self, below: int) -> npt.NDArray[np.bool_]:
         """Whether each slot below ``below`` is expendable (a copy, index: slot)."""
         return self._expendable.mask[: max(below, 0)].copy()
