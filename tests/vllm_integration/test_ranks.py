@@ -326,7 +326,9 @@ def test_closing_does_not_wait_for_a_rank_that_stopped_with_a_step_in_flight(
     kvs = [SignedKv.create(64), SignedKv.create(64)]
     held = ScriptedExecutor.for_kv(kvs[1])
     handles = [serve(kv=kvs[0], threshold=0), serve(kv=kvs[1], threshold=0, executor=held)]
-    timeout_s = 4 * TIMEOUT_S  # a gone rank is not waited for: not even a part of it
+    # NOTE: no clock is read: waiting for the gone rank would run to this deadline and
+    # log that it did not answer; found gone, it is named so and the wait ends.
+    timeout_s = 60.0
     group = RankGroup([DefragClient(h.address, timeout_s=timeout_s) for h in handles])
     try:
         held.hold()
@@ -337,12 +339,10 @@ def test_closing_does_not_wait_for_a_rank_that_stopped_with_a_step_in_flight(
         assert held.entered.wait(10)
         handles[1].stop(grace_s=0)  # the step's call is cancelled; no socket any more
 
-        started = time.monotonic()
         with caplog.at_level(logging.WARNING, logger="kvdefrag.vllm._scheduler.ranks"):
             reply = group.close(in_flight)
-        elapsed_s = time.monotonic() - started
 
-        assert elapsed_s < timeout_s / 2, elapsed_s
+        assert "did not answer" not in caplog.text
         assert reply is not None and reply.seq == 2  # rank 0's, checked
         gone = [r.getMessage() for r in caplog.records if "is gone" in r.getMessage()]
         assert len(gone) == 1, caplog.text
@@ -379,10 +379,8 @@ def test_closing_gives_up_on_a_rank_that_serves_but_never_answers(
         held.hold()
         in_flight = group.submit(StepEvents(new_blocks={"a": [40, 41]}, fresh=[]))
         assert held.entered.wait(10)
-        started = time.monotonic()
         with caplog.at_level(logging.WARNING, logger="kvdefrag.vllm._scheduler.ranks"):
             assert group.close([in_flight]) is None
-        assert time.monotonic() - started < 2 * TIMEOUT_S
         assert f"rank 0 at {handle.address} did not answer" in caplog.text
         assert "is gone" not in caplog.text
     finally:

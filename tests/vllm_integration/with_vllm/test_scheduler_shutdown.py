@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any
 
 import pytest
@@ -19,8 +18,9 @@ from support.vllm_harness import (
     make_scheduler,
 )
 
-# The rank clients' timeout_s in these tests: the bound is stated in it.
-TIMEOUT_S = 1.0
+# The rank clients' timeout_s in these tests. NOTE: no clock is read: a shutdown that
+# waited for the gone rank would run to this deadline and log that it did not answer.
+TIMEOUT_S = 60.0
 
 
 @pytest.mark.parametrize("is_async", [False, True], ids=["sync", "async"])
@@ -56,12 +56,10 @@ def test_shutdown_after_the_ranks_stopped_names_the_rank_gone_and_does_not_wait_
     assert len(scheduler.kvdefrag._in_flight) == 1
     ranks[0][0].stop(grace_s=0)
 
-    started = time.monotonic()
     with caplog.at_level(logging.WARNING, logger="kvdefrag.vllm._scheduler.ranks"):
         scheduler.shutdown()
-    elapsed_s = time.monotonic() - started
 
-    assert elapsed_s < 2 * TIMEOUT_S, elapsed_s
+    assert "did not answer" not in caplog.text
     address = scheduler.kvdefrag.ranks.clients[1].address
     messages = [record.getMessage() for record in caplog.records]
     assert any(m.startswith(f"rank 1 at {address} is gone: UNAVAILABLE") for m in messages)
