@@ -1,5 +1,18 @@
 """Stand-ins for what a worker translates: an output naming blocks, vLLM 0.33's V1 and V2
-runners' persistent rows, and a rank's move history."""
+runners' persistent rows, and a rank's move history.
+
+Modelled on vLLM 0.33 (``vllm/v1/worker/``): the V1 runner keeps each request's row twice,
+in ``GPUModelRunner.requests`` (``gpu_model_runner.py:686``, a ``CachedRequestState`` whose
+``block_ids`` has one list per group, ``gpu_input_batch.py:42``; rewritten whole at
+``gpu_model_runner.py:1615``, appended to at ``:1425-1432``) and in the persistent batch's
+``input_batch.block_table`` (``MultiGroupBlockTable``, ``gpu_input_batch.py:183``: per group
+a ``BlockTable`` with ``block_table.np`` and ``num_blocks_per_row``, ``block_table.py:49-83``,
+rows indexed as ``input_batch.req_ids``, ``gpu_input_batch.py:315``). The V2 runner keeps
+one ``StagedWriteTensor`` per group in ``block_tables.block_tables``
+(``gpu/block_table.py:66-71``) whose ``.gpu`` is the table the forward reads. Only the
+attributes kvdefrag's remapping reads are modelled; the runner's own step loop is driven
+by the harness (``support.vllm_harness``), which follows vLLM's ``EngineCore.step``.
+"""
 
 from __future__ import annotations
 
