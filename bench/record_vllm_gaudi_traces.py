@@ -37,13 +37,11 @@ import io
 import math
 import random
 from pathlib import Path
-from typing import Any
 
 from vllm.sampling_params import SamplingParams
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request
-from vllm_engineless import build_scheduler
+from vllm_engineless import build_scheduler, poisson_count, sample_finished
 
 from kvdefrag.client.record import StepRecorder
 from kvdefrag.vllm._scheduler.bridge import ParkedBlocks, changes_from_output
@@ -92,29 +90,6 @@ def _request(rng: random.Random, index: int) -> Request:
     )
 
 
-def _poisson(rng: random.Random, rate: float) -> int:
-    count, threshold, product = 0, math.exp(-rate), rng.random()
-    while product > threshold:
-        count += 1
-        product *= rng.random()
-    return count
-
-
-def _sample(scheduler: Scheduler, output: Any) -> ModelRunnerOutput:
-    """One token for every request whose scheduled tokens reach its end."""
-    request_ids = list(output.num_scheduled_tokens)
-    sampled = []
-    for request_id in request_ids:
-        request = scheduler.requests[request_id]
-        done = request.num_computed_tokens >= request.num_tokens
-        sampled.append([7] if done else [])
-    return ModelRunnerOutput(
-        req_ids=request_ids,
-        req_id_to_index={request_id: i for i, request_id in enumerate(request_ids)},
-        sampled_token_ids=sampled,
-    )
-
-
 def record(load: str, free_order: str, num_steps: int, seed: int) -> Path:
     """Records one trace; returns its path."""
     scheduler = make_scheduler(free_order)
@@ -158,7 +133,7 @@ def record(load: str, free_order: str, num_steps: int, seed: int) -> Path:
         ) as recorder,
     ):
         for step in range(num_steps):
-            for _ in range(_poisson(rng, LOADS[load])):
+            for _ in range(poisson_count(rng, LOADS[load])):
                 scheduler.add_request(_request(rng, next_id))
                 next_id += 1
             output = scheduler.schedule()
@@ -168,7 +143,7 @@ def record(load: str, free_order: str, num_steps: int, seed: int) -> Path:
             if step % AUDIT_EVERY == 0:  # where DefragScheduler audits: right after planning
                 truth = {rid: [b.block_id for b in held] for rid, held in blocks.items()}
                 ledger.audit(truth, parked.block_lists(), is_cached)
-            scheduler.update_from_output(output, _sample(scheduler, output))
+            scheduler.update_from_output(output, sample_finished(scheduler, output))
     live = sum(len(ids) for ids in ledger.held.values())
     print(
         f"{path.name}: {num_steps} steps, {next_id} requests, {num_preempted} preempted, "

@@ -85,9 +85,8 @@ from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request
-from vllm_engineless import build_scheduler
+from vllm_engineless import build_scheduler, poisson_count, sample_finished
 
 from kvdefrag.server import Engine, EngineConfig
 from kvdefrag.vllm._scheduler.bridge import ParkedBlocks, changes_from_output
@@ -107,7 +106,6 @@ PROMPT_MEDIAN, PROMPT_SIGMA, PROMPT_MIN = 3_000, 0.8, 256
 NUM_SYSTEM_PROMPTS = 6
 SYSTEM_PROMPT_TOKENS = (1_024, 4_096)
 SHARED_FRACTION = 0.6
-SAMPLED_TOKEN = 7
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,7 +215,7 @@ class Instance:
         num_preempted = 0
         pending = iter(specs)
         for step in range(num_steps):
-            for _ in range(_poisson(rng, size.arrivals_per_step)):
+            for _ in range(poisson_count(rng, size.arrivals_per_step)):
                 spec = next(pending, None)
                 if spec is None:
                     break
@@ -253,30 +251,8 @@ class Instance:
                 live = [i for i, count in enumerate(self.ledger.refs) if count > 0]
                 physical = self.engine.resolve(live).tolist() if live else []
                 pages.append((pages_touched(live), pages_touched(physical), pages_floor(len(live))))
-            scheduler.update_from_output(output, _sample(scheduler, output))
+            scheduler.update_from_output(output, sample_finished(scheduler, output))
         return InstanceRun(captured, pages, moved, num_preempted, num_steps)
-
-
-def _poisson(rng: random.Random, rate: float) -> int:
-    count, threshold, product = 0, math.exp(-rate), rng.random()
-    while product > threshold:
-        count += 1
-        product *= rng.random()
-    return count
-
-
-def _sample(scheduler: Scheduler, output: Any) -> ModelRunnerOutput:
-    """One token for every request whose scheduled tokens reach its end."""
-    request_ids = list(output.num_scheduled_tokens)
-    sampled = []
-    for request_id in request_ids:
-        request = scheduler.requests[request_id]
-        sampled.append([SAMPLED_TOKEN] if request.num_computed_tokens >= request.num_tokens else [])
-    return ModelRunnerOutput(
-        req_ids=request_ids,
-        req_id_to_index={request_id: i for i, request_id in enumerate(request_ids)},
-        sampled_token_ids=sampled,
-    )
 
 
 # --- the table ------------------------------------------------------------------------------

@@ -8,15 +8,22 @@ tokenizer) and one full-attention KV-cache group on CPU. Runs in ``.venv-vllm``.
 from __future__ import annotations
 
 import json
+import math
+import random
 import tempfile
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 import torch
 from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.structured_output import StructuredOutputManager
+
+SAMPLED_TOKEN = 7
+"""The token every stand-in step samples."""
 
 
 @cache
@@ -82,4 +89,28 @@ def build_scheduler(
         kv_cache_config=kv_cache_config,
         structured_output_manager=StructuredOutputManager(vllm_config),
         block_size=block_size,
+    )
+
+
+def poisson_count(rng: random.Random, rate: float) -> int:
+    """A Poisson draw with mean ``rate`` (Knuth's product of uniforms)."""
+    count, threshold, product = 0, math.exp(-rate), rng.random()
+    while product > threshold:
+        count += 1
+        product *= rng.random()
+    return count
+
+
+def sample_finished(scheduler: Scheduler, output: Any) -> ModelRunnerOutput:
+    """One token for every request whose scheduled tokens reach its end."""
+    request_ids = list(output.num_scheduled_tokens)
+    sampled = []
+    for request_id in request_ids:
+        request = scheduler.requests[request_id]
+        done = request.num_computed_tokens >= request.num_tokens
+        sampled.append([SAMPLED_TOKEN] if done else [])
+    return ModelRunnerOutput(
+        req_ids=request_ids,
+        req_id_to_index={request_id: i for i, request_id in enumerate(request_ids)},
+        sampled_token_ids=sampled,
     )
