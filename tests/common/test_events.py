@@ -60,7 +60,7 @@ def test_as_kwargs_are_the_fields_and_a_copy() -> None:
     events = StepEvents(finished=["x"], new_blocks={"a": [1]}, fresh=[1])
     kwargs = events.as_kwargs()
 
-    assert tuple(kwargs) == StepEvents.field_names()
+    assert tuple(kwargs) == StepEvents.field_names()[:5]  # no pins: no pin keys
     assert kwargs == {
         "finished": ["x"],
         "new_blocks": {"a": [1]},
@@ -72,6 +72,31 @@ def test_as_kwargs_are_the_fields_and_a_copy() -> None:
     kwargs["finished"].append("y")
     assert events.new_blocks == {"a": [1]} and events.finished == ("x",)
     assert StepEvents(**kwargs).new_blocks == {"a": [1, 2]}
+
+
+def test_as_kwargs_carry_pins_when_set_and_copy_them() -> None:
+    events = StepEvents(unpinned=["send/a"], pins={"send/b": (3, 4)})
+    kwargs = events.as_kwargs()
+
+    assert tuple(kwargs) == StepEvents.field_names()
+    assert kwargs["unpinned"] == ["send/a"] and kwargs["pins"] == {"send/b": [3, 4]}
+    kwargs["pins"]["send/b"].append(5)
+    assert events.pins == {"send/b": [3, 4]}
+    assert StepEvents(**kwargs) == StepEvents(unpinned=("send/a",), pins={"send/b": [3, 4, 5]})
+    assert not events.is_empty and not StepEvents(unpinned=["k"]).is_empty
+
+
+@pytest.mark.parametrize(
+    ("events", "message"),
+    [
+        ({"pins": {"k": ["x"]}}, "pins\\['k'\\]: block id 'x' is not an integer"),
+        ({"pins": {3: [1]}}, "pins: request id must be a str"),
+        ({"unpinned": "key"}, "unpinned: expected a collection"),
+    ],
+)
+def test_malformed_pins_are_refused_naming_the_field(events: dict[str, Any], message: str) -> None:
+    with pytest.raises(InvalidArgument, match=message):
+        StepEvents(**events)
 
 
 def test_fresh_none_stays_none_and_only_an_event_free_step_is_empty() -> None:

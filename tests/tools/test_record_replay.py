@@ -57,7 +57,9 @@ def test_trace_is_a_header_and_one_line_of_step_keywords_per_step(recorded: Reco
     assert header["kvdefrag_trace"] == 1
     assert (header["num_blocks"], header["block_size"]) == (400, 16)
     assert header["prefix_caching"] is recorded.prefix_caching
-    assert all(tuple(json.loads(line)) == STEP_KEYS for line in lines[1:])
+    # A step without pins writes the five event fields, no pin keys.
+    assert all(tuple(json.loads(line)) == STEP_KEYS[:5] for line in lines[1:])
+    assert STEP_KEYS[5:] == ("unpinned", "pins")
     assert sum(len(json.loads(line)["fresh"]) for line in lines[1:]) > 0
 
 
@@ -236,3 +238,20 @@ def test_kvdefrag_replay_of_a_malformed_trace_exits_2_naming_the_line(tmp_path: 
 
     assert done.returncode == 2
     assert f"{trace} line 3: not valid JSON" in done.stderr
+
+
+def test_pins_are_recorded_only_where_set_and_read_back() -> None:
+    buffer = io.StringIO()
+    steps = [
+        StepEvents(new_blocks={"a": [1, 2]}, pins={"send/a": [1, 2]}),
+        StepEvents(finished=("a",)),
+        StepEvents(unpinned=("send/a",)),
+    ]
+    with StepRecorder(buffer, num_blocks=64, block_size=16, close_file=False) as recorder:
+        for step in steps:
+            recorder.record(step)
+    lines = buffer.getvalue().splitlines()
+    assert ['"pins"' in line for line in lines[1:]] == [True, False, False]
+    assert parse_trace(lines).steps == steps
+    with pytest.raises(InvalidArgument, match="line 2: unpinned: expected a list of strings"):
+        parse_trace([HEADER, '{"unpinned": "send/a"}'], "t")

@@ -118,6 +118,11 @@ def _fill_step_request(request: Message, seq: int, epoch: int, events: StepEvent
         for request_id, block_ids in lists.items():
             add(request_id=request_id, block_ids=block_ids)
     request.evicted_block_ids.extend(events.evicted)
+    request.unpinned_keys.extend(events.unpinned)
+    if events.pins:
+        add_pin = request.pins.add
+        for key, block_ids in events.pins.items():
+            add_pin(key=key, block_ids=block_ids)
     if events.fresh is not None:
         # NOTE: presence matters: an empty `fresh` says "none is fresh", absent says
         # "the server's default".
@@ -201,6 +206,7 @@ def session_info(message: Message) -> SessionInfo:
         block_size=message.block_size,
         prefix_caching=message.prefix_caching,
         digest=message.digest,
+        supports_pins=message.supports_pins,
     )
 
 

@@ -234,6 +234,12 @@ class StepSession:
             )
         if self._mirror is None:
             self.ensure_stream(deadline)  # seq and epoch come from the session
+        if (events.pins or events.unpinned) and not (self._info and self._info.supports_pins):
+            raise InvalidArgument(
+                f"step seq {self._next_seq}: not sent: it pins or unpins blocks, and the "
+                f"server at {self._settings.address} does not apply pins (an older "
+                "kvdefrag); upgrade the server"
+            )
         message = _convert.stream_step_request(self._next_seq, self._epoch, events)
         size_bytes = _convert.message_size(message)
         max_message_bytes = self._settings.max_message_bytes

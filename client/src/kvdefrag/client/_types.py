@@ -63,7 +63,8 @@ class ServiceStats:
 
 @dataclasses.dataclass(frozen=True)
 class SessionInfo:
-    """The server's answer to opening a stream session."""
+    """The server's answer to opening a stream session (``supports_pins``: the server
+    applies ``StepEvents.pins``; an older one would drop them)."""
 
     epoch: int
     next_seq: int
@@ -71,6 +72,7 @@ class SessionInfo:
     block_size: int
     prefix_caching: bool
     digest: int
+    supports_pins: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """Step traces: record what a scheduler sends as JSON lines, and read them back for replay.
 
-A trace is one header line, then one line per step with exactly the fields of
-``StepEvents``, the argument of ``DefragClient.step`` / ``Engine.step``::
+A trace is one header line, then one line per step with the fields of ``StepEvents``,
+the argument of ``DefragClient.step`` / ``Engine.step`` (``unpinned`` and ``pins`` only
+in steps that set them)::
 
     {"kvdefrag_trace": 1, "num_blocks": 8000, "block_size": 16, "prefix_caching": false}
     {"finished": [], "new_blocks": {"req-0": [1, 2]}, "resumed": {}, "fresh": [1, 2], "evicted": []}
@@ -239,6 +240,13 @@ def _lists(value: object, field: str) -> dict[str, list[int]]:
     return {request_id: _ids(ids, f"{field}[{request_id!r}]") for request_id, ids in value.items()}
 
 
+def _keys(value: object, field: str) -> list[str]:
+    """A list of strings (request ids, pin keys) read from a trace line."""
+    if not isinstance(value, list) or not all(isinstance(key, str) for key in value):
+        raise InvalidArgument(f"{field}: expected a list of strings, got {value!r}")
+    return value
+
+
 def _parse_step(text: str, where: str) -> StepEvents:
     fields = _json_object(text, where)
     unknown = sorted(set(fields) - set(STEP_KEYS))
@@ -247,9 +255,7 @@ def _parse_step(text: str, where: str) -> StepEvents:
             f"{where}: unknown key {unknown[0]!r} (a step has {', '.join(STEP_KEYS)})"
         )
     try:
-        finished = fields.get("finished", [])
-        if not isinstance(finished, list) or not all(isinstance(r, str) for r in finished):
-            raise InvalidArgument(f"finished: expected a list of request ids, got {finished!r}")
+        finished = _keys(fields.get("finished", []), "finished")
         fresh = fields.get("fresh")
         return StepEvents(
             finished=tuple(finished),
@@ -257,6 +263,8 @@ def _parse_step(text: str, where: str) -> StepEvents:
             resumed=_lists(fields.get("resumed", {}), "resumed"),
             fresh=None if fresh is None else _ids(fresh, "fresh"),
             evicted=_ids(fields.get("evicted", []), "evicted"),
+            unpinned=tuple(_keys(fields.get("unpinned", []), "unpinned")),
+            pins=_lists(fields.get("pins", {}), "pins"),
         )
     except InvalidArgument as err:
         raise InvalidArgument(f"{where}: {err}") from None

@@ -121,6 +121,12 @@ class StepEvents:
         new_blocks: Request id -> logical block ids appended this step.
         fresh: Logical ids among the new/resumed ones that hold no data yet; None lets
             the engine decide (every newly live block without prefix caching, none with).
+        unpinned: Keys of pins that end this step (their blocks may move again).
+        pins: Key -> logical ids that must keep their slot from this step until a later
+            step unpins the key: a transfer reads or writes them outside the worker's
+            passes (a KV connector). A pinned block is never moved, placed on or
+            re-pointed, live or free; a block fresh this step is pinned where placement
+            puts it.
 
     The types are checked once, here, when the value is made (the range checks against
     the pool are the engine's), and every ``step()`` (engine, client, rank group) takes
@@ -141,6 +147,8 @@ class StepEvents:
     resumed: dict[str, list[int]] = dataclasses.field(default_factory=dict)
     fresh: list[int] | None = None
     evicted: list[int] = dataclasses.field(default_factory=list)
+    unpinned: tuple[str, ...] = ()
+    pins: dict[str, list[int]] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         checked = {
@@ -149,6 +157,8 @@ class StepEvents:
             "resumed": _block_lists("resumed", self.resumed),
             "fresh": None if self.fresh is None else _block_ids("fresh", self.fresh),
             "evicted": _block_ids("evicted", self.evicted),
+            "unpinned": _request_ids("unpinned", self.unpinned),
+            "pins": _block_lists("pins", self.pins),
         }
         for name, value in checked.items():
             if value is not getattr(self, name):
@@ -156,24 +166,39 @@ class StepEvents:
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
-        """The names of the five fields, in declaration order."""
+        """The names of the fields, in declaration order."""
         return tuple(field.name for field in dataclasses.fields(cls))
 
     def as_kwargs(self) -> dict[str, Any]:
         """Returns the fields as keywords of ``StepEvents`` (a trace's line), copied:
-        changing them does not change this value."""
-        return {
+        changing them does not change this value; ``unpinned`` and ``pins`` only when
+        set."""
+        kwargs: dict[str, Any] = {
             "finished": list(self.finished),
             "new_blocks": {rid: list(ids) for rid, ids in self.new_blocks.items()},
             "resumed": {rid: list(ids) for rid, ids in self.resumed.items()},
             "fresh": None if self.fresh is None else list(self.fresh),
             "evicted": list(self.evicted),
         }
+        # NOTE: only when set, so the traces of steps without pins read as before.
+        if self.unpinned:
+            kwargs["unpinned"] = list(self.unpinned)
+        if self.pins:
+            kwargs["pins"] = {key: list(ids) for key, ids in self.pins.items()}
+        return kwargs
 
     @property
     def is_empty(self) -> bool:
         """True when the step carries no event at all."""
-        return not (self.finished or self.new_blocks or self.resumed or self.fresh or self.evicted)
+        return not (
+            self.finished
+            or self.new_blocks
+            or self.resumed
+            or self.fresh
+            or self.evicted
+            or self.unpinned
+            or self.pins
+        )
 
 
 def require_step_events(events: object) -> StepEvents:

@@ -17,6 +17,7 @@ class Totals:
         num_defrag_runs: Compaction passes that moved at least one block.
         num_bytes_moved: Bytes written to the KV tensors by moves.
         num_unknown_finished: Finished request ids the engine did not know.
+        num_unknown_unpins: Unpinned keys that named no pin.
     """
 
     num_steps: int = 0
@@ -26,6 +27,7 @@ class Totals:
     num_defrag_runs: int = 0
     num_bytes_moved: int = 0
     num_unknown_finished: int = 0
+    num_unknown_unpins: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +42,7 @@ class PoolStats:
         num_requests: Requests holding blocks.
         fragmentation_ratio: ``max_live / num_live``; 1.0 is packed (and when empty).
         is_healthy: False after a failed KV move, until a reset.
+        num_pinned: Blocks pinned (a KV transfer in flight), live or free.
         totals: What the engine did since it started or was last reset.
     """
 
@@ -50,6 +53,7 @@ class PoolStats:
     num_requests: int = 0
     fragmentation_ratio: float = 1.0
     is_healthy: bool = True
+    num_pinned: int = 0
     totals: Totals = Totals()
 
     @classmethod

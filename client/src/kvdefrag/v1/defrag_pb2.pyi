@@ -27,7 +27,7 @@ class BlockTable(_message.Message):
     def __init__(self, block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("seq", "epoch", "finished_request_ids", "resumed", "new_blocks", "fresh", "evicted_block_ids")
+    __slots__ = ("seq", "epoch", "finished_request_ids", "resumed", "new_blocks", "fresh", "evicted_block_ids", "unpinned_keys", "pins")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     FINISHED_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -35,6 +35,8 @@ class StepRequest(_message.Message):
     NEW_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     FRESH_FIELD_NUMBER: _ClassVar[int]
     EVICTED_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    UNPINNED_KEYS_FIELD_NUMBER: _ClassVar[int]
+    PINS_FIELD_NUMBER: _ClassVar[int]
     seq: int
     epoch: int
     finished_request_ids: _containers.RepeatedScalarFieldContainer[str]
@@ -42,10 +44,20 @@ class StepRequest(_message.Message):
     new_blocks: _containers.RepeatedCompositeFieldContainer[RequestBlocks]
     fresh: BlockIds
     evicted_block_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, seq: _Optional[int] = ..., epoch: _Optional[int] = ..., finished_request_ids: _Optional[_Iterable[str]] = ..., resumed: _Optional[_Iterable[_Union[RequestBlocks, _Mapping]]] = ..., new_blocks: _Optional[_Iterable[_Union[RequestBlocks, _Mapping]]] = ..., fresh: _Optional[_Union[BlockIds, _Mapping]] = ..., evicted_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    unpinned_keys: _containers.RepeatedScalarFieldContainer[str]
+    pins: _containers.RepeatedCompositeFieldContainer[BlockPin]
+    def __init__(self, seq: _Optional[int] = ..., epoch: _Optional[int] = ..., finished_request_ids: _Optional[_Iterable[str]] = ..., resumed: _Optional[_Iterable[_Union[RequestBlocks, _Mapping]]] = ..., new_blocks: _Optional[_Iterable[_Union[RequestBlocks, _Mapping]]] = ..., fresh: _Optional[_Union[BlockIds, _Mapping]] = ..., evicted_block_ids: _Optional[_Iterable[int]] = ..., unpinned_keys: _Optional[_Iterable[str]] = ..., pins: _Optional[_Iterable[_Union[BlockPin, _Mapping]]] = ...) -> None: ...
+
+class BlockPin(_message.Message):
+    __slots__ = ("key", "block_ids")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, key: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Stats(_message.Message):
-    __slots__ = ("num_blocks", "num_live", "max_live", "holes", "num_requests", "fragmentation_ratio", "is_healthy", "num_steps", "num_moves", "num_two_way_moves", "num_placements", "num_defrag_runs", "num_bytes_moved", "num_unknown_finished")
+    __slots__ = ("num_blocks", "num_live", "max_live", "holes", "num_requests", "fragmentation_ratio", "is_healthy", "num_steps", "num_moves", "num_two_way_moves", "num_placements", "num_defrag_runs", "num_bytes_moved", "num_unknown_finished", "num_pinned", "num_unknown_unpins")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_LIVE_FIELD_NUMBER: _ClassVar[int]
     MAX_LIVE_FIELD_NUMBER: _ClassVar[int]
@@ -60,6 +72,8 @@ class Stats(_message.Message):
     NUM_DEFRAG_RUNS_FIELD_NUMBER: _ClassVar[int]
     NUM_BYTES_MOVED_FIELD_NUMBER: _ClassVar[int]
     NUM_UNKNOWN_FINISHED_FIELD_NUMBER: _ClassVar[int]
+    NUM_PINNED_FIELD_NUMBER: _ClassVar[int]
+    NUM_UNKNOWN_UNPINS_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
     num_live: int
     max_live: int
@@ -74,7 +88,9 @@ class Stats(_message.Message):
     num_defrag_runs: int
     num_bytes_moved: int
     num_unknown_finished: int
-    def __init__(self, num_blocks: _Optional[int] = ..., num_live: _Optional[int] = ..., max_live: _Optional[int] = ..., holes: _Optional[int] = ..., num_requests: _Optional[int] = ..., fragmentation_ratio: _Optional[float] = ..., is_healthy: _Optional[bool] = ..., num_steps: _Optional[int] = ..., num_moves: _Optional[int] = ..., num_two_way_moves: _Optional[int] = ..., num_placements: _Optional[int] = ..., num_defrag_runs: _Optional[int] = ..., num_bytes_moved: _Optional[int] = ..., num_unknown_finished: _Optional[int] = ...) -> None: ...
+    num_pinned: int
+    num_unknown_unpins: int
+    def __init__(self, num_blocks: _Optional[int] = ..., num_live: _Optional[int] = ..., max_live: _Optional[int] = ..., holes: _Optional[int] = ..., num_requests: _Optional[int] = ..., fragmentation_ratio: _Optional[float] = ..., is_healthy: _Optional[bool] = ..., num_steps: _Optional[int] = ..., num_moves: _Optional[int] = ..., num_two_way_moves: _Optional[int] = ..., num_placements: _Optional[int] = ..., num_defrag_runs: _Optional[int] = ..., num_bytes_moved: _Optional[int] = ..., num_unknown_finished: _Optional[int] = ..., num_pinned: _Optional[int] = ..., num_unknown_unpins: _Optional[int] = ...) -> None: ...
 
 class StepResponse(_message.Message):
     __slots__ = ("seq", "epoch", "logical_block_ids", "physical_block_ids", "digest", "num_moves", "num_placed", "num_unknown_finished", "replayed", "stats")
@@ -111,20 +127,22 @@ class OpenSession(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., prefix_caching: _Optional[bool] = ..., client_name: _Optional[str] = ...) -> None: ...
 
 class SessionOpened(_message.Message):
-    __slots__ = ("epoch", "next_seq", "num_blocks", "block_size", "prefix_caching", "digest")
+    __slots__ = ("epoch", "next_seq", "num_blocks", "block_size", "prefix_caching", "digest", "supports_pins")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     NEXT_SEQ_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHING_FIELD_NUMBER: _ClassVar[int]
     DIGEST_FIELD_NUMBER: _ClassVar[int]
+    SUPPORTS_PINS_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     next_seq: int
     num_blocks: int
     block_size: int
     prefix_caching: bool
     digest: int
-    def __init__(self, epoch: _Optional[int] = ..., next_seq: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., prefix_caching: _Optional[bool] = ..., digest: _Optional[int] = ...) -> None: ...
+    supports_pins: bool
+    def __init__(self, epoch: _Optional[int] = ..., next_seq: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., prefix_caching: _Optional[bool] = ..., digest: _Optional[int] = ..., supports_pins: _Optional[bool] = ...) -> None: ...
 
 class StepStreamRequest(_message.Message):
     __slots__ = ("open", "step")

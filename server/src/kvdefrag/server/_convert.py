@@ -148,7 +148,19 @@ def step_events(request: Message) -> StepEvents:
         new_blocks=_block_lists("new_blocks", request.new_blocks),
         fresh=list(request.fresh.block_ids) if request.HasField("fresh") else None,
         evicted=list(request.evicted_block_ids),
+        unpinned=tuple(request.unpinned_keys),
+        pins=_pins(request.pins),
     )
+
+
+def _pins(entries: Any) -> dict[str, list[int]]:
+    """BlockPin entries as key -> logical ids, refusing a key listed twice."""
+    pins: dict[str, list[int]] = {}
+    for index, entry in enumerate(entries):
+        if entry.key in pins:
+            raise InvalidArgument(f"pins[{index}]: key {quote(entry.key)} appears twice in pins")
+        pins[entry.key] = list(entry.block_ids)
+    return pins
 
 
 # Bytes of a StepResponse besides its two id lists: seq, epoch, digest, counts, Stats,
@@ -246,6 +258,7 @@ def session_opened(
             block_size=block_size,
             prefix_caching=prefix_caching,
             digest=digest,
+            supports_pins=True,
         )
     )
 

@@ -3,8 +3,10 @@
 A step applies the scheduler's events in docs/design/step.md order, all-or-nothing up to the KV
 moves::
 
-    validate -> finished -> resumed -> evicted -> new blocks -> placement -> compaction
-             -> execute moves -> commit mapping -> result
+    validate -> finished -> resumed -> evicted -> new blocks -> unpins -> pins
+             -> placement -> compaction -> execute moves -> commit mapping -> result
+
+(A block fresh this step is pinned where placement puts it.)
 
 Validation reads only; nothing changes until every field has passed. If the executor
 fails, the compaction is not committed (the mapping still matches the data of every
@@ -189,6 +191,8 @@ class Engine:
         self._observers: list[StepObserver] = [] if observer is None else [observer]
         self._lock = threading.Lock()
         self._tracker = BlockTracker(self.num_blocks, self.config.prefix_caching)
+        # Pin key -> its logical ids (StepEvents.pins), until a step unpins the key.
+        self._pins: dict[str, list[int]] = {}
         self._totals = Totals()
         self._unhealthy_reason: str | None = None
         self._force_defrag = False
@@ -240,7 +244,7 @@ class Engine:
         with self._lock:
             if self._unhealthy_reason is not None:
                 raise EngineUnhealthy(self._unhealthy_reason)
-            validate_step(self._tracker, events)
+            validate_step(self._tracker, events, self._pins)
             self._generation += 1
             move_failed = False
             result: StepResult | None = None
@@ -297,20 +301,27 @@ class Engine:
         fresh = events.fresh
         if fresh is None:
             fresh = [] if tracker.prefix_caching else newly_live
+        num_unknown_unpins = self._unpin(events.unpinned)
+        pinned_later: list[int] = []
+        if events.pins or tracker.num_pinned:
+            fresh, pinned_later = self._pin(events.pins, fresh)
         num_placed = (
             self._place(fresh, touched, (events.resumed, events.new_blocks))
             if self.config.enable_placement
             else 0
         )
+        tracker.pin(pinned_later)
         tracker.mix_live_digests(newly_live)
         try:
             moves, report, swap_s = self._compact(touched, newly_live, released, fresh)
         except EngineUnhealthy:
             # NOTE: the events stand: the step is applied without its compaction, and
             # counted, so that num_steps (and the service's seq) say what the state is.
-            self._count_step(num_placed, num_unknown, MoveBatch([], []), MoveReport(0, 0, 0))
+            self._count_step(
+                num_placed, num_unknown, num_unknown_unpins, MoveBatch([], []), MoveReport(0, 0, 0)
+            )
             raise
-        self._count_step(num_placed, num_unknown, moves, report)
+        self._count_step(num_placed, num_unknown, num_unknown_unpins, moves, report)
         fwd = tracker.fwd
         block_mapping = {logical_id: fwd[logical_id] for logical_id in touched}
         block_mapping.pop(NULL_BLOCK_ID, None)
@@ -326,8 +337,47 @@ class Engine:
             stats=self._stats_locked(),
         )
 
+    def _unpin(self, keys: Sequence[str]) -> int:
+        """Ends the pins of ``keys``; returns how many named no pin (tolerated: a
+        connector may report a transfer done twice, or one pinned before a reset)."""
+        pins = self._pins
+        num_unknown = 0
+        for key in keys:
+            logical_ids = pins.pop(key, None)
+            if logical_ids is None:
+                num_unknown += 1
+            else:
+                self._tracker.unpin(logical_ids)
+        return num_unknown
+
+    def _pin(self, pins: Mapping[str, list[int]], fresh: list[int]) -> tuple[list[int], list[int]]:
+        """Records the step's pins and pins the blocks that are not fresh this step.
+
+        Returns:
+            The fresh blocks placement may re-point (those not pinned), and the fresh
+            blocks to pin once placed.
+        """
+        if not pins:
+            pin_counts = self._tracker.pin_counts
+            return [i for i in fresh if not pin_counts[i]], []
+        self._pins.update(pins)
+        fresh_set = set(fresh)
+        pinned_now = [i for ids in pins.values() for i in ids if i not in fresh_set]
+        pinned_later = [i for ids in pins.values() for i in ids if i in fresh_set]
+        self._tracker.pin(pinned_now)
+        pin_counts = self._tracker.pin_counts
+        # NOTE: a fresh block pinned before this step (its slot still read by a transfer
+        # that outlives its last request) is not re-pointed either.
+        placeable = [i for i in fresh if not pin_counts[i]]
+        return placeable, pinned_later
+
     def _count_step(
-        self, num_placed: int, num_unknown: int, moves: MoveBatch, report: MoveReport
+        self,
+        num_placed: int,
+        num_unknown: int,
+        num_unknown_unpins: int,
+        moves: MoveBatch,
+        report: MoveReport,
     ) -> None:
         totals = self._totals
         self._totals = Totals(
@@ -338,6 +388,7 @@ class Engine:
             num_defrag_runs=totals.num_defrag_runs + bool(moves),
             num_bytes_moved=totals.num_bytes_moved + report.num_bytes,
             num_unknown_finished=totals.num_unknown_finished + num_unknown,
+            num_unknown_unpins=totals.num_unknown_unpins + num_unknown_unpins,
         )
 
     def _place(
@@ -378,6 +429,8 @@ class Engine:
         if not moves:
             return MoveBatch([], []), MoveReport(0, 0, 0), 0.0
         copies = _policy.plan_copies(tracker, moves, fresh)
+        if tracker.num_pinned:
+            self._check_no_pinned_move(copies)
         started = time.perf_counter()
         with self.kv_lock:
             try:
@@ -400,6 +453,20 @@ class Engine:
             self._published = self._publish_locked()
             self._move_log.record(followed)
         return copies, report, swap_s
+
+    def _check_no_pinned_move(self, copies: MoveBatch) -> None:
+        """The second line behind the policy: a batch that would move a pinned block or
+        write a pinned slot is not executed, and the engine stops (a transfer reads or
+        writes that slot: moving it would corrupt data silently)."""
+        slots = np.asarray([*copies.src_ids, *copies.dst_ids], dtype=np.intp)
+        pinned = slots[self._tracker.are_pinned_slots(slots)]
+        if len(pinned):
+            self._unhealthy_reason = (
+                f"step {self._totals.num_steps + 1} planned a move of pinned physical block "
+                f"{int(pinned[0])} (a KV transfer in flight reads or writes it); nothing was "
+                "moved, the step stands without its compaction, and reset() is required"
+            )
+            raise EngineUnhealthy(self._unhealthy_reason)
 
     def _publish_locked(self, *, stats: PoolStats | None = None) -> _Published:
         """Publishes the mapping's changes for lock-free readers (O(changes)) and returns
@@ -478,6 +545,7 @@ class Engine:
             num_requests=len(tracker.requests),
             fragmentation_ratio=max_live / num_live if num_live else 1.0,
             is_healthy=self._unhealthy_reason is None,
+            num_pinned=tracker.num_pinned,
             totals=self._totals,
         )
 
@@ -691,6 +759,7 @@ class Engine:
         if prefix_caching is not None:
             self.config = dataclasses.replace(self.config, prefix_caching=prefix_caching)
         self._tracker = BlockTracker(self.num_blocks, self.config.prefix_caching)
+        self._pins = {}
         self._totals = Totals()
         self._unhealthy_reason = None
         self._force_defrag = False

@@ -38,6 +38,11 @@ queries (``highest_live_slots``, ``lowest_free_slots``, ``lowest_expendable_slot
   nothing to copy down: only the cached data is copied up, one way, into the source's
   slot (``plan_copies``; the mapping changes as for a swap).
 
+* **Pins.** A pinned block (a KV transfer reads or writes it outside the worker's passes)
+  is never a source, a destination or a placement target, live or free: the queries
+  above leave pinned slots out (``highest_movable_slots``, ``lowest_free_slots`` and
+  the expendable slots), and passes pack around them.
+
 Deterministic: the same tracker state and config give the same decisions (no hashing,
 no set iteration), so every rank of a tensor-parallel worker plans identically. Planning
 changes nothing: a plan is committed by the tracker, or dropped.
@@ -342,7 +347,7 @@ def plan_compaction(
         return _plan_bucket_compaction(tracker, config)
     max_pairs = config.max_moves_per_step  # >= 1 (EngineConfig checks it)
     if is_forced or tracker.prefix_caching:
-        src = tracker.highest_live_slots(max_pairs + 1)  # one more: the highest that stays
+        src = tracker.highest_movable_slots(max_pairs + 1)  # one more: the highest that stays
     else:
         runs = _plan_run_compaction(tracker, config)
         if runs:
@@ -351,7 +356,7 @@ def plan_compaction(
         # them): the step's fresh blocks are not sources.
         fwd = tracker.fwd
         placed = np.fromiter({fwd[logical_id] for logical_id in placed_ids}, np.intp)
-        src = tracker.highest_live_slots(max_pairs + 1 + len(placed))
+        src = tracker.highest_movable_slots(max_pairs + 1 + len(placed))
         src = src[~np.isin(src, placed)][: max_pairs + 1]
     if not len(src):
         return MoveBatch([], [])
@@ -404,11 +409,12 @@ def _plan_bucket_compaction(tracker: BlockTracker, config: EngineConfig) -> Move
     not change the bucket never cause a move.
     """
     max_pairs = config.max_moves_per_step
-    src = tracker.highest_live_slots(max_pairs + 1)  # one more: the highest that stays
+    src = tracker.highest_movable_slots(max_pairs + 1)  # one more: the highest that stays
     if not len(src):
         return MoveBatch([], [])
     buckets, num_blocks = config.decode_buckets, tracker.num_blocks
-    floor = tracker.num_live + 1
+    # A pinned live block stays where it is, so the bucket holds it whatever moves.
+    floor = max(tracker.num_live, tracker.max_pinned_live()) + 1
     if len(src) > max_pairs:
         floor = max(floor, int(src[max_pairs]) + 1)
     target = decode_bucket(buckets, floor, num_blocks)
@@ -416,7 +422,11 @@ def _plan_bucket_compaction(tracker: BlockTracker, config: EngineConfig) -> Move
         return MoveBatch([], [])
     num_pairs = int(np.count_nonzero(src >= target))  # a prefix: src falls
     dst = tracker.lowest_free_slots(num_pairs, below=target)
-    assert len(dst) == num_pairs, f"{num_pairs} moves, {len(dst)} free slots below {target}"
+    if len(dst) < num_pairs:
+        # Only pinned free slots can fill the target's room (packed, the target holds
+        # every live block and the null block): the pass waits for their transfers.
+        assert tracker.num_pinned, f"{num_pairs} moves, {len(dst)} free slots below {target}"
+        return MoveBatch([], [])
     if tracker.prefix_caching:
         dst = _prefer_empty(tracker, dst, stays=target)
     return _pair_runs(tracker, src[:num_pairs], dst)
@@ -433,7 +443,7 @@ def _plan_run_compaction(tracker: BlockTracker, config: EngineConfig) -> MoveBat
     moved (its length is not known, and a part of it would split it).
     """
     max_pairs = config.max_moves_per_step
-    src = tracker.highest_live_slots(max_pairs + 1)
+    src = tracker.highest_movable_slots(max_pairs + 1)
     if not len(src):
         return MoveBatch([], [])
     free = tracker.lowest_free_slots(max_pairs, below=int(src[0]))

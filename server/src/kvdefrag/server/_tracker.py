@@ -120,15 +120,21 @@ class _SlotSet:
         mask[joined] = False
         self.counts -= delta
 
-    def highest(self, max_slots: int) -> npt.NDArray[np.intp]:
-        """Up to ``max_slots`` slots of the set, highest first."""
+    def highest(
+        self, max_slots: int, excluded: npt.NDArray[np.bool_] | None = None
+    ) -> npt.NDArray[np.intp]:
+        """Up to ``max_slots`` slots of the set, highest first; none of ``excluded`` (a
+        mask over the pool) when given."""
         found: list[npt.NDArray[np.intp]] = []
         num_found = 0
         for chunk in self.counts.nonzero()[0][::-1].tolist():
             if num_found >= max_slots:
                 break
             start = chunk << _CHUNK_SHIFT
-            found.append(self.mask[start : start + _CHUNK_SLOTS].nonzero()[0][::-1] + start)
+            window = self.mask[start : start + _CHUNK_SLOTS]
+            if excluded is not None:
+                window = window & ~excluded[start : start + _CHUNK_SLOTS]
+            found.append(window.nonzero()[0][::-1] + start)
             num_found += len(found[-1])
         return np.concatenate(found)[:max_slots] if found else np.empty(0, dtype=np.intp)
 
@@ -177,9 +183,14 @@ class BlockTracker:
           must be kept (prefix caching).
         * Every request in ``requests`` holds at least one block other than the null
           block (``append_blocks`` keeps no other).
-        * Slot ``p`` is in ``_live`` exactly when ``refs[bwd[p]] > 0``, and in
-          ``_expendable`` exactly when ``p != 0``, ``refs[bwd[p]] == 0`` and not
-          ``cached[bwd[p]]`` (free, holding nothing to keep).
+        * ``pin_counts[l]`` is the number of pins on logical ``l`` (a KV transfer in
+          flight); a pinned block keeps its slot: the policy never moves it, places it
+          or hands its slot out, live or free.
+        * Slot ``p`` is in ``_live`` exactly when ``refs[bwd[p]] > 0``; in ``_pinned``
+          exactly when ``pin_counts[bwd[p]] > 0``; in ``_held`` when it is in either
+          (the slots no block may move to); and in ``_expendable`` exactly when
+          ``p != 0``, ``refs[bwd[p]] == 0``, not ``cached[bwd[p]]`` and not pinned (free,
+          holding nothing to keep).
     """
 
     def __init__(self, num_blocks: int, prefix_caching: bool) -> None:
@@ -203,6 +214,10 @@ class BlockTracker:
         self._live = _SlotSet(num_blocks)
         self._expendable = _SlotSet(num_blocks)
         self._expendable.add(list(range(1, num_blocks)))
+        self.pin_counts: list[int] = [0] * num_blocks
+        self.num_pinned = 0  # logical ids (so slots) with a pin
+        self._pinned = _SlotSet(num_blocks)
+        self._held = _SlotSet(num_blocks)
 
     # --- predicates on physical slots -------------------------------------------------
     def is_expendable_slot(self, physical_id: int) -> bool:
@@ -211,6 +226,7 @@ class BlockTracker:
             physical_id != NULL_BLOCK_ID
             and not self.refs[logical_id]
             and not self.cached[logical_id]
+            and not self.pin_counts[logical_id]
         )
 
     def holds_data(self, physical_id: int) -> bool:
@@ -227,10 +243,28 @@ class BlockTracker:
         """Up to ``max_slots`` live slots, highest first."""
         return self._live.highest(max_slots)
 
+    def highest_movable_slots(self, max_slots: int) -> npt.NDArray[np.intp]:
+        """Up to ``max_slots`` live slots that are not pinned, highest first."""
+        if not self.num_pinned:
+            return self._live.highest(max_slots)
+        return self._live.highest(max_slots, excluded=self._pinned.mask)
+
+    def max_pinned_live(self) -> int:
+        """The highest live slot that is pinned, 0 when none is (O(pinned slots))."""
+        if not self.num_pinned:
+            return 0
+        pinned = self._pinned.highest(self.num_pinned)
+        live = pinned[self._live.mask[pinned]]
+        return int(live[0]) if len(live) else 0
+
     def lowest_free_slots(self, max_slots: int, below: int) -> npt.NDArray[np.intp]:
-        """Up to ``max_slots`` free slots (cached or not) below ``below``, lowest first;
-        never the null slot."""
-        return self._live.lowest(max_slots, below, is_in=False)
+        """Up to ``max_slots`` free slots (cached or not) that are not pinned, below
+        ``below``, lowest first; never the null slot."""
+        return self._held.lowest(max_slots, below, is_in=False)
+
+    def are_pinned_slots(self, physical_ids: npt.NDArray[np.intp]) -> npt.NDArray[np.bool_]:
+        """Whether each of ``physical_ids`` is pinned."""
+        return self._pinned.mask[physical_ids]
 
     def lowest_expendable_slots(self, max_slots: int, below: int) -> npt.NDArray[np.intp]:
         """Up to ``max_slots`` expendable slots (free, holding nothing to keep) below
@@ -268,7 +302,48 @@ class BlockTracker:
         """Marks a free block's content as no longer needed (a no-op for live blocks)."""
         if not self.refs[logical_id] and self.cached[logical_id]:
             self.cached[logical_id] = False
-            self._expendable.add([self.fwd[logical_id]])
+            if not self.pin_counts[logical_id]:
+                self._expendable.add([self.fwd[logical_id]])
+
+    def pin(self, logical_ids: list[int]) -> None:
+        """Adds a pin to each of ``logical_ids`` (the null block is skipped): from now on
+        the block keeps its slot, live or free, until as many ``unpin``."""
+        pin_counts, fwd = self.pin_counts, self.fwd
+        slots: list[int] = []
+        for logical_id in logical_ids:
+            if logical_id != NULL_BLOCK_ID:
+                count = pin_counts[logical_id]
+                pin_counts[logical_id] = count + 1
+                if not count:
+                    slots.append(fwd[logical_id])
+        if not slots:
+            return
+        self.num_pinned += len(slots)
+        self._pinned.add(slots)
+        bwd, refs = self.bwd, self.refs
+        self._held.add([slot for slot in slots if not refs[bwd[slot]]])
+        self._expendable.remove([slot for slot in slots if self._expendable.mask[slot]])
+
+    def unpin(self, logical_ids: list[int]) -> None:
+        """Takes one pin off each of ``logical_ids`` (pinned by ``pin``); a block whose
+        last pin goes may move again."""
+        pin_counts, fwd = self.pin_counts, self.fwd
+        released: list[int] = []
+        for logical_id in logical_ids:
+            if logical_id != NULL_BLOCK_ID:
+                count = pin_counts[logical_id]
+                assert count > 0, f"unpin of logical block {logical_id}, which has no pin"
+                pin_counts[logical_id] = count - 1
+                if count == 1:
+                    released.append(logical_id)
+        if not released:
+            return
+        self.num_pinned -= len(released)
+        self._pinned.remove([fwd[logical_id] for logical_id in released])
+        refs, cached = self.refs, self.cached
+        free = [logical_id for logical_id in released if not refs[logical_id]]
+        self._held.remove([fwd[logical_id] for logical_id in free])
+        self._expendable.add([fwd[logical_id] for logical_id in free if not cached[logical_id]])
 
     def place_blocks(
         self, logical_ids: list[int], physical_ids: list[int], *, mix_digests: bool = True
@@ -313,15 +388,21 @@ class BlockTracker:
             bwd[slot] = displaced_id
         # NOTE: beyond a few slots, each list is converted to an array once and the chunk
         # counts computed once for both sets (64 placements in an 8k pool: ~42 -> ~37 µs).
+        assert not self.num_pinned or not any(
+            self._pinned.mask[slot] for slot in (*entering, *leaving)
+        ), f"placement of logical blocks {logical_ids} onto slots {physical_ids}: a slot is pinned"
+        # NOTE: no pinned slot takes part, so the held set changes as the live one does.
         if len(entering) <= _MAX_SCALAR_UPDATES:
-            self._live.remove(leaving)
-            self._live.add(entering)
+            for slot_set in (self._live, self._held):
+                slot_set.remove(leaving)
+                slot_set.add(entering)
             self._expendable.add(leaving)
             self._expendable.remove(entering)
         elif entering:
             left = np.fromiter(leaving, np.intp, len(leaving))
             joined = np.fromiter(entering, np.intp, len(entering))
             delta = self._live.exchange(left, joined)
+            self._held.exchange(left, joined)
             self._expendable.exchange_back(left, joined, delta)
         if mix_digests:
             self._update_live_digests(logical_ids, physical_ids)
@@ -351,7 +432,11 @@ class BlockTracker:
         # cost as much as the rest of the commit).
         src_slots = np.fromiter(src_ids, np.intp, len(src_ids))
         dst_slots = np.fromiter(dst_ids, np.intp, len(dst_ids))
+        assert not self.num_pinned or not (
+            self._pinned.mask[src_slots].any() or self._pinned.mask[dst_slots].any()
+        ), "compaction moves no pinned block and takes no pinned slot"
         delta = self._live.exchange(src_slots, dst_slots)
+        self._held.exchange(src_slots, dst_slots)
         # A free block that is not cached leaves an expendable slot (dst) for another (src).
         if not self.prefix_caching:  # no free block is cached
             self._expendable.exchange_back(src_slots, dst_slots, delta)
@@ -433,8 +518,20 @@ class BlockTracker:
         )
         self.num_live -= len(logical_ids)
         self._live.remove(physical_ids)
+        if not self.num_pinned:
+            self._held.remove(physical_ids)
+            if not caching:
+                self._expendable.add(physical_ids)
+            return
+        pin_counts = self.pin_counts
+        unpinned = [
+            physical_id
+            for logical_id, physical_id in zip(logical_ids, physical_ids, strict=True)
+            if not pin_counts[logical_id]
+        ]
+        self._held.remove(unpinned)
         if not caching:
-            self._expendable.add(physical_ids)
+            self._expendable.add(unpinned)
 
     def append_blocks(self, request_id: str, logical_ids: list[int]) -> list[int]:
         """Adds references for a request's new blocks; returns those that became live.
@@ -486,14 +583,27 @@ class BlockTracker:
             self._mix_digests(logical_ids, physical_ids)
         self.num_live += len(logical_ids)
         self._live.add(physical_ids)
-        # A slot that held a free block was expendable unless the block was cached.
-        cached = self.cached
+        # A slot that held a free block was expendable unless the block was cached or
+        # pinned (and held already when pinned).
+        cached, pin_counts = self.cached, self.pin_counts
+        if not self.num_pinned:
+            self._held.add(physical_ids)
+            self._expendable.remove(
+                [
+                    physical_id
+                    for logical_id, physical_id in zip(logical_ids, physical_ids, strict=True)
+                    if not cached[logical_id]
+                ]
+            )
+            return
+        unpinned = [
+            (logical_id, physical_id)
+            for logical_id, physical_id in zip(logical_ids, physical_ids, strict=True)
+            if not pin_counts[logical_id]
+        ]
+        self._held.add([physical_id for _, physical_id in unpinned])
         self._expendable.remove(
-            [
-                physical_id
-                for logical_id, physical_id in zip(logical_ids, physical_ids, strict=True)
-                if not cached[logical_id]
-            ]
+            [physical_id for logical_id, physical_id in unpinned if not cached[logical_id]]
         )
 
     def mix_live_digests(self, logical_ids: list[int]) -> None:

@@ -17,9 +17,12 @@ MAX_REQUEST_ID_CHARS = 256
 MAX_CLIENT_NAME_CHARS = 256
 
 
-def validate_step(tracker: BlockTracker, events: StepEvents) -> None:
+def validate_step(
+    tracker: BlockTracker, events: StepEvents, pins: Mapping[str, object] | None = None
+) -> None:
     """Checks one step's events (types checked when the ``StepEvents`` was made) against
-    the pool: request ids well formed, every block id in range, fresh blocks free.
+    the pool: request ids and pin keys well formed, every block id in range, fresh
+    blocks free, no key pinned twice (``pins``: the engine's pins before the step).
 
     Raises:
         InvalidArgument: A field is malformed (the message names it and the value).
@@ -33,6 +36,23 @@ def validate_step(tracker: BlockTracker, events: StepEvents) -> None:
     if events.fresh is not None:
         _check_ids("fresh", events.fresh, num_blocks)
         _check_fresh(tracker, events)
+    for key in events.unpinned:
+        check_request_id("unpinned", key)
+    if events.pins:
+        _check_pins(events, num_blocks, pins or {})
+
+
+def _check_pins(events: StepEvents, num_blocks: int, pinned: Mapping[str, object]) -> None:
+    """A pin's key is new (or unpinned this step) and its ids are in the pool."""
+    unpinned = set(events.unpinned)
+    for key, block_ids in events.pins.items():
+        check_request_id("pins", key)
+        if key in pinned and key not in unpinned:
+            raise InvalidArgument(
+                f"pins: key {quote(key)} is pinned already; unpin it first (or in the same step)"
+            )
+        if block_ids and (min(block_ids) < 0 or max(block_ids) >= num_blocks):
+            _check_ids(f"pins[{quote(key)}]", block_ids, num_blocks)
 
 
 def check_request_id(field: str, request_id: object) -> str:
