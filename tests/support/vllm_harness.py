@@ -138,12 +138,14 @@ def make_scheduler(
     async_scheduling: bool = False,
     v2: bool = False,
     parallel_config: ParallelConfig | None = None,
+    kv_transfer_config: Any = None,
 ) -> Scheduler:
     """Builds ``cls`` the way ``EngineCore`` does, on a one-group full-attention cache.
 
     ``v2`` selects vLLM's V2 model runner: the scheduler then sends resumed requests as new
     ones, with every token (``prefill_token_ids``), and the workers translate.
     ``parallel_config``: vLLM's default (one rank, no data parallelism) when None.
+    ``kv_transfer_config``: a KV connector's (``KVTransferConfig``), none when None.
     """
     config_cls = V2VllmConfig if v2 else VllmConfig
     vllm_config = config_cls(
@@ -158,6 +160,7 @@ def make_scheduler(
         ),
         device_config=DeviceConfig(device="cpu"),
         **({} if parallel_config is None else {"parallel_config": parallel_config}),
+        kv_transfer_config=kv_transfer_config,
     )
     vllm_config.instance_id = INSTANCE_ID
     vllm_config.cache_config.num_gpu_blocks = num_blocks
@@ -182,14 +185,16 @@ def serve_rank(
     num_blocks: int,
     secret: bytes | None = None,
     extra_layers: Sequence[torch.Tensor] = (),
+    threshold: int = 2,
 ) -> tuple[Any, torch.Tensor]:
     """One rank's service on a tiny int64 KV cache: one layer, one slot per token (then
-    ``extra_layers``, bound and moved with it); it proves ``secret`` when given one."""
+    ``extra_layers``, bound and moved with it); it proves ``secret`` when given one and
+    compacts above ``threshold`` holes."""
     key = torch.zeros(num_blocks * BLOCK_SIZE, 1, dtype=torch.int64)
     handle = serve_in_process(
         [(key, None), *((layer, None) for layer in extra_layers)],
         BLOCK_SIZE,
-        engine_config=EngineConfig(threshold=2),
+        engine_config=EngineConfig(threshold=threshold),
         service_config=ServiceConfig(address=f"unix:{socket_path}"),
         identity_secret=secret,
     )

@@ -42,7 +42,36 @@ REFUSED = [
     ),
     ({"decode_context_parallel_size": 2}, "drop --decode-context-parallel-size"),
     ({"prefill_context_parallel_size": 2}, "--prefill-context-parallel-size or kvdefrag"),
-    ({"kv_transfer_config": object()}, "drop --kv-transfer-config or kvdefrag"),
+    (
+        {"kv_transfer_config": SimpleNamespace(kv_connector="NixlConnector")},
+        "'NixlConnector': its prefill side publishes its block ids.*drop --kv-transfer-config",
+    ),
+    (
+        {"kv_transfer_config": SimpleNamespace(kv_connector="SomeStoreConnector")},
+        "'SomeStoreConnector': kvdefrag does not know where it uses block ids",
+    ),
+    (
+        {
+            "kv_transfer_config": SimpleNamespace(
+                kv_connector="ExampleConnector", kv_connector_module_path="my.connectors"
+            )
+        },
+        "from kv_connector_module_path 'my.connectors'",
+    ),
+    (
+        {
+            "kv_transfer_config": SimpleNamespace(
+                kv_connector="MultiConnector",
+                kv_connector_extra_config={
+                    "connectors": [
+                        {"kv_connector": "MooncakeConnector"},
+                        {"kv_connector": "OffloadingConnector"},
+                    ]
+                },
+            )
+        },
+        "'OffloadingConnector': its store jobs read blocks after their request freed them",
+    ),
     (
         {"distributed_executor_backend": "external_launcher", "data_parallel_size": 2},
         "external launcher with more than one rank.*--distributed-executor-backend mp or ray",
@@ -70,6 +99,16 @@ def test_tensor_data_and_pipeline_parallelism_are_served() -> None:
     for backend in ("uni", "mp", "ray", "external_launcher"):  # one rank: one scheduler
         check_engine_config(engine_config(distributed_executor_backend=backend))
     check_engine_config(None)
+
+
+def test_the_served_kv_connectors_pass() -> None:
+    for name in ("ExampleConnector", "MooncakeConnector"):
+        check_engine_config(engine_config(kv_transfer_config=SimpleNamespace(kv_connector=name)))
+    children = [{"kv_connector": "ExampleConnector"}, {"kv_connector": "MooncakeConnector"}]
+    multi = SimpleNamespace(
+        kv_connector="MultiConnector", kv_connector_extra_config={"connectors": children}
+    )
+    check_engine_config(engine_config(kv_transfer_config=multi))
 
 
 @pytest.fixture

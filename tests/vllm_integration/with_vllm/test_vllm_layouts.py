@@ -87,13 +87,13 @@ REFUSED = {
         {"prefill_context_parallel_size": 2},
         "--prefill-context-parallel-size",
     ),
-    "KV connector": (
+    "KV connector not served": (
         {
             "kv_transfer_config": KVTransferConfig(
-                kv_connector="ExampleConnector", kv_role="kv_both"
+                kv_connector="OffloadingConnector", kv_role="kv_both"
             )
         },
-        "drop --kv-transfer-config",
+        "'OffloadingConnector'.*drop --kv-transfer-config",
     ),
 }
 

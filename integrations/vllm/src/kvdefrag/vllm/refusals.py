@@ -62,10 +62,10 @@ def check_engine_config(vllm_config: object) -> None:
     """Refuses what kvdefrag cannot serve, decided by the configuration alone.
 
     Raises:
-        UnsupportedByKvdefrag: Decode/prefill context parallelism, a KV connector,
-            vLLM's legacy Ray executor, or an external launcher with more than one rank
-            (tensor, pipeline or data parallel); the message names the setting and what
-            to do instead.
+        UnsupportedByKvdefrag: Decode/prefill context parallelism, a KV connector not
+            served (``check_kv_connector``), vLLM's legacy Ray executor, or an external
+            launcher with more than one rank (tensor, pipeline or data parallel); the
+            message names the setting and what to do instead.
     """
     parallel = getattr(vllm_config, "parallel_config", None)
     if (
@@ -88,11 +88,9 @@ def check_engine_config(vllm_config: object) -> None:
             "kvdefrag does not support decode/prefill context parallelism: drop "
             "--decode-context-parallel-size / --prefill-context-parallel-size or kvdefrag."
         )
-    if getattr(vllm_config, "kv_transfer_config", None) is not None:
-        raise UnsupportedByKvdefrag(
-            "kvdefrag cannot serve a KV connector (it reads and writes blocks by the "
-            "scheduler's ids): drop --kv-transfer-config or kvdefrag."
-        )
+    kv_transfer_config = getattr(vllm_config, "kv_transfer_config", None)
+    if kv_transfer_config is not None:
+        check_kv_connector(kv_transfer_config)
     if uses_legacy_ray_executor(parallel):
         # NOTE: its compiled graph calls worker.model_runner.execute_model and
         # sample_tokens directly (vLLM 0.32 v1/executor/ray_utils.py), never the
@@ -238,3 +236,58 @@ def _is_supported_spec(spec: object) -> bool:
     from vllm.v1 import kv_cache_interface
 
     return type(spec) in tuple(getattr(kv_cache_interface, name) for name in _SUPPORTED_SPECS)
+
+
+SERVED_CONNECTORS = ("ExampleConnector", "MooncakeConnector")
+"""The KV connectors kvdefrag serves end to end (and ``MultiConnector`` over them): the
+worker translates their metadata, and the scheduler side pins their transfers
+(docs/operator/kv-connectors.md)."""
+
+_NOT_YET_SERVED = {
+    "NixlConnector": "its prefill side publishes its block ids to the decode instance "
+    "(kv_transfer_params remote_block_ids), which kvdefrag does not make physical yet",
+    "NixlPullConnector": "as NixlConnector",
+    "NixlPushConnector": "its writer thread writes blocks outside any pass by ids kvdefrag "
+    "does not translate",
+    "OffloadingConnector": "its store jobs read blocks after their request freed them, and "
+    "kvdefrag does not pin offload jobs yet",
+    "SimpleCPUOffloadConnector": "as OffloadingConnector",
+    "LMCacheConnectorV1": "it is not tested with kvdefrag",
+}
+
+
+def check_kv_connector(kv_transfer_config: Any) -> None:
+    """Refuses a KV connector kvdefrag does not serve (``SERVED_CONNECTORS``).
+
+    Raises:
+        UnsupportedByKvdefrag: The connector (or a MultiConnector child) is not served,
+            or is loaded from ``kv_connector_module_path``; the message names it.
+    """
+    for name, module_path in _connectors(kv_transfer_config):
+        if module_path:
+            raise UnsupportedByKvdefrag(
+                f"kvdefrag cannot serve KV connector {name!r} from kv_connector_module_path "
+                f"{module_path!r}: one block id it uses unmapped is silent corruption. It "
+                f"serves {', '.join(SERVED_CONNECTORS)}; drop --kv-transfer-config or kvdefrag."
+            )
+        if name not in SERVED_CONNECTORS:
+            why = _NOT_YET_SERVED.get(name, "kvdefrag does not know where it uses block ids")
+            raise UnsupportedByKvdefrag(
+                f"kvdefrag cannot serve KV connector {name!r}: {why}. It serves "
+                f"{', '.join(SERVED_CONNECTORS)} (and MultiConnector over them); use one of "
+                "these, or drop --kv-transfer-config or kvdefrag."
+            )
+
+
+def _connectors(config: Any) -> list[tuple[str, str | None]]:
+    """``(kv_connector, kv_connector_module_path)`` of a config and, for a
+    MultiConnector, of each child (a dict or a config object)."""
+
+    def read(key: str) -> Any:
+        return config.get(key) if isinstance(config, dict) else getattr(config, key, None)
+
+    name = str(read("kv_connector"))
+    if name != "MultiConnector":
+        return [(name, read("kv_connector_module_path") or None)]
+    extra = read("kv_connector_extra_config") or {}
+    return [pair for child in extra.get("connectors", ()) for pair in _connectors(child)]

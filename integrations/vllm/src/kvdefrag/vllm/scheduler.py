@@ -45,6 +45,7 @@ from kvdefrag.vllm._scheduler.gaudi import (
     hpu_async_scheduler_base,
 )
 from kvdefrag.vllm._scheduler.ranks import RankGroup, client_tls, connect_ranks
+from kvdefrag.vllm._scheduler.transfers import TransferWatch
 from kvdefrag.vllm.config import IntegrationConfig, load_integration_config
 from kvdefrag.vllm.contract import engine_run_dir
 from kvdefrag.vllm.errors import StartupRefused, UnsupportedByKvdefrag
@@ -52,6 +53,7 @@ from kvdefrag.vllm.refusals import check_supported
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.request import RequestStatus
 
 __all__ = [
     "DefragAsyncScheduler",
@@ -108,6 +110,9 @@ class DefragScheduler(Scheduler):  # type: ignore[misc]
         manager.reset_prefix_cache = self._kvdefrag_reset_pool_with_parked_blocks
         self._kvdefrag_cache_reset = False
         self._kvdefrag_audit_every = self.kvdefrag_config.audit_every
+        self._kvdefrag_transfers: TransferWatch | None = None
+        if self.connector is not None:
+            self._kvdefrag_transfers = self._kvdefrag_watch_transfers(self.connector)
         self._kvdefrag_num_schedules = 0
         block_size = int(self.kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size)
         prefix_caching = bool(self.cache_config.enable_prefix_caching)
@@ -147,6 +152,27 @@ class DefragScheduler(Scheduler):  # type: ignore[misc]
         run_dir = engine_run_dir(parallel_config, self.kvdefrag_config.run_dir)
         return rank_directory(self.vllm_config, run_dir).ranks(parallel_config.world_size)
 
+    def _kvdefrag_watch_transfers(self, connector: Any) -> TransferWatch:
+        """Follows the KV connector's transfers (``_scheduler.transfers``): its
+        ``update_state_after_alloc`` is wrapped on the instance to learn of loads (the
+        scheduler calls it as an attribute, so the wrapper only records)."""
+        blocks = self._kvdefrag_blocks
+        watch = TransferWatch(
+            self.requests,
+            lambda request_id: [block.block_id for block in blocks.get(request_id, ())],
+            waiting_for_remote_kvs=RequestStatus.WAITING_FOR_REMOTE_KVS,
+        )
+        update_state_after_alloc = connector.update_state_after_alloc
+
+        @functools.wraps(update_state_after_alloc)
+        def recording(request: Any, blocks: Any, num_external_tokens: int) -> Any:
+            result = update_state_after_alloc(request, blocks, num_external_tokens)
+            watch.on_alloc(request, num_external_tokens)
+            return result
+
+        connector.update_state_after_alloc = recording
+        return watch
+
     def _kvdefrag_is_cached(self, block_id: int) -> bool:
         block = self._kvdefrag_pool[block_id]
         return block.ref_cnt == 0 and block.block_hash is not None
@@ -158,6 +184,8 @@ class DefragScheduler(Scheduler):  # type: ignore[misc]
             output, self._kvdefrag_parked, is_cache_reset=self._kvdefrag_cache_reset
         )
         self._kvdefrag_cache_reset = False
+        if self._kvdefrag_transfers is not None:
+            changes = self._kvdefrag_transfers.adjust(changes, output.finished_req_ids)
         self.kvdefrag.apply(output, changes, self._kvdefrag_is_cached)
         self._kvdefrag_num_schedules += 1
         every = self._kvdefrag_audit_every

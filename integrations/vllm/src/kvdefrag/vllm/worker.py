@@ -41,6 +41,7 @@ from kvdefrag.common.identity import IDENTITY_SECRET_BYTES
 from kvdefrag.server import ServerHandle, serve_in_process
 from kvdefrag.server.config import EngineConfig, ServiceConfig, load_config
 from kvdefrag.vllm._discovery import ensure_run_dir, rank_address, rank_directory
+from kvdefrag.vllm._worker.connectors import ConnectorAdapter, connector_adapter
 from kvdefrag.vllm._worker.kv_binding import bind_vllm_kv_caches
 from kvdefrag.vllm._worker.passes import (
     PassTarget,
@@ -91,14 +92,23 @@ class _RowsTarget:
         self._is_v2_runner = is_v2_runner
 
     def begin(self, output: Any) -> None:
-        translator = self._worker.kvdefrag_translator
+        worker = self._worker
+        translator = worker.kvdefrag_translator
         assert translator is not None, "kvdefrag_pass_target made one"
         mapping, remap = translator.advance()
         if remap is not None:
             remap_rows = remap_v2_runner_rows if self._is_v2_runner else remap_v1_runner_rows
-            remap_rows(self._worker.model_runner, remap)  # type: ignore[attr-defined]
+            remap_rows(worker.model_runner, remap)  # type: ignore[attr-defined]
         if output is not None:
             translate_scheduler_output(output, mapping)
+            connector = worker.kvdefrag_connector
+            metadata = getattr(output, "kv_connector_metadata", None)
+            if connector is not None and metadata is not None:
+                # NOTE: rebound on the output, not only handed to the connector: the
+                # runner binds it from there, and some workers change it (offload jobs).
+                output.kv_connector_metadata = connector.translate(
+                    metadata, mapping, worker.kvdefrag_block_size
+                )
 
     def end(self) -> None:
         pass
@@ -125,6 +135,8 @@ class DefragWorkerMixin:
     kvdefrag_pass: RunnerPass | None = None
     kvdefrag_translator: BlockIdTranslator | None = None
     kvdefrag_is_v2_runner: bool = False
+    kvdefrag_connector: ConnectorAdapter | None = None
+    kvdefrag_block_size: int = 0
     kvdefrag_step_wait_s: float = 0.0
     _kvdefrag_config: IntegrationConfig | None = None
 
@@ -185,6 +197,10 @@ class DefragWorkerMixin:
         runner whose rows follow moves and builds the pass.
         """
         vllm_config = getattr(self, "vllm_config", None)
+        kv_transfer_config = getattr(vllm_config, "kv_transfer_config", None)
+        if kv_transfer_config is not None:
+            self.kvdefrag_connector = connector_adapter(kv_transfer_config)
+            self.kvdefrag_block_size = int(vllm_config.cache_config.block_size)  # type: ignore[union-attr]
         self.kvdefrag_step_wait_s = self.kvdefrag_config.step_wait_s
         self.kvdefrag_is_v2_runner = uses_v2_model_runner(vllm_config)
         target = self.kvdefrag_pass_target(handle, num_blocks)
@@ -223,7 +239,10 @@ class DefragWorkerMixin:
         if step is None:
             return parent.execute_model(scheduler_output, *args, **kwargs)
         return step.execute_model(
-            scheduler_output, lambda: parent.execute_model(scheduler_output, *args, **kwargs)
+            scheduler_output,
+            lambda: self._kvdefrag_logical_load_errors(
+                parent.execute_model(scheduler_output, *args, **kwargs)
+            ),
         )
 
     def sample_tokens(self, *args: Any, **kwargs: Any) -> Any:
@@ -232,7 +251,21 @@ class DefragWorkerMixin:
         step = self.kvdefrag_pass
         if step is None:
             return parent.sample_tokens(*args, **kwargs)
-        return step.sample_tokens(lambda: parent.sample_tokens(*args, **kwargs))
+        return step.sample_tokens(
+            lambda: self._kvdefrag_logical_load_errors(parent.sample_tokens(*args, **kwargs))
+        )
+
+    def _kvdefrag_logical_load_errors(self, result: Any) -> Any:
+        """The runner's output with the blocks its KV connector failed to load named in
+        the scheduler's ids (``invalid_block_ids``, matched against its block lists),
+        mapped back while the pass's mapping holds."""
+        connector, handle = self.kvdefrag_connector, self.kvdefrag_handle
+        connector_output = getattr(result, "kv_connector_output", None)
+        invalid = getattr(connector_output, "invalid_block_ids", None)
+        if connector is not None and handle is not None and invalid:
+            assert connector_output is not None
+            connector_output.invalid_block_ids = connector.to_logical(invalid, handle.resolve())
+        return result
 
     def execute_dummy_batch(self, *args: Any, **kwargs: Any) -> Any:
         """An idle data-parallel rank's dummy step, holding ``kv_lock``."""

@@ -47,6 +47,11 @@ class StepChanges:
             list under its own ``DEFERRED_PREFIX`` id.
         unparked: Ids of ``parked`` lists that returned to the pool.
         is_cache_reset: The prefix cache was reset: no free block keeps its content.
+        kept: Request id -> pin key, for finished requests whose blocks vLLM keeps while
+            a KV connector sends them (``_scheduler.transfers``): they stay held, and
+            their lists are pinned under the key.
+        pins: Pin key -> logical ids that must keep their slot (a KV transfer in flight).
+        unpinned: Pin keys whose transfer ended.
     """
 
     released: Sequence[str] = ()
@@ -57,6 +62,9 @@ class StepChanges:
     parked: Mapping[str, Sequence[int]] = dataclasses.field(default_factory=dict)
     unparked: Sequence[str] = ()
     is_cache_reset: bool = False
+    kept: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    pins: Mapping[str, Sequence[int]] = dataclasses.field(default_factory=dict)
+    unpinned: Sequence[str] = ()
 
 
 class BlockLedger:
@@ -133,12 +141,18 @@ class BlockLedger:
             refs[logical_id] += 1
         refs[NULL_BLOCK_ID] = 0
         evicted = self._evictions(changes, dropped, added, is_cached)
+        pins = {key: [int(block_id) for block_id in ids] for key, ids in changes.pins.items()}
+        for request_id, key in sorted(changes.kept.items()):
+            if request_id in held:
+                pins[key] = list(held[request_id])
         return StepEvents(
             finished=tuple(finished),
             new_blocks=new_blocks,
             resumed=resumed,
             fresh=list(dict.fromkeys(fresh)),
             evicted=evicted,
+            unpinned=tuple(changes.unpinned),
+            pins=pins,
         )
 
     def _fresh(

@@ -107,7 +107,9 @@ def wait_for_planned_step(
     (``ServerHandle.apply_planned_step``), and the call finds it applied. Otherwise (an
     output that repeats an earlier step, or one the service refuses to apply for now) it
     waits for the call. Call it before taking ``kv_lock`` (applying the step may need the
-    lock to move KV data). An unstamped output waits for nothing.
+    lock to move KV data). An unstamped output waits for nothing, nor does one planned
+    before the epoch's first step (seq 0, no events: a ``schedule()`` that changed no
+    block, as a decode instance's with only loads pending may be).
 
     Returns:
         ``(epoch, seq)`` of the step waited for; None for an unstamped output.
@@ -122,6 +124,10 @@ def wait_for_planned_step(
     if stamp is None:
         return None
     epoch, seq = stamp.for_rank(rank)
+    if seq == 0 and stamp.events is None:
+        # Planned before the epoch's first step: nothing to wait for (the pass checks the
+        # epoch holding kv_lock).
+        return epoch, seq
     if stamp.events is not None:
         try:
             service.apply_planned_step(epoch, seq, stamp.events)

@@ -1,0 +1,145 @@
+"""KV transfers that hold blocks outside what a ``SchedulerOutput`` says: the ledger's view.
+
+A KV connector keeps blocks allocated where the output shows nothing (vLLM 0.33,
+``v1/core/sched/scheduler.py``):
+
+* **Delayed frees** (a prefill instance sending, or a request aborted while it loads):
+  ``_free_request`` lists the request in ``finished_req_ids`` but keeps its blocks while
+  the connector's ``request_finished`` asks it to (``delay_free_blocks``), and frees them
+  in ``_free_blocks`` once the worker reports ``finished_sending`` (``finished_recving`` for
+  an aborted load). The request stays in ``Scheduler.requests`` until then.
+* **Asynchronous loads** (a decode instance receiving): ``update_state_after_alloc``
+  allocates the request's blocks and the request waits in ``WAITING_FOR_REMOTE_KVS``,
+  unscheduled, until ``finished_recving``; then it is scheduled with its whole list. A
+  failed load may truncate the list or free it (``_update_waiting_for_remote_kv``).
+
+In both windows another instance reads or writes those blocks, so the engines must keep
+them live and where they are: ``TransferWatch`` turns what it sees into the ledger's
+changes (kept lists, loads held from allocation) and pins (``send/<request id>``,
+``load/<request id>``), and ends each pin when vLLM ends the window. It reads the
+requests of open transfers only, never a queue.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from kvdefrag.vllm._scheduler.ledger import StepChanges
+
+SEND_PREFIX = "send/"
+"""Pin key prefix of a finished request's blocks while the connector sends them."""
+LOAD_PREFIX = "load/"
+"""Pin key prefix of a request's blocks while the connector loads into them."""
+
+
+class TransferWatch:
+    """The requests whose blocks a KV connector holds past vLLM's output, by request id.
+
+    Invariants: every id in ``sending`` or ``loading`` is pinned under the key it maps to,
+    in the steps planned so far; an id leaves when vLLM ends its window, and its pin ends
+    in the same step.
+    """
+
+    def __init__(
+        self,
+        requests: Mapping[str, Any],
+        block_ids: Callable[[str], list[int]],
+        *,
+        waiting_for_remote_kvs: object,
+    ) -> None:
+        """Args:
+        requests: vLLM's ``Scheduler.requests`` (read, never changed).
+        block_ids: A request's logical block ids in vLLM's KV cache manager now.
+        waiting_for_remote_kvs: ``RequestStatus.WAITING_FOR_REMOTE_KVS``.
+        """
+        self._requests = requests
+        self._block_ids = block_ids
+        self._waiting = waiting_for_remote_kvs
+        self.sending: dict[str, str] = {}
+        self.loading: dict[str, str] = {}
+        self._loaded_ids: dict[str, list[int]] = {}  # each load's list as pinned
+        self._allocated: list[Any] = []
+
+    def on_alloc(self, request: Any, num_external_tokens: int) -> None:
+        """The connector was told of an allocation (``update_state_after_alloc``): a load
+        of ``num_external_tokens`` tokens if the request now waits for them."""
+        if num_external_tokens > 0:
+            self._allocated.append(request)
+
+    def adjust(self, changes: StepChanges, finished_ids: Iterable[str]) -> StepChanges:
+        """The step's changes with the connector's windows: lists kept past a finish,
+        loads held from allocation, re-read after a load ends, pins and unpins.
+
+        Args:
+            changes: What ``schedule()`` changed, read from its output.
+            finished_ids: The output's ``finished_req_ids``.
+        """
+        requests = self._requests
+        released = list(changes.released)
+        full_rows = dict(changes.full_rows)
+        num_computed = dict(changes.num_computed_tokens)
+        pins: dict[str, list[int]] = {}
+        unpinned: list[str] = []
+        kept: dict[str, str] = {}
+        # Windows vLLM ended since the last step.
+        for request_id in sorted(self.sending):
+            if request_id not in requests:  # freed: finished_sending (or recving)
+                unpinned.append(self.sending.pop(request_id))
+                released.append(request_id)
+        for request_id in sorted(self.loading):
+            request = requests.get(request_id)
+            if request is None:
+                unpinned.append(self.loading.pop(request_id))
+                del self._loaded_ids[request_id]
+                released.append(request_id)
+            elif request.status != self._waiting and not request.is_finished():
+                unpinned.append(self.loading.pop(request_id))
+                loaded_ids = self._loaded_ids.pop(request_id)
+                if request_id not in full_rows:
+                    # Received or failed: a failed load may have cut or freed the list.
+                    logical_ids = self._block_ids(request_id)
+                    if not logical_ids:
+                        released.append(request_id)
+                    elif logical_ids != loaded_ids:
+                        full_rows[request_id] = logical_ids
+        # Finishes whose free waits for a transfer.
+        for request_id in finished_ids:
+            if request_id in requests and request_id not in self.sending:
+                key = self.loading.pop(request_id, None)
+                self._loaded_ids.pop(request_id, None)
+                if key is None:
+                    key = kept[request_id] = f"{SEND_PREFIX}{request_id}"
+                self.sending[request_id] = key
+        if kept or self.sending:
+            released = [rid for rid in released if rid not in self.sending]
+        # Loads that started this step: held, fresh past the local hits, pinned.
+        allocated, self._allocated = self._allocated, []
+        for request in allocated:
+            request_id = request.request_id
+            if request.status != self._waiting or request_id in self.loading:
+                continue
+            logical_ids = self._block_ids(request_id)
+            if not logical_ids:
+                continue
+            key = f"{LOAD_PREFIX}{request_id}"
+            self.loading[request_id] = key
+            self._loaded_ids[request_id] = list(logical_ids)
+            full_rows[request_id] = logical_ids
+            num_computed[request_id] = int(request.num_computed_tokens)
+            pins[key] = list(logical_ids)
+        if not (pins or unpinned or kept) and (released, full_rows) == (
+            list(changes.released),
+            changes.full_rows,
+        ):
+            return changes
+        return dataclasses.replace(
+            changes,
+            released=released,
+            full_rows=full_rows,
+            num_computed_tokens=num_computed,
+            pins=pins,
+            unpinned=unpinned,
+            kept=kept,
+        )
