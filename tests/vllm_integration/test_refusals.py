@@ -43,8 +43,8 @@ REFUSED = [
     ({"decode_context_parallel_size": 2}, "drop --decode-context-parallel-size"),
     ({"prefill_context_parallel_size": 2}, "--prefill-context-parallel-size or kvdefrag"),
     (
-        {"kv_transfer_config": SimpleNamespace(kv_connector="NixlConnector")},
-        "'NixlConnector': its prefill side publishes its block ids.*drop --kv-transfer-config",
+        {"kv_transfer_config": SimpleNamespace(kv_connector="NixlPushConnector")},
+        "'NixlPushConnector': its writer thread writes blocks.*drop --kv-transfer-config",
     ),
     (
         {"kv_transfer_config": SimpleNamespace(kv_connector="SomeStoreConnector")},
@@ -102,7 +102,7 @@ def test_tensor_data_and_pipeline_parallelism_are_served() -> None:
 
 
 def test_the_served_kv_connectors_pass() -> None:
-    for name in ("ExampleConnector", "MooncakeConnector"):
+    for name in ("ExampleConnector", "MooncakeConnector", "NixlConnector", "NixlPullConnector"):
         check_engine_config(engine_config(kv_transfer_config=SimpleNamespace(kv_connector=name)))
     children = [{"kv_connector": "ExampleConnector"}, {"kv_connector": "MooncakeConnector"}]
     multi = SimpleNamespace(

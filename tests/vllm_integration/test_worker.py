@@ -691,7 +691,7 @@ def _refused_config(setting: str, monkeypatch: pytest.MonkeyPatch) -> SimpleName
     elif setting == "prefill_context_parallel_size":
         parallel.prefill_context_parallel_size = 2
     elif setting == "kv_transfer_config":
-        config.kv_transfer_config = SimpleNamespace(kv_connector="NixlConnector")
+        config.kv_transfer_config = SimpleNamespace(kv_connector="NixlPushConnector")
     elif setting == "speculative_config":
         config.speculative_config = SimpleNamespace(method="eagle")
     elif setting == "VLLM_USE_RAY_V2_EXECUTOR_BACKEND":

@@ -70,20 +70,24 @@ def _stand_in(name: str) -> type:
     return type(name, (), {})
 
 
-def _mooncake(role: str, engine: str) -> KVTransferConfig:
+CONNECTORS = ["MooncakeConnector", "NixlConnector"]
+
+
+def _connector_config(connector: str, role: str, engine: str) -> KVTransferConfig:
+    extra = {"mooncake_protocol": "tcp"} if connector == "MooncakeConnector" else {}
     return KVTransferConfig(
-        kv_connector="MooncakeConnector",
-        kv_role=role,
-        engine_id=engine,
-        kv_connector_extra_config={"mooncake_protocol": "tcp"},
+        kv_connector=connector, kv_role=role, engine_id=engine, kv_connector_extra_config=extra
     )
 
 
-class FakeMooncake:
-    """Mooncake's transfers between the two workers, by the ids their metadata names.
+class FakeTransport:
+    """The connector's transfers between the two workers, by the ids their metadata names:
+    Mooncake's (P registers ``reqs_to_send``, D posts ``reqs_to_recv`` and P writes) or
+    NIXL's in pull mode (D reads P's blocks at the ``remote_block_ids`` P published).
 
     Attributes:
-        sends: Transfer id -> (P's request id, P's physical block ids), as P registered.
+        sends: Transfer id -> (P's request id, P's physical block ids), as P registered
+            them (Mooncake) or published them (NIXL: keyed by P's request id).
         pulls: D's posted pulls: [poll due, transfer id, D's request id, D's physical ids].
         num_copied: Blocks copied from P to D.
     """
@@ -100,6 +104,14 @@ class FakeMooncake:
     def post(self, role: str, metadata: Any) -> None:
         """What the worker-side connector starts in a pass (``start_load_kv``)."""
         if metadata is None:
+            return
+        if type(metadata).__name__ == "NixlConnectorMetadata":
+            for request_id, meta in metadata.reqs_to_recv.items():
+                remote = meta.remote
+                self.sends[remote.request_id] = (remote.request_id, list(remote.block_ids[0]))
+                due = self.num_polls + self._rng.randint(1, 4)
+                local_ids = list(meta.local_block_ids[0])
+                self.pulls.append((due, remote.request_id, request_id, local_ids))
             return
         for request_id, (transfer_id, groups) in metadata.reqs_to_send.items():
             if groups and groups[0]:  # an empty list only announces the request
@@ -137,14 +149,15 @@ class FakeMooncake:
 
 
 class ConnectorWorker(SignedWorker):
-    """A ``SignedWorker`` with a Mooncake worker-side connector (``FakeMooncake``)."""
+    """A ``SignedWorker`` with a worker-side connector (``FakeTransport``)."""
 
     def __init__(
         self,
         handle: Any,
         kv: Any,
-        transport: FakeMooncake,
+        transport: FakeTransport,
         role: str,
+        connector: str,
         *,
         translates_metadata: bool = True,
     ) -> None:
@@ -152,7 +165,7 @@ class ConnectorWorker(SignedWorker):
         self.transport = transport
         self.role = role
         self.translates_metadata = translates_metadata
-        self.adapter = connector_adapter("MooncakeConnector")
+        self.adapter = connector_adapter(connector)
 
     def _execute(self, output: Any) -> ModelRunnerOutput:
         assert self.translator is not None
@@ -188,11 +201,12 @@ def _instance_class(run_dir: str) -> type[DefragScheduler]:
 
 @dataclasses.dataclass
 class PairRun:
+    connector: str
     prefill: Any
     decode: Any
     prefill_worker: ConnectorWorker
     decode_worker: ConnectorWorker
-    transport: FakeMooncake
+    transport: FakeTransport
     handles: tuple[Any, Any]
     num_decoded: int = 0
     num_aborted_loads: int = 0
@@ -220,9 +234,13 @@ def pair_services(tmp_path: Any) -> Iterator[dict[str, tuple[str, Any, Any]]]:
 
 
 def _start(
-    model_dir: str, services: dict[str, tuple[str, Any, Any]], seed: int, **worker: Any
+    model_dir: str,
+    services: dict[str, tuple[str, Any, Any]],
+    seed: int,
+    connector: str,
+    **worker: Any,
 ) -> PairRun:
-    transport = FakeMooncake(seed)
+    transport = FakeTransport(seed)
     schedulers = {}
     workers = {}
     for role, kv_role, engine in (
@@ -237,10 +255,13 @@ def _start(
                 model_dir,
                 num_blocks=NUM_BLOCKS,
                 prefix_caching=False,
-                kv_transfer_config=_mooncake(kv_role, engine),
+                kv_transfer_config=_connector_config(connector, kv_role, engine),
             )
-        workers[role] = ConnectorWorker(handle, kv, transport, role, **worker.get(role, {}))
+        workers[role] = ConnectorWorker(
+            handle, kv, transport, role, connector, **worker.get(role, {})
+        )
     return PairRun(
+        connector,
         schedulers["prefill"],
         schedulers["decode"],
         workers["prefill"],
@@ -250,9 +271,16 @@ def _start(
     )
 
 
-def _step(scheduler: Any, worker: ConnectorWorker) -> None:
+def _step(scheduler: Any, worker: ConnectorWorker) -> dict[str, dict[str, Any]]:
+    """One step; returns the ``kv_transfer_params`` of the requests it finished."""
     output = scheduler.schedule()
-    scheduler.update_from_output(output, worker.execute(output))
+    outputs = scheduler.update_from_output(output, worker.execute(output))
+    return {
+        finished.request_id: finished.kv_transfer_params
+        for engine_outputs in outputs.values()
+        for finished in engine_outputs.outputs
+        if finished.kv_transfer_params
+    }
 
 
 def _run_pair(run: PairRun, seed: int, num_prompts: int = 40, max_steps: int = 1500) -> None:
@@ -266,6 +294,7 @@ def _run_pair(run: PairRun, seed: int, num_prompts: int = 40, max_steps: int = 1
     }
     pending = list(prompts)
     handed_over: set[str] = set()
+    published: dict[str, dict[str, Any]] = {}  # P's kv_transfer_params, by request id
     local = 0
     for _ in range(max_steps):
         if pending and rng.random() < 0.5:
@@ -283,12 +312,16 @@ def _run_pair(run: PairRun, seed: int, num_prompts: int = 40, max_steps: int = 1
             if transfer_id in handed_over or transfer_id in pending or not finished:
                 continue
             handed_over.add(transfer_id)
-            params = {
-                "do_remote_prefill": True,
-                "remote_engine_id": PREFILL,
-                "remote_bootstrap_addr": "http://127.0.0.1:1",
-                "transfer_id": transfer_id,
-            }
+            if run.connector == "NixlConnector":
+                # As vLLM's NIXL proxy does: P's published parameters, for D.
+                params = {**published[f"p-{transfer_id}"], "do_remote_prefill": True}
+            else:
+                params = {
+                    "do_remote_prefill": True,
+                    "remote_engine_id": PREFILL,
+                    "remote_bootstrap_addr": "http://127.0.0.1:1",
+                    "transfer_id": transfer_id,
+                }
             max_tokens = rng.randrange(2, 20)
             run.decode.add_request(
                 _request(f"d-{transfer_id}", prompts[transfer_id], max_tokens, params)
@@ -301,7 +334,7 @@ def _run_pair(run: PairRun, seed: int, num_prompts: int = 40, max_steps: int = 1
         if loading and rng.random() < 0.05:
             run.decode.finish_requests(rng.choice(sorted(loading)), RequestStatus.FINISHED_ABORTED)
             run.num_aborted_loads += 1
-        _step(run.prefill, run.prefill_worker)
+        published.update(_step(run.prefill, run.prefill_worker))
         run.transport.poll(run.prefill_worker.kv, run.decode_worker.kv)
         _step(run.decode, run.decode_worker)
         pinned = tuple(handle.stats().num_pinned for handle in run.handles)
@@ -330,10 +363,11 @@ def _request(
     return request
 
 
+@pytest.mark.parametrize("connector", CONNECTORS)
 def test_every_transferred_token_reads_its_signature_on_both_instances(
-    model_dir: str, pair_services: Any
+    model_dir: str, pair_services: Any, connector: str
 ) -> None:
-    run = _start(model_dir, pair_services, seed=1)
+    run = _start(model_dir, pair_services, 1, connector)
     _run_pair(run, seed=1)
 
     assert run.prefill_worker.num_corrupted == 0 and run.decode_worker.num_corrupted == 0
@@ -346,8 +380,9 @@ def test_every_transferred_token_reads_its_signature_on_both_instances(
     assert run.decode_worker.num_checked > 1000
 
 
+@pytest.mark.parametrize("connector", CONNECTORS)
 def test_without_the_pins_transfers_read_moved_blocks(
-    model_dir: str, pair_services: Any, monkeypatch: pytest.MonkeyPatch
+    model_dir: str, pair_services: Any, monkeypatch: pytest.MonkeyPatch, connector: str
 ) -> None:
     """The sabotage: the ledger holds the sending and loading requests' blocks but sends
     no pin, so compaction moves them while a transfer reads or writes them."""
@@ -357,16 +392,30 @@ def test_without_the_pins_transfers_read_moved_blocks(
         return dataclasses.replace(plan(self, changes, is_cached), pins={}, unpinned=())
 
     monkeypatch.setattr(_ledger.BlockLedger, "plan", without_pins)
-    run = _start(model_dir, pair_services, seed=1)
+    run = _start(model_dir, pair_services, 1, connector)
     _run_pair(run, seed=1)
 
     assert run.decode_worker.num_corrupted > 0
 
 
-def test_metadata_left_logical_corrupts(model_dir: str, pair_services: Any) -> None:
+@pytest.mark.parametrize("connector", CONNECTORS)
+def test_metadata_left_logical_corrupts(model_dir: str, pair_services: Any, connector: str) -> None:
     """The sabotage: the workers hand the connector the scheduler's ids."""
     no_translation = {"translates_metadata": False}
-    run = _start(model_dir, pair_services, seed=1, prefill=no_translation, decode=no_translation)
+    run = _start(
+        model_dir, pair_services, 1, connector, prefill=no_translation, decode=no_translation
+    )
+    _run_pair(run, seed=1)
+
+    assert run.decode_worker.num_corrupted > 0
+
+
+def test_nixl_remote_ids_left_logical_corrupts(
+    model_dir: str, pair_services: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The sabotage: P publishes the scheduler's ids as NIXL's ``remote_block_ids``."""
+    monkeypatch.setattr(DefragScheduler, "_kvdefrag_publishing", lambda self, finished: finished)
+    run = _start(model_dir, pair_services, 1, "NixlConnector")
     _run_pair(run, seed=1)
 
     assert run.decode_worker.num_corrupted > 0

@@ -238,15 +238,12 @@ def _is_supported_spec(spec: object) -> bool:
     return type(spec) in tuple(getattr(kv_cache_interface, name) for name in _SUPPORTED_SPECS)
 
 
-SERVED_CONNECTORS = ("ExampleConnector", "MooncakeConnector")
+SERVED_CONNECTORS = ("ExampleConnector", "MooncakeConnector", "NixlConnector", "NixlPullConnector")
 """The KV connectors kvdefrag serves end to end (and ``MultiConnector`` over them): the
 worker translates their metadata, and the scheduler side pins their transfers
 (docs/operator/kv-connectors.md)."""
 
 _NOT_YET_SERVED = {
-    "NixlConnector": "its prefill side publishes its block ids to the decode instance "
-    "(kv_transfer_params remote_block_ids), which kvdefrag does not make physical yet",
-    "NixlPullConnector": "as NixlConnector",
     "NixlPushConnector": "its writer thread writes blocks outside any pass by ids kvdefrag "
     "does not translate",
     "OffloadingConnector": "its store jobs read blocks after their request freed them, and "

@@ -171,7 +171,36 @@ class DefragScheduler(Scheduler):  # type: ignore[misc]
             return result
 
         connector.update_state_after_alloc = recording
+        for name in ("request_finished", "request_finished_all_groups"):
+            finished = getattr(connector, name, None)
+            if finished is not None:
+                setattr(connector, name, self._kvdefrag_publishing(finished))
         return watch
+
+    def _kvdefrag_publishing(self, request_finished: Any) -> Any:
+        """Wraps the connector's ``request_finished``: block ids it publishes for another
+        instance to read (NIXL's ``remote_block_ids``) name where the data is, physical.
+
+        NOTE: called from ``update_from_output``, where a step planned later may still be
+        in flight (async scheduling) and may move these blocks: every step in flight is
+        settled first, and the request's pin (``TransferWatch``: ``send/<id>``) goes into
+        the next step, before any later move. Costs one step's application per publish.
+        """
+
+        @functools.wraps(request_finished)
+        def publishing(request: Any, block_ids: Any) -> Any:
+            delay_free, params = request_finished(request, block_ids)
+            remote = params.get("remote_block_ids") if isinstance(params, dict) else None
+            if delay_free and remote:
+                resolve = self.kvdefrag.resolve_settled
+                params["remote_block_ids"] = (
+                    [resolve(group) for group in remote]
+                    if remote and not isinstance(remote[0], int)
+                    else resolve(remote)
+                )
+            return delay_free, params
+
+        return publishing
 
     def _kvdefrag_is_cached(self, block_id: int) -> bool:
         block = self._kvdefrag_pool[block_id]

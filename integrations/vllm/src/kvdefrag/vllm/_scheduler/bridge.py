@@ -175,6 +175,9 @@ class SchedulerBridge:
         )
         self.totals = BridgeTotals()
         self.keep_durations = 100_000
+        # The mapping as of the last step settled (rank 0's replies), for ids the
+        # scheduler publishes to another instance (``resolve_settled``).
+        self._fwd = list(range(num_blocks))
         self._in_flight: deque[InFlightStep] = deque()
         # Nothing sent yet: the step before each session's first (applied by definition).
         self._stamp = StepStamp(
@@ -218,6 +221,18 @@ class SchedulerBridge:
         if len(self.totals.step_durations_s) < self.keep_durations:
             self.totals.step_durations_s.append(time.perf_counter() - started)
 
+    def resolve_settled(self, logical_ids: Iterable[int]) -> list[int]:
+        """Settles every step in flight, then maps ``logical_ids`` to where the engines
+        put them: for ids published to another instance (a KV connector's
+        ``remote_block_ids``), which stay true while a pin holds them (the next step's).
+
+        Raises:
+            RanksDiverged, StepOutcomeUnknown, DefragError: As ``settle``.
+        """
+        self.settle()
+        fwd = self._fwd
+        return [fwd[logical_id] for logical_id in logical_ids]
+
     def settle(self) -> None:
         """Waits for every step in flight and checks every rank's replies.
 
@@ -244,6 +259,9 @@ class SchedulerBridge:
         """Checks the replies of the oldest steps in flight: every one already answered,
         and more, waiting for them in order, until at most ``depth`` remain."""
         in_flight = self._in_flight
+        fwd = self._fwd
         while in_flight and (len(in_flight) > depth or in_flight[0].done()):
             step = in_flight.popleft()
-            self.totals.last_reply = step.result()
+            reply = self.totals.last_reply = step.result()
+            for logical_id, physical_id in reply.block_mapping.items():
+                fwd[logical_id] = physical_id
