@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: install system-deps proto proto-check lint typecheck docs test bench cuda-check hpu-check demo run \
         image clean install-vllm test-vllm install-vllm-cpu test-vllm-cpu demo-vllm bench-vllm bench-serve bench-transfer \
-        record-gaudi-traces install-ray test-distributed
+        record-gaudi-traces install-ray test-distributed install-mooncake test-pd
 
 install: $(STAMP)
 
@@ -66,6 +66,26 @@ $(RAY_STAMP): $(VLLM_CPU_STAMP)
 	$(VLLM_CPU_PY) -c "import importlib.metadata as m; assert m.version('ray') == '2.60.0', m.version('ray')"
 	touch $(RAY_STAMP)
 
+# A prefill/decode pair of `vllm serve` (127.0.0.1 and 127.0.0.2) joined by vLLM's
+# MooncakeConnector over TCP, against one plain instance. Mooncake's transfer engine (PyPI,
+# no CUDA) goes into .venv-vllm-cpu; it loads libibverbs.so.1 (Debian's libibverbs1),
+# installed with apt-get when it is missing and we are root. The pair runs plain and with
+# kvdefrag on P, on D and on both: 5-7 minutes on 2 cores, outside CI (test-distributed
+# runs it too).
+MOONCAKE_STAMP := $(VLLM_CPU_VENV)/.installed-mooncake
+
+install-mooncake: $(MOONCAKE_STAMP)
+
+$(MOONCAKE_STAMP): $(VLLM_CPU_STAMP)
+	$(VLLM_CPU_PY) -m pip install -q mooncake-transfer-engine-non-cuda==0.3.13.post1
+	$(VLLM_CPU_PY) -c "import mooncake.engine" 2>/dev/null || { \
+	  [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null || { \
+	    echo "Mooncake needs libibverbs.so.1: sudo apt-get install libibverbs1" >&2; exit 1; }; \
+	  DEBIAN_FRONTEND=noninteractive apt-get update -q && \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends libibverbs1; }
+	$(VLLM_CPU_PY) -c "from mooncake.engine import TransferEngine"
+	touch $(MOONCAKE_STAMP)
+
 # Generated code only comes from here; the output is committed.
 proto: $(STAMP)
 	$(PY) -m grpc_tools.protoc -Iproto \
@@ -115,10 +135,16 @@ test-vllm-cpu: $(VLLM_CPU_STAMP)
 
 # The same engine under vLLM's Ray executor on a Ray cluster of this machine (a second node
 # in namespaces of its own: needs root and unshare): TP 2 on one node, on two nodes with
-# mutual TLS, rank 0 on the other node; the legacy Ray executor refused. 5-14 minutes on 2 cores.
-test-distributed: system-deps $(RAY_STAMP)
+# mutual TLS, rank 0 on the other node; the legacy Ray executor refused. Then the P/D pair
+# (test-pd). 10-20 minutes on 2 cores.
+test-distributed: system-deps $(RAY_STAMP) $(MOONCAKE_STAMP)
 	$(VLLM_CPU_PY) -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning \
-	  tests/vllm_integration/distributed
+	  tests/vllm_integration/distributed tests/vllm_integration/pd_pair
+
+# The P/D pair alone (tests/vllm_integration/pd_pair).
+test-pd: $(MOONCAKE_STAMP)
+	$(VLLM_CPU_PY) -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning \
+	  tests/vllm_integration/pd_pair
 
 # The same engine with kvdefrag off and on, prefix caching off and on: one table.
 demo-vllm: $(VLLM_CPU_STAMP)

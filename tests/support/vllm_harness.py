@@ -323,6 +323,7 @@ class SignedWorker:
                     held.block_ids = remap[held.block_ids].tolist()
             output = copy.deepcopy(output)
             translate_scheduler_output(output, mapping)
+            self.pass_mapping = mapping  # for a subclass's KV connector
         self._update_rows(output)
         return self._forward(output)
 

@@ -18,7 +18,6 @@ Both schedulers audit their ledgers against vLLM's KV cache manager after every 
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import importlib.util
 import os
@@ -37,7 +36,7 @@ from vllm.v1.request import Request, RequestStatus
 from kvdefrag.vllm._discovery import PublishedRank, publish_ranks, published_ranks, rank_address
 from kvdefrag.vllm._scheduler import ledger as _ledger
 from kvdefrag.vllm._worker.connectors import connector_adapter
-from kvdefrag.vllm._worker.translation import BlockIdTranslator, translate_scheduler_output
+from kvdefrag.vllm._worker.translation import BlockIdTranslator
 from kvdefrag.vllm.config import RUN_DIR_ENV
 from kvdefrag.vllm.contract import engine_id
 from kvdefrag.vllm.scheduler import DefragScheduler
@@ -167,20 +166,17 @@ class ConnectorWorker(SignedWorker):
         self.translates_metadata = translates_metadata
         self.adapter = connector_adapter(connector)
 
-    def _execute(self, output: Any) -> ModelRunnerOutput:
-        assert self.translator is not None
-        mapping, remap = self.translator.advance()
-        if remap is not None:
-            for held in self.rows.values():
-                held.block_ids = remap[held.block_ids].tolist()
-        output = copy.deepcopy(output)
-        translate_scheduler_output(output, mapping)
+    def _update_rows(self, output: Any) -> None:
+        """The connector starts its transfers (``start_load_kv``) from the pass's metadata,
+        made physical as ``DefragWorker`` does (``pass_mapping``: the output's)."""
         metadata = output.kv_connector_metadata
         if self.translates_metadata:
-            metadata = self.adapter.translate(metadata, mapping, BLOCK_SIZE)
+            metadata = self.adapter.translate(metadata, self.pass_mapping, BLOCK_SIZE)
         self.transport.post(self.role, metadata)
-        self._update_rows(output)
-        result = self._forward(output)
+        super()._update_rows(output)
+
+    def _forward(self, output: Any) -> ModelRunnerOutput:
+        result = super()._forward(output)
         finished = self.transport.take_finished(self.role)
         result.kv_connector_output = KVConnectorOutput(
             finished_sending=finished if self.role == "prefill" else None,

@@ -327,15 +327,9 @@ class BlockTracker:
     def unpin(self, logical_ids: list[int]) -> None:
         """Takes one pin off each of ``logical_ids`` (pinned by ``pin``); a block whose
         last pin goes may move again."""
-        pin_counts, fwd = self.pin_counts, self.fwd
+        fwd = self.fwd
         released: list[int] = []
-        for logical_id in logical_ids:
-            if logical_id != NULL_BLOCK_ID:
-                count = pin_counts[logical_id]
-                assert count > 0, f"unpin of logical block {logical_id}, which has no pin"
-                pin_counts[logical_id] = count - 1
-                if count == 1:
-                    released.append(logical_id)
+        _take_one(self.pin_counts, logical_ids, released, "pins")
         if not released:
             return
         self.num_pinned -= len(released)
@@ -495,13 +489,7 @@ class BlockTracker:
             if logical_ids is None:
                 continue
             num_known += 1
-            for logical_id in logical_ids:
-                if logical_id != NULL_BLOCK_ID:
-                    count = refs[logical_id]
-                    assert count > 0, f"release of logical block {logical_id} with no references"
-                    refs[logical_id] = count - 1
-                    if count == 1:
-                        freed_ids.append(logical_id)
+            _take_one(refs, logical_ids, freed_ids, "references")
         if len(freed_ids) > num_freed_before:
             self._free_blocks(freed_ids[num_freed_before:])
         return num_known
@@ -628,3 +616,15 @@ class BlockTracker:
             mixed = pair_digest_array(logical_ids, physical_ids)
             live_digests[np.asarray(logical_ids, dtype=np.intp)] = mixed
             self.digest ^= int(np.bitwise_xor.reduce(mixed))
+
+
+def _take_one(counts: list[int], logical_ids: list[int], zeroed: list[int], what: str) -> None:
+    """Takes one off ``counts`` of each of ``logical_ids`` (the null block skipped) and
+    appends to ``zeroed`` the ids whose count reaches 0 (``what`` the counts count)."""
+    for logical_id in logical_ids:
+        if logical_id != NULL_BLOCK_ID:
+            count = counts[logical_id]
+            assert count > 0, f"logical block {logical_id} has no {what} to release"
+            counts[logical_id] = count - 1
+            if count == 1:
+                zeroed.append(logical_id)
