@@ -39,7 +39,7 @@ from kvdefrag.vllm._worker.connectors import connector_adapter
 from kvdefrag.vllm._worker.translation import BlockIdTranslator
 from kvdefrag.vllm.config import RUN_DIR_ENV
 from kvdefrag.vllm.contract import engine_id
-from kvdefrag.vllm.scheduler import DefragScheduler
+from kvdefrag.vllm.scheduler import DefragAsyncScheduler, DefragScheduler
 
 from support.vllm_harness import (
     BLOCK_SIZE,
@@ -185,14 +185,41 @@ class ConnectorWorker(SignedWorker):
         return result
 
 
-def _instance_class(run_dir: str) -> type[DefragScheduler]:
-    """``DefragScheduler`` finding its one rank in ``run_dir``."""
+def _instance_class(run_dir: str, is_async: bool) -> type[DefragScheduler]:
+    """``DefragScheduler`` (``DefragAsyncScheduler``) finding its one rank in ``run_dir``."""
+    base = DefragAsyncScheduler if is_async else DefragScheduler
 
-    class OneRankScheduler(DefragScheduler):
+    class OneRankScheduler(base):  # type: ignore[misc, valid-type]
         def kvdefrag_ranks(self) -> list[PublishedRank]:
             return published_ranks(run_dir, 1, engine_id=engine_id(self.vllm_config))
 
     return OneRankScheduler
+
+
+class Driver:
+    """Runs one instance's steps as vLLM's engine core does: one batch in flight, or two
+    under async scheduling (step ``N + 1`` scheduled before step ``N`` runs). Every call
+    schedules, as an engine core with transfers pending keeps doing."""
+
+    def __init__(self, scheduler: Any, worker: ConnectorWorker, in_flight: int) -> None:
+        self.scheduler = scheduler
+        self.worker = worker
+        self.in_flight = in_flight
+        self.queue: list[Any] = []
+
+    def step(self) -> dict[str, dict[str, Any]]:
+        """Returns the ``kv_transfer_params`` of the requests the step run finished."""
+        self.queue.append(self.scheduler.schedule())
+        if len(self.queue) < self.in_flight:
+            return {}
+        output = self.queue.pop(0)
+        outputs = self.scheduler.update_from_output(output, self.worker.execute(output))
+        return {
+            finished.request_id: finished.kv_transfer_params
+            for engine_outputs in outputs.values()
+            for finished in engine_outputs.outputs
+            if finished.kv_transfer_params
+        }
 
 
 @dataclasses.dataclass
@@ -204,6 +231,7 @@ class PairRun:
     decode_worker: ConnectorWorker
     transport: FakeTransport
     handles: tuple[Any, Any]
+    drivers: tuple[Driver, Driver]
     num_decoded: int = 0
     num_aborted_loads: int = 0
     max_pinned: tuple[int, int] = (0, 0)
@@ -234,6 +262,8 @@ def _start(
     services: dict[str, tuple[str, Any, Any]],
     seed: int,
     connector: str,
+    *,
+    is_async: bool = False,
     **worker: Any,
 ) -> PairRun:
     transport = FakeTransport(seed)
@@ -247,10 +277,11 @@ def _start(
         with pytest.MonkeyPatch.context() as patch:
             patch.setenv(RUN_DIR_ENV, run_dir)
             schedulers[role] = make_scheduler(
-                _instance_class(run_dir),
+                _instance_class(run_dir, is_async),
                 model_dir,
                 num_blocks=NUM_BLOCKS,
                 prefix_caching=False,
+                async_scheduling=is_async,
                 kv_transfer_config=_connector_config(connector, kv_role, engine),
             )
         workers[role] = ConnectorWorker(
@@ -264,19 +295,11 @@ def _start(
         workers["decode"],
         transport,
         (services["prefill"][1], services["decode"][1]),
+        tuple(  # type: ignore[arg-type]
+            Driver(schedulers[role], workers[role], 2 if is_async else 1)
+            for role in ("prefill", "decode")
+        ),
     )
-
-
-def _step(scheduler: Any, worker: ConnectorWorker) -> dict[str, dict[str, Any]]:
-    """One step; returns the ``kv_transfer_params`` of the requests it finished."""
-    output = scheduler.schedule()
-    outputs = scheduler.update_from_output(output, worker.execute(output))
-    return {
-        finished.request_id: finished.kv_transfer_params
-        for engine_outputs in outputs.values()
-        for finished in engine_outputs.outputs
-        if finished.kv_transfer_params
-    }
 
 
 def _run_pair(run: PairRun, seed: int, num_prompts: int = 40, max_steps: int = 1500) -> None:
@@ -330,9 +353,9 @@ def _run_pair(run: PairRun, seed: int, num_prompts: int = 40, max_steps: int = 1
         if loading and rng.random() < 0.05:
             run.decode.finish_requests(rng.choice(sorted(loading)), RequestStatus.FINISHED_ABORTED)
             run.num_aborted_loads += 1
-        published.update(_step(run.prefill, run.prefill_worker))
+        published.update(run.drivers[0].step())
         run.transport.poll(run.prefill_worker.kv, run.decode_worker.kv)
-        _step(run.decode, run.decode_worker)
+        run.drivers[1].step()
         pinned = tuple(handle.stats().num_pinned for handle in run.handles)
         run.max_pinned = (max(run.max_pinned[0], pinned[0]), max(run.max_pinned[1], pinned[1]))
         done = not pending and len(handed_over) == num_prompts
@@ -359,11 +382,12 @@ def _request(
     return request
 
 
+@pytest.mark.parametrize("is_async", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("connector", CONNECTORS)
 def test_every_transferred_token_reads_its_signature_on_both_instances(
-    model_dir: str, pair_services: Any, connector: str
+    model_dir: str, pair_services: Any, connector: str, is_async: bool
 ) -> None:
-    run = _start(model_dir, pair_services, 1, connector)
+    run = _start(model_dir, pair_services, 1, connector, is_async=is_async)
     _run_pair(run, seed=1)
 
     assert run.prefill_worker.num_corrupted == 0 and run.decode_worker.num_corrupted == 0
