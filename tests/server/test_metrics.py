@@ -82,6 +82,21 @@ def test_fresh_blocks_count_as_placements_not_moves(registry: CollectorRegistry)
     assert value(registry, "kvdefrag_max_live_block_id") == 10
 
 
+def test_runs_of_each_pinned_list_are_observed_where_its_blocks_stay(
+    registry: CollectorRegistry,
+) -> None:
+    engine, _, _ = make_engine(registry, threshold=1000, enable_placement=False)
+    # Fresh and not placed: they stay at their own, scattered slots.
+    engine.step(StepEvents(new_blocks={"a": [3, 4, 9, 10, 11, 20]}))
+    engine.step(StepEvents(pins={"send/a": [3, 4, 9, 10, 11, 20], "store/x": [0, 30]}))
+
+    assert value(registry, "kvdefrag_transfer_runs_count") == 2
+    assert value(registry, "kvdefrag_transfer_runs_sum") == 3 + 1
+    assert value(registry, "kvdefrag_transfer_runs_bucket", le="1.0") == 1
+    assert value(registry, "kvdefrag_transfer_runs_bucket", le="3.0") == 2
+    assert value(registry, "kvdefrag_pinned_blocks") == 7
+
+
 def test_unknown_finished_ids_are_counted(registry: CollectorRegistry) -> None:
     engine, _, _ = make_engine(registry)
     engine.step(StepEvents(new_blocks={"known": [1, 2]}))

@@ -21,7 +21,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -72,6 +72,8 @@ class StepResult:
         num_unknown_finished: Finished ids the engine did not know (tolerated).
         num_padded: Pad pairs the executor added (static-shape backends).
         num_bytes_moved: Bytes written to the KV tensors.
+        transfer_runs: For each block list this step pinned (a KV transfer), its runs of
+            consecutive physical ids, in list order (the null block skipped).
         swap_duration_s: Time spent in the executor (0.0 when nothing moved).
         digest: Digest of the live mapping after the step (see ``kvdefrag.common``).
         stats: Pool statistics after the step.
@@ -86,6 +88,7 @@ class StepResult:
     swap_duration_s: float
     digest: int
     stats: PoolStats
+    transfer_runs: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -311,6 +314,7 @@ class Engine:
             else 0
         )
         tracker.pin(pinned_later)
+        transfer_runs = _runs_of(tracker.fwd, events.pins.values()) if events.pins else ()
         tracker.mix_live_digests(newly_live)
         try:
             moves, report, swap_s = self._compact(touched, newly_live, released, fresh)
@@ -335,6 +339,7 @@ class Engine:
             swap_duration_s=swap_s,
             digest=tracker.digest,
             stats=self._stats_locked(),
+            transfer_runs=transfer_runs,
         )
 
     def _unpin(self, keys: Sequence[str]) -> int:
@@ -783,3 +788,15 @@ class _ReleasedKvCaches:
             "the KV caches are released (the worker freed them: it sleeps); no block can "
             "move until rebind_kv_caches binds new ones"
         )
+
+
+def _runs_of(fwd: list[int], block_lists: Iterable[list[int]]) -> tuple[int, ...]:
+    """The runs of consecutive physical ids of each non-empty list (null block skipped):
+    where a transfer of it needs a new descriptor or copy (pinned blocks never move, so
+    this holds until the transfer ends)."""
+    runs = []
+    for logical_ids in block_lists:
+        slots = [fwd[logical_id] for logical_id in logical_ids if logical_id != NULL_BLOCK_ID]
+        if slots:
+            runs.append(1 + sum(b != a + 1 for a, b in itertools.pairwise(slots)))
+    return tuple(runs)

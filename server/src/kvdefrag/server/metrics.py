@@ -19,7 +19,7 @@ they are scraped; the standalone server sets none.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -37,6 +37,10 @@ DURATION_BUCKETS_S = (
     1e-3, 2e-3, 5e-3, 10e-3, 20e-3, 50e-3, 100e-3, 200e-3, 500e-3,
     1.0, 2.0, 5.0, 10.0,
 )  # fmt: skip
+
+# Runs per transferred block list: 1 is one contiguous range; a scattered 256-block
+# prompt is hundreds.
+RUN_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 32, 64, 128, 256)
 
 
 class ObservedEngine(Protocol):
@@ -182,13 +186,11 @@ class Metrics:
             metric = family(name, documentation, ())
             return metric.labels(**constant) if constant else metric
 
-        def histogram(name: str, documentation: str) -> Histogram:
+        def histogram(
+            name: str, documentation: str, buckets: Sequence[float] = DURATION_BUCKETS_S
+        ) -> Histogram:
             metric = Histogram(
-                name,
-                documentation,
-                tuple(constant),
-                buckets=DURATION_BUCKETS_S,
-                registry=registry,
+                name, documentation, tuple(constant), buckets=buckets, registry=registry
             )
             return metric.labels(**constant) if constant else metric
 
@@ -245,6 +247,13 @@ class Metrics:
             "kvdefrag_step_duration_seconds",
             "Time the engine took to handle one step, moves included.",
         )
+        self._transfer_runs = histogram(
+            "kvdefrag_transfer_runs",
+            "Runs of consecutive physical ids in each block list a KV transfer pins (a "
+            "request a connector sends or loads): about the descriptors or copies it posts "
+            "per KV region; 1 is one contiguous range.",
+            RUN_BUCKETS,
+        )
         self._step_wait = histogram(
             "kvdefrag_step_wait_seconds",
             "Time a worker waited for its step to be applied before its pass (the vLLM "
@@ -270,6 +279,8 @@ class Metrics:
         self._steps.inc()
         self._step_duration.observe(duration_s)
         self._placements.inc(result.num_placed)
+        for num_runs in result.transfer_runs:
+            self._transfer_runs.observe(num_runs)
         self._unknown_finished.inc(result.num_unknown_finished)
         if result.moves:
             num_two_way = result.moves.num_two_way
