@@ -65,12 +65,12 @@ REFUSED = [
                 kv_connector_extra_config={
                     "connectors": [
                         {"kv_connector": "MooncakeConnector"},
-                        {"kv_connector": "OffloadingConnector"},
+                        {"kv_connector": "SimpleCPUOffloadConnector"},
                     ]
                 },
             )
         },
-        "'OffloadingConnector': its store jobs read blocks after their request freed them",
+        "'SimpleCPUOffloadConnector': its store and load lists are not pinned",
     ),
     (
         {"distributed_executor_backend": "external_launcher", "data_parallel_size": 2},
@@ -102,7 +102,7 @@ def test_tensor_data_and_pipeline_parallelism_are_served() -> None:
 
 
 def test_the_served_kv_connectors_pass() -> None:
-    for name in ("ExampleConnector", "MooncakeConnector", "NixlConnector", "NixlPullConnector"):
+    for name in ("ExampleConnector", "MooncakeConnector", "NixlConnector", "OffloadingConnector"):
         check_engine_config(engine_config(kv_transfer_config=SimpleNamespace(kv_connector=name)))
     children = [{"kv_connector": "ExampleConnector"}, {"kv_connector": "MooncakeConnector"}]
     multi = SimpleNamespace(

@@ -90,10 +90,10 @@ REFUSED = {
     "KV connector not served": (
         {
             "kv_transfer_config": KVTransferConfig(
-                kv_connector="OffloadingConnector", kv_role="kv_both"
+                kv_connector="SimpleCPUOffloadConnector", kv_role="kv_both"
             )
         },
-        "'OffloadingConnector'.*drop --kv-transfer-config",
+        "'SimpleCPUOffloadConnector'.*drop --kv-transfer-config",
     ),
 }
 

@@ -238,7 +238,13 @@ def _is_supported_spec(spec: object) -> bool:
     return type(spec) in tuple(getattr(kv_cache_interface, name) for name in _SUPPORTED_SPECS)
 
 
-SERVED_CONNECTORS = ("ExampleConnector", "MooncakeConnector", "NixlConnector", "NixlPullConnector")
+SERVED_CONNECTORS = (
+    "ExampleConnector",
+    "MooncakeConnector",
+    "NixlConnector",
+    "NixlPullConnector",
+    "OffloadingConnector",
+)
 """The KV connectors kvdefrag serves end to end (and ``MultiConnector`` over them): the
 worker translates their metadata, and the scheduler side pins their transfers
 (docs/operator/kv-connectors.md)."""
@@ -246,9 +252,7 @@ worker translates their metadata, and the scheduler side pins their transfers
 _NOT_YET_SERVED = {
     "NixlPushConnector": "its writer thread writes blocks outside any pass by ids kvdefrag "
     "does not translate",
-    "OffloadingConnector": "its store jobs read blocks after their request freed them, and "
-    "kvdefrag does not pin offload jobs yet",
-    "SimpleCPUOffloadConnector": "as OffloadingConnector",
+    "SimpleCPUOffloadConnector": "its store and load lists are not pinned by kvdefrag yet",
     "LMCacheConnectorV1": "it is not tested with kvdefrag",
 }
 

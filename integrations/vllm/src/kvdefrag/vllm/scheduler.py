@@ -154,8 +154,9 @@ class DefragScheduler(Scheduler):  # type: ignore[misc]
 
     def _kvdefrag_watch_transfers(self, connector: Any) -> TransferWatch:
         """Follows the KV connector's transfers (``_scheduler.transfers``): its
-        ``update_state_after_alloc`` is wrapped on the instance to learn of loads (the
-        scheduler calls it as an attribute, so the wrapper only records)."""
+        ``update_state_after_alloc`` and ``update_connector_output`` are wrapped on the
+        instance to learn of loads and of offload jobs done (the scheduler calls them as
+        attributes; the wrappers only record)."""
         blocks = self._kvdefrag_blocks
         watch = TransferWatch(
             self.requests,
@@ -171,6 +172,18 @@ class DefragScheduler(Scheduler):  # type: ignore[misc]
             return result
 
         connector.update_state_after_alloc = recording
+        update_connector_output = connector.update_connector_output
+        num_workers = int(self.vllm_config.parallel_config.world_size)
+
+        @functools.wraps(update_connector_output)
+        def reading(connector_output: Any) -> Any:
+            meta = getattr(connector_output, "kv_connector_worker_meta", None)
+            completed = getattr(meta, "completed_jobs", None)
+            if completed:
+                watch.on_jobs_completed(completed, num_workers)
+            return update_connector_output(connector_output)
+
+        connector.update_connector_output = reading
         for name in ("request_finished", "request_finished_all_groups"):
             finished = getattr(connector, name, None)
             if finished is not None:
@@ -214,7 +227,9 @@ class DefragScheduler(Scheduler):  # type: ignore[misc]
         )
         self._kvdefrag_cache_reset = False
         if self._kvdefrag_transfers is not None:
-            changes = self._kvdefrag_transfers.adjust(changes, output.finished_req_ids)
+            changes = self._kvdefrag_transfers.adjust(
+                changes, output.finished_req_ids, output.kv_connector_metadata
+            )
         self.kvdefrag.apply(output, changes, self._kvdefrag_is_cached)
         self._kvdefrag_num_schedules += 1
         every = self._kvdefrag_audit_every

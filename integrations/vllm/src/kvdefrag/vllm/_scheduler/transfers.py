@@ -13,11 +13,18 @@ A KV connector keeps blocks allocated where the output shows nothing (vLLM 0.33,
   unscheduled, until ``finished_recving``; then it is scheduled with its whole list. A
   failed load may truncate the list or free it (``_update_waiting_for_remote_kv``).
 
-In both windows another instance reads or writes those blocks, so the engines must keep
-them live and where they are: ``TransferWatch`` turns what it sees into the ledger's
-changes (kept lists, loads held from allocation) and pins (``send/<request id>``,
-``load/<request id>``), and ends each pin when vLLM ends the window. It reads the
-requests of open transfers only, never a queue.
+* **Offload jobs** (``OffloadingConnector``): each step's metadata names store jobs
+  (``src_spec``: the blocks the worker copies out, from the next pass on, even after
+  their request freed them) and load jobs (``dst_spec``: the blocks it copies into); a
+  job ends when every worker reported it in ``kv_connector_worker_meta.completed_jobs``
+  (``offloading/scheduler.py``, ``_update_connector_output``).
+
+In these windows a transfer reads or writes those blocks outside the worker's passes, so
+the engines must keep them live and where they are: ``TransferWatch`` turns what it sees
+into the ledger's changes (kept lists, loads held from allocation) and pins
+(``send/<request id>``, ``load/<request id>``, ``job/<job id>``), and ends each pin when
+vLLM ends the window. It reads the requests of open transfers and the step's jobs only,
+never a queue.
 """
 
 from __future__ import annotations
@@ -32,6 +39,9 @@ SEND_PREFIX = "send/"
 """Pin key prefix of a finished request's blocks while the connector sends them."""
 LOAD_PREFIX = "load/"
 """Pin key prefix of a request's blocks while the connector loads into them."""
+JOB_PREFIX = "job/"
+"""Pin key prefix of an offload job's blocks until every worker finished it."""
+_OFFLOADING_METADATA = "OffloadingConnectorMetadata"
 
 
 class TransferWatch:
@@ -61,6 +71,9 @@ class TransferWatch:
         self.loading: dict[str, str] = {}
         self._loaded_ids: dict[str, list[int]] = {}  # each load's list as pinned
         self._allocated: list[Any] = []
+        self.jobs: set[int] = set()  # offload jobs pinned and not yet done
+        self._job_reports: dict[int, int] = {}  # job id -> workers that reported it
+        self._jobs_done: list[int] = []
 
     def on_alloc(self, request: Any, num_external_tokens: int) -> None:
         """The connector was told of an allocation (``update_state_after_alloc``): a load
@@ -68,20 +81,38 @@ class TransferWatch:
         if num_external_tokens > 0:
             self._allocated.append(request)
 
-    def adjust(self, changes: StepChanges, finished_ids: Iterable[str]) -> StepChanges:
+    def on_jobs_completed(self, completed_jobs: Mapping[int, int], num_workers: int) -> None:
+        """Workers reported offload jobs done (``completed_jobs``: job id -> how many of
+        them, this time); a job is done once all ``num_workers`` did."""
+        reports = self._job_reports
+        for job_id, count in completed_jobs.items():
+            if job_id not in self.jobs:
+                continue  # not pinned here (before a reset)
+            reports[job_id] = reports.get(job_id, 0) + count
+            if reports[job_id] >= num_workers:
+                del reports[job_id]
+                self.jobs.discard(job_id)
+                self._jobs_done.append(job_id)
+
+    def adjust(
+        self, changes: StepChanges, finished_ids: Iterable[str], metadata: Any = None
+    ) -> StepChanges:
         """The step's changes with the connector's windows: lists kept past a finish,
-        loads held from allocation, re-read after a load ends, pins and unpins.
+        loads held from allocation, re-read after a load ends, offload jobs, pins and
+        unpins.
 
         Args:
             changes: What ``schedule()`` changed, read from its output.
             finished_ids: The output's ``finished_req_ids``.
+            metadata: The output's ``kv_connector_metadata``.
         """
         requests = self._requests
         released = list(changes.released)
         full_rows = dict(changes.full_rows)
         num_computed = dict(changes.num_computed_tokens)
         pins: dict[str, list[int]] = {}
-        unpinned: list[str] = []
+        unpinned: list[str] = [f"{JOB_PREFIX}{job_id}" for job_id in self._jobs_done]
+        self._jobs_done = []
         kept: dict[str, str] = {}
         # Windows vLLM ended since the last step.
         for request_id in sorted(self.sending):
@@ -129,6 +160,9 @@ class TransferWatch:
             full_rows[request_id] = logical_ids
             num_computed[request_id] = int(request.num_computed_tokens)
             pins[key] = list(logical_ids)
+        for job_id, logical_ids in _offload_jobs(metadata):
+            self.jobs.add(job_id)
+            pins[f"{JOB_PREFIX}{job_id}"] = logical_ids
         if not (pins or unpinned or kept) and (released, full_rows) == (
             list(changes.released),
             changes.full_rows,
@@ -143,3 +177,14 @@ class TransferWatch:
             unpinned=unpinned,
             kept=kept,
         )
+
+
+def _offload_jobs(metadata: Any) -> list[tuple[int, list[int]]]:
+    """``(job id, logical block ids)`` of each job an ``OffloadingConnectorMetadata``
+    names: a store's source blocks, a load's destination blocks (vLLM 0.33
+    ``offloading/common.py``, ``TransferJob``; the GPU side is a ``GPULoadStoreSpec``)."""
+    if type(metadata).__name__ != _OFFLOADING_METADATA:
+        return []
+    jobs = [(job_id, job.src_spec) for job_id, job in sorted(metadata.store_jobs.items())]
+    jobs += [(job_id, job.dst_spec) for job_id, job in sorted(metadata.load_jobs.items())]
+    return [(job_id, [int(block_id) for block_id in spec.block_ids]) for job_id, spec in jobs]
