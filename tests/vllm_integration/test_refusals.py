@@ -73,6 +73,20 @@ REFUSED = [
         "'SimpleCPUOffloadConnector': its store and load lists are not pinned",
     ),
     (
+        {
+            "kv_transfer_config": SimpleNamespace(
+                kv_connector="MultiConnector",
+                kv_connector_extra_config={
+                    "connectors": [
+                        {"kv_connector": "NixlConnector"},
+                        {"kv_connector": "OffloadingConnector"},
+                    ]
+                },
+            )
+        },
+        "OffloadingConnector on its own, not as a MultiConnector child",
+    ),
+    (
         {"distributed_executor_backend": "external_launcher", "data_parallel_size": 2},
         "external launcher with more than one rank.*--distributed-executor-backend mp or ray",
     ),

@@ -439,3 +439,30 @@ def test_nixl_remote_ids_left_logical_corrupts(
     _run_pair(run, seed=1)
 
     assert run.decode_worker.num_corrupted > 0
+
+
+def test_published_ids_are_translated_once_when_one_method_calls_the_other() -> None:
+    """MultiConnector's ``request_finished_all_groups`` calls its ``request_finished``
+    through the instance, where both are wrapped: only the outer call translates."""
+
+    class Connector:
+        def request_finished(self, request: Any, block_ids: list[int]) -> Any:
+            return True, {"remote_block_ids": [list(block_ids)]}
+
+        def request_finished_all_groups(self, request: Any, block_ids: Any) -> Any:
+            return self.request_finished(request, block_ids[0])
+
+    scheduler = types.SimpleNamespace(
+        kvdefrag=types.SimpleNamespace(resolve_settled=lambda ids: [i + 100 for i in ids]),
+        _kvdefrag_publish_depth=0,
+    )
+    connector = Connector()
+    for name in ("request_finished", "request_finished_all_groups"):
+        wrapped = DefragScheduler._kvdefrag_publishing(scheduler, getattr(connector, name))  # type: ignore[arg-type]
+        setattr(connector, name, wrapped)
+
+    assert connector.request_finished_all_groups(None, ([1, 2],)) == (
+        True,
+        {"remote_block_ids": [[101, 102]]},
+    )
+    assert connector.request_finished(None, [3]) == (True, {"remote_block_ids": [[103]]})

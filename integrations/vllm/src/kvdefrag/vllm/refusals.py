@@ -264,7 +264,8 @@ def check_kv_connector(kv_transfer_config: Any) -> None:
         UnsupportedByKvdefrag: The connector (or a MultiConnector child) is not served,
             or is loaded from ``kv_connector_module_path``; the message names it.
     """
-    for name, module_path in _connectors(kv_transfer_config):
+    pairs = _connectors(kv_transfer_config)
+    for name, module_path in pairs:
         if module_path:
             raise UnsupportedByKvdefrag(
                 f"kvdefrag cannot serve KV connector {name!r} from kv_connector_module_path "
@@ -277,6 +278,14 @@ def check_kv_connector(kv_transfer_config: Any) -> None:
                 f"kvdefrag cannot serve KV connector {name!r}: {why}. It serves "
                 f"{', '.join(SERVED_CONNECTORS)} (and MultiConnector over them); use one of "
                 "these, or drop --kv-transfer-config or kvdefrag."
+            )
+        if name == "OffloadingConnector" and len(pairs) > 1:
+            # NOTE: its jobs are read from the step's metadata, and under MultiConnector
+            # that is MultiConnector's, which kvdefrag does not open.
+            raise UnsupportedByKvdefrag(
+                "kvdefrag serves OffloadingConnector on its own, not as a MultiConnector "
+                "child (its offload jobs would go unpinned): drop the MultiConnector or "
+                "kvdefrag."
             )
 
 

@@ -184,6 +184,7 @@ class DefragScheduler(Scheduler):  # type: ignore[misc]
             return update_connector_output(connector_output)
 
         connector.update_connector_output = reading
+        self._kvdefrag_publish_depth = 0
         for name in ("request_finished", "request_finished_all_groups"):
             finished = getattr(connector, name, None)
             if finished is not None:
@@ -198,18 +199,24 @@ class DefragScheduler(Scheduler):  # type: ignore[misc]
         in flight (async scheduling) and may move these blocks: every step in flight is
         settled first, and the request's pin (``TransferWatch``: ``send/<id>``) goes into
         the next step, before any later move. Costs one step's application per publish.
+        Only the outermost call translates: one of the two methods may call the other
+        through the instance (MultiConnector's ``request_finished_all_groups`` does).
         """
 
         @functools.wraps(request_finished)
         def publishing(request: Any, block_ids: Any) -> Any:
-            delay_free, params = request_finished(request, block_ids)
+            self._kvdefrag_publish_depth += 1
+            try:
+                delay_free, params = request_finished(request, block_ids)
+            finally:
+                self._kvdefrag_publish_depth -= 1
             remote = params.get("remote_block_ids") if isinstance(params, dict) else None
-            if delay_free and remote:
+            if delay_free and remote and not self._kvdefrag_publish_depth:
                 resolve = self.kvdefrag.resolve_settled
                 params["remote_block_ids"] = (
-                    [resolve(group) for group in remote]
-                    if remote and not isinstance(remote[0], int)
-                    else resolve(remote)
+                    resolve(remote)
+                    if isinstance(remote[0], int)
+                    else [resolve(group) for group in remote]
                 )
             return delay_free, params
 
