@@ -50,6 +50,10 @@ class ModeReport:
     num_moved_checked: int
     num_corrupted: int
     corruption_examples: tuple[str, ...]
+    # Runs of consecutive ids in each new request's first blocks (what a KV transfer of
+    # its prompt posts per region); NaN where the run measured none (a replay).
+    mean_prompt_runs_without: float = float("nan")
+    mean_prompt_runs_with: float = float("nan")
 
     @property
     def is_intact(self) -> bool:
@@ -72,6 +76,14 @@ class RunLog:
     num_requests: int = 0
     num_preempted: int = 0
     num_prefix_hits: int = 0
+    prompt_runs_without: list[int] = dataclasses.field(default_factory=list)
+    prompt_runs_with: list[int] = dataclasses.field(default_factory=list)
+
+    def add_prompt(self, logical_ids: Sequence[int], physical_ids: Sequence[int]) -> None:
+        """Counts the runs of a new request's first blocks: consecutive logical ids
+        without kvdefrag (the mapping is the identity), physical ids with it."""
+        self.prompt_runs_without.append(count_runs(logical_ids))
+        self.prompt_runs_with.append(count_runs(physical_ids))
 
     def add_step(self, num_live: int, max_without: int, max_with: int, latency_s: float) -> None:
         self.num_live.append(num_live)
@@ -130,7 +142,19 @@ class RunLog:
             num_moved_checked=self.num_moved_checked,
             num_corrupted=self.num_corrupted,
             corruption_examples=tuple(self.examples),
+            mean_prompt_runs_without=_mean(self.prompt_runs_without),
+            mean_prompt_runs_with=_mean(self.prompt_runs_with),
         )
+
+
+def count_runs(block_ids: Sequence[int]) -> int:
+    """Maximal runs of consecutive ids, in list order (0 for an empty list)."""
+    return sum(index == 0 or block_ids[index - 1] + 1 != block_id
+               for index, block_id in enumerate(block_ids))  # fmt: skip
+
+
+def _mean(values: Sequence[int]) -> float:
+    return float(np.mean(values)) if values else float("nan")
 
 
 class Progress:
@@ -188,6 +212,8 @@ def format_report(report: ModeReport) -> str:
          f"{report.ratio_mean_with:.3f}"),
         ("fragmentation ratio, p99", f"{report.ratio_p99_without:.3f}",
          f"{report.ratio_p99_with:.3f}"),
+        ("runs per new request's blocks, mean", _runs(report.mean_prompt_runs_without),
+         _runs(report.mean_prompt_runs_with)),
         ("blocks moved (two-way)", "-",
          f"{report.num_moves:,} ({report.num_two_way_moves:,})"),
         ("bytes moved", "-", format_bytes(report.num_bytes_moved)),
@@ -202,6 +228,10 @@ def format_report(report: ModeReport) -> str:
     lines.append(f"  {integrity_line(report)}")
     lines += [f"    {example}" for example in report.corruption_examples]
     return "\n".join(lines)
+
+
+def _runs(mean_runs: float) -> str:
+    return "-" if np.isnan(mean_runs) else f"{mean_runs:.2f}"
 
 
 def write_plot(runs: Sequence[tuple[str, RunLog]], path: Path, num_blocks: int) -> Path:
@@ -222,6 +252,11 @@ def write_plot(runs: Sequence[tuple[str, RunLog]], path: Path, num_blocks: int) 
                 label="highest live block id with kvdefrag")  # fmt: skip
         ax.plot(steps, log.num_live, color="black", lw=0.6, ls="--", label="live blocks")
         ax.axhline(num_blocks - 1, color="gray", lw=0.6, ls=":", label="pool size")
+        if log.prompt_runs_with:
+            title += (
+                f" (runs per new request's blocks: {_mean(log.prompt_runs_without):.2f} "
+                f"without kvdefrag, {_mean(log.prompt_runs_with):.2f} with)"
+            )
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.set_ylabel("blocks")

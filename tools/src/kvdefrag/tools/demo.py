@@ -256,6 +256,14 @@ def _drive(
         latency_s = time.perf_counter() - started
         stats = reply.stats
         pool.apply(step.events)
+        new_requests = [
+            [block_id for block_id in block_ids if block_id]
+            for request_id, block_ids in step.events.new_blocks.items()
+            if request_id not in requests_seen
+        ]
+        physical = iter(client.resolve([i for ids in new_requests for i in ids]))
+        for logical_ids in new_requests:
+            log.add_prompt(logical_ids, [next(physical) for _ in logical_ids])
         requests_seen.update(step.events.new_blocks)
         log.num_requests = len(requests_seen)
         log.num_preempted += step.num_preempted
