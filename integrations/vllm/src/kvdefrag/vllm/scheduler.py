@@ -111,8 +111,16 @@ class DefragScheduler(Scheduler):  # type: ignore[misc]
         self._kvdefrag_cache_reset = False
         self._kvdefrag_audit_every = self.kvdefrag_config.audit_every
         self._kvdefrag_transfers: TransferWatch | None = None
+        self._kvdefrag_watched: tuple[Any, ...] = ()  # the connector and the wrappers set
         if self.connector is not None:
-            self._kvdefrag_transfers = self._kvdefrag_watch_transfers(self.connector)
+            blocks = self._kvdefrag_blocks
+            self._kvdefrag_transfers = TransferWatch(
+                self.requests,
+                lambda request_id: [block.block_id for block in blocks.get(request_id, ())],
+                waiting_for_remote_kvs=RequestStatus.WAITING_FOR_REMOTE_KVS,
+                deferred_loads=getattr(self, "deferred_loads", None),
+            )
+            self._kvdefrag_watch_connector()
         self._kvdefrag_num_schedules = 0
         block_size = int(self.kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size)
         prefix_caching = bool(self.cache_config.enable_prefix_caching)
@@ -152,17 +160,27 @@ class DefragScheduler(Scheduler):  # type: ignore[misc]
         run_dir = engine_run_dir(parallel_config, self.kvdefrag_config.run_dir)
         return rank_directory(self.vllm_config, run_dir).ranks(parallel_config.world_size)
 
-    def _kvdefrag_watch_transfers(self, connector: Any) -> TransferWatch:
+    def _kvdefrag_watch_connector(self) -> None:
         """Follows the KV connector's transfers (``_scheduler.transfers``): its
         ``update_state_after_alloc`` and ``update_connector_output`` are wrapped on the
-        instance to learn of loads and of offload jobs done (the scheduler calls them as
-        attributes; the wrappers only record)."""
-        blocks = self._kvdefrag_blocks
-        watch = TransferWatch(
-            self.requests,
-            lambda request_id: [block.block_id for block in blocks.get(request_id, ())],
-            waiting_for_remote_kvs=RequestStatus.WAITING_FOR_REMOTE_KVS,
-        )
+        instance to learn of loads and of offload jobs done, its ``request_finished`` to
+        publish physical ids (the scheduler calls them as attributes; the wrappers only
+        record and translate). Checked at every ``schedule()``: a connector replaced,
+        or a method patched, after construction (vLLM's own tests do both) is wrapped
+        again."""
+        connector = self.connector
+        if self._kvdefrag_watched and self._kvdefrag_watched[0] is connector:
+            names = ("update_state_after_alloc", "update_connector_output")
+            if all(
+                getattr(connector, name) is wrapper
+                for name, wrapper in zip(names, self._kvdefrag_watched[1:3], strict=True)
+            ):
+                return
+        if connector is None:
+            self._kvdefrag_watched = ()
+            return
+        watch = self._kvdefrag_transfers
+        assert watch is not None, "made in __init__ when a connector is configured"
         update_state_after_alloc = connector.update_state_after_alloc
 
         @functools.wraps(update_state_after_alloc)
@@ -187,9 +205,9 @@ class DefragScheduler(Scheduler):  # type: ignore[misc]
         self._kvdefrag_publish_depth = 0
         for name in ("request_finished", "request_finished_all_groups"):
             finished = getattr(connector, name, None)
-            if finished is not None:
+            if finished is not None and not getattr(finished, "_kvdefrag_publishes", False):
                 setattr(connector, name, self._kvdefrag_publishing(finished))
-        return watch
+        self._kvdefrag_watched = (connector, recording, reading)
 
     def _kvdefrag_publishing(self, request_finished: Any) -> Any:
         """Wraps the connector's ``request_finished``: block ids it publishes for another
@@ -220,6 +238,7 @@ class DefragScheduler(Scheduler):  # type: ignore[misc]
                 )
             return delay_free, params
 
+        publishing._kvdefrag_publishes = True  # type: ignore[attr-defined]
         return publishing
 
     def _kvdefrag_is_cached(self, block_id: int) -> bool:
@@ -228,6 +247,8 @@ class DefragScheduler(Scheduler):  # type: ignore[misc]
 
     def schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
         """vLLM's ``schedule()``, then the kvdefrag step; the output stays logical."""
+        if self._kvdefrag_transfers is not None:
+            self._kvdefrag_watch_connector()
         output = super().schedule(*args, **kwargs)
         changes = changes_from_output(
             output, self._kvdefrag_parked, is_cache_reset=self._kvdefrag_cache_reset

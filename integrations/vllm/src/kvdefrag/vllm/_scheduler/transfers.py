@@ -58,15 +58,21 @@ class TransferWatch:
         block_ids: Callable[[str], list[int]],
         *,
         waiting_for_remote_kvs: object,
+        deferred_loads: Mapping[str, Any] | None = None,
     ) -> None:
         """Args:
         requests: vLLM's ``Scheduler.requests`` (read, never changed).
         block_ids: A request's logical block ids in vLLM's KV cache manager now.
         waiting_for_remote_kvs: ``RequestStatus.WAITING_FOR_REMOTE_KVS``.
+        deferred_loads: vLLM's ``Scheduler.deferred_loads`` (request id -> ...): loads
+            whose blocks ``schedule()`` allocated but whose ``update_state_after_alloc``
+            waits for the steps in flight (``_drain_deferred_loads``); held and pinned
+            from the allocation all the same.
         """
         self._requests = requests
         self._block_ids = block_ids
         self._waiting = waiting_for_remote_kvs
+        self._deferred_loads = deferred_loads if deferred_loads is not None else {}
         self.sending: dict[str, str] = {}
         self.loading: dict[str, str] = {}
         self._loaded_ids: dict[str, list[int]] = {}  # each load's list as pinned
@@ -147,6 +153,11 @@ class TransferWatch:
             released = [rid for rid in released if rid not in self.sending]
         # Loads that started this step: held, fresh past the local hits, pinned.
         allocated, self._allocated = self._allocated, []
+        allocated += [
+            requests[request_id]
+            for request_id in self._deferred_loads
+            if request_id not in self.loading and request_id in requests
+        ]
         for request in allocated:
             request_id = request.request_id
             if request.status != self._waiting or request_id in self.loading:
