@@ -9,7 +9,8 @@ than the pass that posted it: P's worker registers ``reqs_to_send`` (P's physica
 D's worker posts ``reqs_to_recv`` (D's physical ids); one to four polls later the
 transport copies P's slots into D's and reports ``finished_sending`` on P and
 ``finished_recving`` on D. Meanwhile both instances keep scheduling other requests,
-finishing and compacting, and some D requests are aborted while they load.
+finishing, preempting (a small pool) and compacting, and some D requests are aborted while
+they load.
 
 D's worker checks every prompt token it reads against the signature P wrote: a block
 that moved during a transfer, or an id a worker used unmapped, is a corrupted read.
@@ -47,9 +48,10 @@ from support.vllm_harness import (
     harness_engine_id,
     make_scheduler,
     serve_rank,
+    spy_preemptions,
 )
 
-NUM_BLOCKS = 80
+NUM_BLOCKS = 40  # small: both instances preempt
 PREFILL, DECODE = "prefill-engine", "decode-engine"
 
 
@@ -232,6 +234,7 @@ class PairRun:
     transport: FakeTransport
     handles: tuple[Any, Any]
     drivers: tuple[Driver, Driver]
+    preempted: tuple[list[str], list[str]]
     num_decoded: int = 0
     num_aborted_loads: int = 0
     max_pinned: tuple[int, int] = (0, 0)
@@ -299,6 +302,7 @@ def _start(
             Driver(schedulers[role], workers[role], 2 if is_async else 1)
             for role in ("prefill", "decode")
         ),
+        (spy_preemptions(schedulers["prefill"]), spy_preemptions(schedulers["decode"])),
     )
 
 
@@ -393,6 +397,7 @@ def test_every_transferred_token_reads_its_signature_on_both_instances(
     assert run.prefill_worker.num_corrupted == 0 and run.decode_worker.num_corrupted == 0
     assert run.transport.num_transfers >= 30 and run.transport.num_copied > 60
     assert run.num_aborted_loads > 0
+    assert all(run.preempted), run.preempted  # both instances preempted requests
     stats = [handle.stats() for handle in run.handles]
     assert all(s.totals.num_moves > 0 and s.totals.num_placements > 0 for s in stats), stats
     assert min(run.max_pinned) > 0, run.max_pinned  # both instances pinned blocks
