@@ -4,12 +4,15 @@ kvdefrag, and a fake offload worker that copies blocks to and from CPU memory la
 The pool is small and prefix caching on, so cached blocks are evicted from the KV cache
 and later requests load them back from CPU memory. The worker runs as ``DefragWorker``
 does (it waits for its step, its rows follow the moves, the output and the connector's
-metadata turn physical) and does what vLLM's offloading worker does
-(``offloading/worker.py``): a store job queued in one pass is submitted at the start of
-the next (flushed at once when ``jobs_to_flush`` names it), a load job is submitted in
-its pass (waited for there when ``sync``); each job copies its blocks when it completes,
-zero to two passes after it was submitted (the latest it may read or write them), and is
-reported in ``completed_jobs`` (a load's request in ``finished_recving``).
+metadata turn physical) and does what vLLM 0.33's offloading worker does
+(``distributed/kv_transfer/kv_connector/v1/offloading/worker.py``): a store job queued in
+one pass (``prepare_store_kv``, ``:272-284``) is submitted at the start of the next, and
+at once when ``jobs_to_flush`` names it, waited for before the forward pass
+(``handle_preemptions``, ``:219-244``); a load job is submitted in its pass, waited for
+there when ``sync`` (``start_kv_transfers``, ``:246-270``); each job copies its blocks
+when it completes, zero to two passes after it was submitted (the latest it may read or
+write them), and is reported in ``completed_jobs``, a load's request in
+``finished_recving`` (``get_finished``, ``:286-321``).
 
 Every token a request reads, loaded ones included, must find its signature, and every
 block vLLM keeps in its prefix cache must still hold its tokens.

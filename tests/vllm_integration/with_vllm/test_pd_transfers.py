@@ -83,8 +83,11 @@ def _connector_config(connector: str, role: str, engine: str) -> KVTransferConfi
 
 class FakeTransport:
     """The connector's transfers between the two workers, by the ids their metadata names:
-    Mooncake's (P registers ``reqs_to_send``, D posts ``reqs_to_recv`` and P writes) or
-    NIXL's in pull mode (D reads P's blocks at the ``remote_block_ids`` P published).
+    Mooncake's (P registers ``reqs_to_send``, D posts ``reqs_to_recv`` and P writes:
+    ``mooncake/mooncake_connector.py:694-721``) or NIXL's in pull mode (D reads P's blocks
+    at the ``remote_block_ids`` P published: ``nixl/metadata.py:231-300``,
+    ``nixl/pull_scheduler.py:278-293``). Completions come back as the workers report them
+    (``finished_sending`` / ``finished_recving``, ``v1/outputs.py`` ``KVConnectorOutput``).
 
     Attributes:
         sends: Transfer id -> (P's request id, P's physical block ids), as P registered
@@ -199,9 +202,16 @@ def _instance_class(run_dir: str, is_async: bool) -> type[DefragScheduler]:
 
 
 class Driver:
-    """Runs one instance's steps as vLLM's engine core does: one batch in flight, or two
-    under async scheduling (step ``N + 1`` scheduled before step ``N`` runs). Every call
-    schedules, as an engine core with transfers pending keeps doing."""
+    """Runs one instance's steps as vLLM 0.33's engine core does (``v1/engine/core.py``
+    ``step`` and ``step_with_batch_queue``): one batch in flight, or two under async
+    scheduling (step ``N + 1`` scheduled before step ``N`` runs).
+
+    NOTE: every call schedules, also where the engine core would idle
+    (``core.py:675``: ``has_requests()`` is false, ``scheduler.py:3167-3181``, for a
+    prefill instance whose only requests wait for their sends in pull mode). vLLM learns
+    of those sends at its next step, when a request arrives; here they end without one,
+    so the run drains.
+    """
 
     def __init__(self, scheduler: Any, worker: ConnectorWorker, in_flight: int) -> None:
         self.scheduler = scheduler
